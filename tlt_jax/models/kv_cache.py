@@ -1,0 +1,95 @@
+"""Preallocated KV cache with per-row lengths: write at positions, advance, compact rows, resize buckets.
+
+Layout: one [B, S, Hkv, D] key and value buffer per layer (a tuple, so each is donated and updated in place),
+plus `lengths` [B]: the number of committed tokens of each row. A forward pass writes its T new tokens at
+`[lengths[b], lengths[b] + T)` and leaves `lengths` alone; the caller commits with `advance` (plain decode,
+prefill) or after gathering an accepted speculative path into place (`commit_path`).
+S is the live cache-length bucket: the engine grows it between device chunks (`resize`), so attention never
+reads the whole preallocated length.
+"""
+
+from __future__ import annotations
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models.config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: tuple[jax.Array, ...]  # num_layers x [B, S, Hkv, D]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array  # [B] int32
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, seq_len: int, dtype: jnp.dtype | str | None = None) -> KVCache:
+        dtype = jnp.dtype(dtype or cfg.dtype)
+        shape = (batch, seq_len, cfg.num_kv_heads, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    def advance(self, n_b: jax.Array | int) -> KVCache:
+        """Commit n tokens per row (n may be a per-row array)."""
+        return self.replace(lengths=self.lengths + jnp.asarray(n_b, jnp.int32))
+
+    def take_rows(self, rows: jax.Array) -> KVCache:
+        """Gather rows (compaction of live sequences into a smaller batch bucket, or repeating prompts)."""
+        return KVCache(k=tuple(x[rows] for x in self.k), v=tuple(x[rows] for x in self.v),
+                       lengths=self.lengths[rows])
+
+    def resize(self, seq_len: int) -> KVCache:
+        """Grow (zero-pad) or shrink the cache-length bucket. Shrinking below a row's length is an error."""
+        cur = self.capacity
+        if seq_len == cur:
+            return self
+        if seq_len > cur:
+            pad = ((0, 0), (0, seq_len - cur), (0, 0), (0, 0))
+            return KVCache(k=tuple(jnp.pad(x, pad) for x in self.k), v=tuple(jnp.pad(x, pad) for x in self.v),
+                           lengths=self.lengths)
+        return KVCache(k=tuple(x[:, :seq_len] for x in self.k), v=tuple(x[:, :seq_len] for x in self.v),
+                       lengths=self.lengths)
+
+
+def write_rows(buf_bshd: jax.Array, new_bthd: jax.Array, start_b: jax.Array) -> jax.Array:
+    """Write each row's T new entries at its own offset: buf[b, start[b]:start[b]+T] = new[b]."""
+    chex.assert_rank([buf_bshd, new_bthd], 4)
+    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0)))(
+        buf_bshd, new_bthd, start_b
+    )
+
+
+def gather_path(buf_bshd: jax.Array, start_b: jax.Array, src_bp: jax.Array) -> jax.Array:
+    """Move entries buf[b, start[b] + src[b, i]] to buf[b, start[b] + i] for i < P (speculative commit).
+
+    `src` holds tree-node offsets of the accepted path relative to the row's committed length; entries past
+    the accepted count may point anywhere valid (they are rewritten before they are ever attended to).
+    """
+    p = src_bp.shape[1]
+
+    def one(c: jax.Array, s: jax.Array, src: jax.Array) -> jax.Array:
+        moved = c[s + src]  # [P, Hkv, D]
+        return jax.lax.dynamic_update_slice(c, moved, (s, 0, 0))
+
+    del p
+    return jax.vmap(one)(buf_bshd, start_b, src_bp)
+
+
+def commit_path(cache: KVCache, src_bp: jax.Array, num_b: jax.Array) -> KVCache:
+    """Gather an accepted speculative path into contiguous positions and advance each row by num_b."""
+    return KVCache(
+        k=tuple(gather_path(x, cache.lengths, src_bp) for x in cache.k),
+        v=tuple(gather_path(x, cache.lengths, src_bp) for x in cache.v),
+        lengths=cache.lengths + num_b.astype(jnp.int32),
+    )

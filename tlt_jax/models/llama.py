@@ -1,0 +1,291 @@
+"""Llama / Qwen2-family decoder in flax.nnx with explicit positions, KV cache and attention mask.
+
+`Transformer(tokens, positions, cache, mask)` returns logits AND the final (normed) hidden states: the EAGLE
+drafter consumes the latter. The attention mask is explicit ([B, T, T] over the new tokens, see
+`tlt_jax.kernels.tree_attention`), so prefill (causal), decode (T=1) and speculative tree verification (a tree
+mask) are one code path.
+
+Layouts (chosen for speed on small-M matmuls and for clean tensor-parallel sharding):
+- weights are stored [out, in] (HF layout, "NT" matmuls);
+- q/k/v are one fused projection laid out per KV group, [Hkv, G + 2, D, H]: group k holds its G query heads,
+  then its key head, then its value head. Sharding the Hkv axis splits whole GQA groups across devices;
+- gate/up are fused as [F, 2, H].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tlt_jax.kernels import tree_attention as ta
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.kv_cache import KVCache, write_rows
+
+
+def _dtype(cfg: ModelConfig) -> jnp.dtype:
+    return jnp.dtype(cfg.dtype)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02) -> nnx.Param:
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32 (as HF does), scaled by a learned weight."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_cos_sin(positions_bt: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """HF-style (rotate-half) rotary tables for explicit positions: cos, sin [B, T, D] float32."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    freqs = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax.Array:
+    """Rotate x [B, T, ..., D] by position; cos/sin broadcast over the head axes."""
+    extra = x.ndim - 3
+    cos = cos_btd.reshape(cos_btd.shape[:2] + (1,) * extra + cos_btd.shape[-1:])
+    sin = sin_btd.reshape(sin_btd.shape[:2] + (1,) * extra + sin_btd.shape[-1:])
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with a fused per-group QKV projection, writing its K/V into the cache."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = _dtype(cfg)
+        self.cfg = cfg
+        g = cfg.num_heads // cfg.num_kv_heads
+        h, kv, d = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = _normal(rngs, (kv, g + 2, d, h), dt)
+        self.qkv_bias = nnx.Param(jnp.zeros((kv, g + 2, d), dt)) if cfg.qkv_bias else nnx.data(None)
+        self.o_proj = _normal(rngs, (h, kv, g, d), dt)
+
+    def __call__(
+        self,
+        x_bth: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        k_cache: jax.Array | None,
+        v_cache: jax.Array | None,
+        lengths_b: jax.Array,
+        mask_btt: jax.Array,
+        attn_impl: str,
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        g = self.cfg.num_heads // self.cfg.num_kv_heads
+        qkv = jnp.einsum("bth,kgdh->btkgd", x_bth, self.qkv[...])
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias[...]
+        q = apply_rope(qkv[:, :, :, :g], cos, sin)  # [B, T, Hkv, G, D]
+        k = apply_rope(qkv[:, :, :, g], cos, sin)  # [B, T, Hkv, D]
+        v = qkv[:, :, :, g + 1]
+        b, t = x_bth.shape[:2]
+        q = q.reshape(b, t, self.cfg.num_heads, self.cfg.head_dim)
+        if k_cache is None:  # no cache (trainer forward): the new tokens are the whole sequence
+            k_all, v_all = k, v
+        else:
+            k_all = k_cache = write_rows(k_cache, k, lengths_b)
+            v_all = v_cache = write_rows(v_cache, v, lengths_b)
+        out = ta.tree_attention(q, k_all, v_all, lengths_b, mask_btt, impl=attn_impl)
+        out = out.reshape(b, t, self.cfg.num_kv_heads, g, self.cfg.head_dim)
+        return jnp.einsum("btkgd,hkgd->bth", out, self.o_proj[...]), k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)) with gate/up fused as [F, 2, H]."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = _dtype(cfg)
+        self.gate_up = _normal(rngs, (cfg.intermediate_size, 2, cfg.hidden_size), dt)
+        self.down = _normal(rngs, (cfg.hidden_size, cfg.intermediate_size), dt)
+
+    def __call__(self, x_bth: jax.Array) -> jax.Array:
+        gu = jnp.einsum("bth,fch->btfc", x_bth, self.gate_up[...])
+        act = jax.nn.silu(gu[..., 0]) * gu[..., 1]
+        return jnp.einsum("btf,hf->bth", act, self.down[...])
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm decoder layer. `input_norm=False` drops the input RMSNorm (the EAGLE drafter's layer)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, input_norm: bool = True):
+        dt = _dtype(cfg)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt) if input_norm else nnx.data(None)
+        self.attn = Attention(cfg, rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, attn_impl):  # noqa: ANN001
+        h = self.input_norm(x) if self.input_norm is not None else x
+        a, k_cache, v_cache = self.attn(h, cos, sin, k_cache, v_cache, lengths, mask, attn_impl)
+        x = x + a
+        x = x + self.mlp(self.post_attn_norm(x))
+        return x, k_cache, v_cache
+
+
+@flax.struct.dataclass
+class ModelOutput:
+    logits: jax.Array | None  # [B, T or K, V] float32
+    hidden: jax.Array  # [B, T, H]: final normed hidden states
+    cache: KVCache | None
+
+
+def causal_mask(batch: int, t: int) -> jax.Array:
+    """[B, T, T] lower-triangular mask (prefill / trainer forward)."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
+
+
+class Transformer(nnx.Module):
+    """Llama/Qwen2 decoder: (tokens, positions, cache, mask) -> (logits, final hidden, cache)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = _dtype(cfg)
+        self.cfg = cfg
+        self.embed = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dt)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.lm_head = nnx.data(None) if cfg.tie_embeddings else _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dt)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], tokens, axis=0)
+
+    def head_weight(self) -> jax.Array:
+        return self.embed[...] if self.lm_head is None else self.lm_head[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head (the tied embedding for SmolLM2), float32 logits."""
+        return jnp.einsum("...h,vh->...v", hidden, self.head_weight(), preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array,
+        cache: KVCache | None = None,
+        mask_btt: jax.Array | None = None,
+        *,
+        logits_index_bk: jax.Array | None = None,
+        compute_logits: bool = True,
+        attn_impl: str = "reference",
+    ) -> ModelOutput:
+        """Forward T new tokens per row.
+
+        cache: the T tokens are written at [cache.lengths, cache.lengths + T) (lengths are NOT advanced). With
+        cache=None the T tokens are the whole sequence (trainer forward). mask_btt defaults to causal.
+        logits_index_bk: compute logits only at these token indices ([B, K]); e.g. the last prompt token.
+        """
+        b, t = tokens_bt.shape
+        chex.assert_shape(positions_bt, (b, t))
+        if mask_btt is None:
+            mask_btt = causal_mask(b, t)
+        chex.assert_shape(mask_btt, (b, t, t))
+        if cache is not None:
+            chex.assert_equal(cache.batch_size, b)
+        lengths = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
+        cos, sin = rope_cos_sin(positions_bt, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.embed_tokens(tokens_bt)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            kc = cache.k[i] if cache is not None else None
+            vc = cache.v[i] if cache is not None else None
+            x, kc, vc = layer(x, cos, sin, kc, vc, lengths, mask_btt, attn_impl)
+            new_k.append(kc)
+            new_v.append(vc)
+        hidden = self.norm(x)
+        new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+        if not compute_logits:
+            return ModelOutput(None, hidden, new_cache)
+        h = hidden if logits_index_bk is None else jnp.take_along_axis(hidden, logits_index_bk[..., None], axis=1)
+        return ModelOutput(self.logits(h), hidden, new_cache)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HF-named tensors -> our layout.
+
+
+def hf_to_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
+    """Convert HF Llama/Qwen2-named float tensors into a nested dict matching `nnx.state(model, nnx.Param)`."""
+    g, kv, d, h = cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise KeyError(f"Missing tensor {name!r} for a {cfg.architecture} model with {cfg.num_layers} layers.")
+        return np.asarray(tensors[name], np.float32)
+
+    layers = {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        q = get(p + "self_attn.q_proj.weight").reshape(kv, g, d, h)
+        k = get(p + "self_attn.k_proj.weight").reshape(kv, 1, d, h)
+        v = get(p + "self_attn.v_proj.weight").reshape(kv, 1, d, h)
+        attn = {
+            "qkv": np.concatenate([q, k, v], axis=1),
+            "o_proj": get(p + "self_attn.o_proj.weight").reshape(h, kv, g, d),
+        }
+        if cfg.qkv_bias:
+            attn["qkv_bias"] = np.concatenate(
+                [get(p + "self_attn.q_proj.bias").reshape(kv, g, d),
+                 get(p + "self_attn.k_proj.bias").reshape(kv, 1, d),
+                 get(p + "self_attn.v_proj.bias").reshape(kv, 1, d)], axis=1)
+        layers[i] = {
+            "input_norm": {"weight": get(p + "input_layernorm.weight")},
+            "attn": attn,
+            "post_attn_norm": {"weight": get(p + "post_attention_layernorm.weight")},
+            "mlp": {
+                "gate_up": np.stack([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], axis=1),
+                "down": get(p + "mlp.down_proj.weight"),
+            },
+        }
+    params = {"embed": get("model.embed_tokens.weight"), "layers": layers, "norm": {"weight": get("model.norm.weight")}}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = get("lm_head.weight")
+    return params
+
+
+def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Transformer:
+    """Build a Transformer holding the given HF-named weights (no random init of the full model)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    flat_new = _flatten(hf_to_params(cfg, tensors))
+    dt = _dtype(cfg)
+
+    def fill(path: tuple, var: nnx.Variable) -> nnx.Variable:
+        key = tuple(str(p) for p in path)
+        if key not in flat_new:
+            raise KeyError(f"No weight for parameter {'/'.join(key)}")
+        arr = flat_new[key]
+        if tuple(arr.shape) != tuple(var.shape):
+            raise ValueError(f"Parameter {'/'.join(key)}: expected shape {tuple(var.shape)}, got {arr.shape}")
+        return var.replace(jnp.asarray(arr, dt))
+
+    state = nnx.map_state(fill, state)
+    nnx.update(model, state)
+    return model
+
+
+def _flatten(tree: dict, prefix: tuple = ()) -> dict[tuple, np.ndarray]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, prefix + (str(k),)))
+        else:
+            out[prefix + (str(k),)] = v
+    return out

@@ -1,0 +1,86 @@
+"""Temperature / top-k / top-p: logits -> the exact distribution we sample from.
+
+One module used by plain decoding and by speculative verification, so that the target distribution `p` the
+lossless acceptance rule preserves is bit-for-bit the distribution plain decoding samples from.
+Order (as in HF and SGLang): divide by temperature, keep the top-k logits, then the smallest set of the
+remaining tokens whose probability mass reaches top_p (the most probable token is always kept); renormalise.
+Temperature 0 means greedy (argmax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Static sampling settings (hashable: a jit static argument)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1.0 disables top-p
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _top_p_keep(sorted_probs: jax.Array, top_p: float) -> jax.Array:
+    """Keep mask over probabilities sorted in descending order: the smallest prefix with mass >= top_p."""
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    return mass_before < top_p
+
+
+def target_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """[..., V] logits -> [..., V] float32 probabilities of the sampling distribution.
+
+    Greedy gives a one-hot on the argmax, so acceptance rules see it as the deterministic distribution it is.
+    """
+    logits = logits.astype(jnp.float32)
+    v = logits.shape[-1]
+    if params.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+    scaled = logits / params.temperature
+    if params.top_k == 0 and params.top_p >= 1.0:
+        return jax.nn.softmax(scaled, axis=-1)
+    k = params.top_k if 0 < params.top_k < v else v
+    vals, idx = jax.lax.top_k(scaled, k)  # sorted descending
+    probs_k = jax.nn.softmax(vals, axis=-1)
+    if params.top_p < 1.0:
+        probs_k = jnp.where(_top_p_keep(probs_k, params.top_p), probs_k, 0.0)
+        probs_k = probs_k / jnp.sum(probs_k, axis=-1, keepdims=True)
+    flat_p = probs_k.reshape(-1, k)
+    flat_i = idx.reshape(-1, k)
+    out = jnp.zeros((flat_p.shape[0], v), jnp.float32)
+    out = out.at[jnp.arange(flat_p.shape[0])[:, None], flat_i].set(flat_p)
+    return out.reshape(logits.shape)
+
+
+def sample(key: jax.Array, logits_bv: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row. Returns (tokens [B] int32, log-prob of each token [B] float32).
+
+    The log-prob is under the sampling distribution (after temperature/top-k/top-p); for greedy it is the
+    model's plain log-softmax at temperature 1, the quantity RL trainers compare against.
+    """
+    chex.assert_rank(logits_bv, 2)
+    if params.greedy:
+        tokens = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+        logp = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
+    else:
+        probs = target_probs(logits_bv, params)
+        logp = jnp.log(probs)
+        tokens = jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen
