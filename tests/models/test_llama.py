@@ -15,9 +15,18 @@ transformers = pytest.importorskip("transformers")
 
 
 def _hf_model(arch: str, tie: bool):
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=5000.0,
-                  tie_word_embeddings=tie, max_position_embeddings=256)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=5000.0,
+        tie_word_embeddings=tie,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     if arch == "llama":
         hf_cfg = transformers.LlamaConfig(**common, head_dim=16)
@@ -30,9 +39,20 @@ def _hf_model(arch: str, tie: bool):
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     model.eval()
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=112, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, rope_theta=5000.0, rms_norm_eps=1e-6, tie_embeddings=tie,
-                      qkv_bias=arch == "qwen2", architecture=arch)
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=112,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-6,
+        tie_embeddings=tie,
+        qkv_bias=arch == "qwen2",
+        architecture=arch,
+    )
     tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     return model, from_hf_tensors(cfg, tensors), cfg
 

@@ -25,12 +25,17 @@ class KVCache:
     lengths: jax.Array  # [B] int32
 
     @classmethod
-    def init(cls, cfg: ModelConfig, batch: int, seq_len: int, dtype: jnp.dtype | str | None = None) -> KVCache:
+    def init(
+        cls, cfg: ModelConfig, batch: int, seq_len: int, dtype: jnp.dtype | str | None = None
+    ) -> KVCache:
         dtype = jnp.dtype(dtype or cfg.dtype)
         shape = (batch, seq_len, cfg.num_kv_heads, cfg.head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                   lengths=jnp.zeros((batch,), jnp.int32))
+        return cls(
+            k=zeros,
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+            lengths=jnp.zeros((batch,), jnp.int32),
+        )
 
     @property
     def batch_size(self) -> int:
@@ -46,8 +51,9 @@ class KVCache:
 
     def take_rows(self, rows: jax.Array) -> KVCache:
         """Gather rows (compaction of live sequences into a smaller batch bucket, or repeating prompts)."""
-        return KVCache(k=tuple(x[rows] for x in self.k), v=tuple(x[rows] for x in self.v),
-                       lengths=self.lengths[rows])
+        return KVCache(
+            k=tuple(x[rows] for x in self.k), v=tuple(x[rows] for x in self.v), lengths=self.lengths[rows]
+        )
 
     def resize(self, seq_len: int) -> KVCache:
         """Grow (zero-pad) or shrink the cache-length bucket. Shrinking below a row's length is an error."""
@@ -56,10 +62,16 @@ class KVCache:
             return self
         if seq_len > cur:
             pad = ((0, 0), (0, seq_len - cur), (0, 0), (0, 0))
-            return KVCache(k=tuple(jnp.pad(x, pad) for x in self.k), v=tuple(jnp.pad(x, pad) for x in self.v),
-                           lengths=self.lengths)
-        return KVCache(k=tuple(x[:, :seq_len] for x in self.k), v=tuple(x[:, :seq_len] for x in self.v),
-                       lengths=self.lengths)
+            return KVCache(
+                k=tuple(jnp.pad(x, pad) for x in self.k),
+                v=tuple(jnp.pad(x, pad) for x in self.v),
+                lengths=self.lengths,
+            )
+        return KVCache(
+            k=tuple(x[:, :seq_len] for x in self.k),
+            v=tuple(x[:, :seq_len] for x in self.v),
+            lengths=self.lengths,
+        )
 
 
 def write_rows(buf_bshd: jax.Array, new_bthd: jax.Array, start_b: jax.Array) -> jax.Array:

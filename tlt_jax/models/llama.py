@@ -163,7 +163,9 @@ class Transformer(nnx.Module):
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dt)
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        self.lm_head = nnx.data(None) if cfg.tie_embeddings else _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dt)
+        self.lm_head = (
+            nnx.data(None) if cfg.tie_embeddings else _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dt)
+        )
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0)
@@ -213,7 +215,11 @@ class Transformer(nnx.Module):
         new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
         if not compute_logits:
             return ModelOutput(None, hidden, new_cache)
-        h = hidden if logits_index_bk is None else jnp.take_along_axis(hidden, logits_index_bk[..., None], axis=1)
+        h = (
+            hidden
+            if logits_index_bk is None
+            else jnp.take_along_axis(hidden, logits_index_bk[..., None], axis=1)
+        )
         return ModelOutput(self.logits(h), hidden, new_cache)
 
 
@@ -227,7 +233,9 @@ def hf_to_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
-            raise KeyError(f"Missing tensor {name!r} for a {cfg.architecture} model with {cfg.num_layers} layers.")
+            raise KeyError(
+                f"Missing tensor {name!r} for a {cfg.architecture} model with {cfg.num_layers} layers."
+            )
         return np.asarray(tensors[name], np.float32)
 
     layers = {}
@@ -242,9 +250,13 @@ def hf_to_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
         }
         if cfg.qkv_bias:
             attn["qkv_bias"] = np.concatenate(
-                [get(p + "self_attn.q_proj.bias").reshape(kv, g, d),
-                 get(p + "self_attn.k_proj.bias").reshape(kv, 1, d),
-                 get(p + "self_attn.v_proj.bias").reshape(kv, 1, d)], axis=1)
+                [
+                    get(p + "self_attn.q_proj.bias").reshape(kv, g, d),
+                    get(p + "self_attn.k_proj.bias").reshape(kv, 1, d),
+                    get(p + "self_attn.v_proj.bias").reshape(kv, 1, d),
+                ],
+                axis=1,
+            )
         layers[i] = {
             "input_norm": {"weight": get(p + "input_layernorm.weight")},
             "attn": attn,
@@ -254,7 +266,11 @@ def hf_to_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
                 "down": get(p + "mlp.down_proj.weight"),
             },
         }
-    params = {"embed": get("model.embed_tokens.weight"), "layers": layers, "norm": {"weight": get("model.norm.weight")}}
+    params = {
+        "embed": get("model.embed_tokens.weight"),
+        "layers": layers,
+        "norm": {"weight": get("model.norm.weight")},
+    }
     if not cfg.tie_embeddings:
         params["lm_head"] = get("lm_head.weight")
     return params

@@ -84,3 +84,12 @@ def sample(key: jax.Array, logits_bv: jax.Array, params: SamplingParams) -> tupl
         tokens = jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen
+
+
+def sample_rows(
+    keys_b: jax.Array, logits_bv: jax.Array, params: SamplingParams
+) -> tuple[jax.Array, jax.Array]:
+    """`sample` with one PRNG key per row, so a row's draws do not depend on which batch it runs in
+    (compaction into smaller buckets, sharding and speculative decoding leave each sequence's stream alone)."""
+    tok, lp = jax.vmap(lambda k, lg: sample(k, lg[None], params))(keys_b, logits_bv)
+    return tok[:, 0], lp[:, 0]

@@ -1,0 +1,208 @@
+"""Tree attention: the Pallas kernel against the jnp reference, and the reference against a naive numpy loop.
+
+On CPU the kernel runs in Pallas interpret mode (inside jax.jit); on a GPU the same tests compile it with
+Triton. Tolerances are per dtype (`ATOL`). The kernel cases are a hand-picked cover of the shape grid (T in
+{1, 8, 16, 48}, S in {64, 256}, Hq/Hkv in {4/4, 6/2, 8/2}, D in {32, 64}, plus block/split/padding variants)
+rather than the full product: each distinct shape is one XLA compile of the interpreted kernel (~1-3 s).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tlt_jax.kernels import tree_attention as ta
+
+INTERPRET = jax.default_backend() not in ("gpu", "cuda", "rocm")
+ATOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+# Interpreted kernels are big while-loop programs: the XLA CPU backend compiles them ~40% faster at -O0, and
+# only their numbers matter here.
+_FAST_COMPILE = {"xla_backend_optimization_level": 0} if INTERPRET else None
+
+
+def random_tree_mask(rng: np.random.Generator, t: int) -> np.ndarray:
+    """[T, T] bool of a random forest in topological order: node i sees itself and all its ancestors."""
+    mask = np.zeros((t, t), dtype=bool)
+    for i in range(t):
+        parent = int(rng.integers(-1, i)) if i > 0 else -1
+        if parent >= 0:
+            mask[i] = mask[parent]
+        mask[i, i] = True
+    return mask
+
+
+def make_inputs(
+    seed: int, b: int, t: int, s: int, hq: int, hkv: int, d: int, dtype: jnp.dtype
+) -> tuple[jax.Array, ...]:
+    """Random q/k/v with ragged lengths: row 0 is a prefill (length 0, causal mask), the last row fills S
+    exactly, the rest are random; middle rows get random valid trees. Cache slots past lengths+T hold large
+    values, so any read of a dead slot shows up in the output."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, t, hq, d), dtype=np.float32)
+    k = rng.standard_normal((b, s, hkv, d), dtype=np.float32)
+    v = rng.standard_normal((b, s, hkv, d), dtype=np.float32)
+    lengths = rng.integers(1, s - t + 1, size=b).astype(np.int32)
+    lengths[0], lengths[-1] = 0, s - t
+    masks = np.stack([random_tree_mask(rng, t) for _ in range(b)])
+    masks[0] = np.tril(np.ones((t, t), dtype=bool))
+    for row in range(b):
+        dead = slice(lengths[row] + t, s)
+        k[row, dead] *= 50.0
+        v[row, dead] = 1e3
+    cast = lambda x: jnp.asarray(x, dtype)
+    return cast(q), cast(k), cast(v), jnp.asarray(lengths), jnp.asarray(masks)
+
+
+def reference(*args: jax.Array) -> jax.Array:
+    """The oracle at full fp32 matmul precision (on GPUs XLA's default fp32 matmul is TF32)."""
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(ta.tree_attention_reference)(*args)
+
+
+def run_kernel(args: tuple[jax.Array, ...], block_sizes: ta.BlockSizes | None) -> jax.Array:
+    """The public entry with impl="pallas", jitted (as callers do), compiled once and run."""
+    fn = jax.jit(
+        functools.partial(ta.tree_attention, impl="pallas", interpret=INTERPRET, block_sizes=block_sizes)
+    )
+    return fn.lower(*args).compile(_FAST_COMPILE)(*args)
+
+
+KERNEL_CASES = [
+    # (T, S, Hq, Hkv, D, dtype, block_sizes)
+    pytest.param(1, 256, 8, 2, 64, jnp.float32, None, id="decode-T1-S256-gqa4-f32"),
+    pytest.param(8, 64, 6, 2, 32, jnp.float32, None, id="verify-T8-S64-gqa3-f32"),
+    pytest.param(16, 256, 4, 4, 64, jnp.bfloat16, None, id="verify-T16-S256-mha-bf16"),
+    pytest.param(
+        48, 256, 6, 2, 32, jnp.float32, ta.BlockSizes(block_q=32, block_k=32), id="T48-S256-2treechunks-f32"
+    ),
+    pytest.param(16, 256, 8, 2, 64, jnp.float32, ta.BlockSizes(kv_splits=3), id="T16-S256-kvsplit3-f32"),
+    pytest.param(48, 64, 8, 2, 64, jnp.bfloat16, None, id="T48-S64-gqa4-bf16"),
+    pytest.param(8, 80, 6, 2, 48, jnp.float32, None, id="pad-S80-D48-f32"),
+    pytest.param(
+        1, 64, 4, 4, 32, jnp.bfloat16, ta.BlockSizes(block_k=16, kv_splits=2), id="decode-T1-kvsplit2-bf16"
+    ),
+]
+
+
+@pytest.mark.parametrize(("t", "s", "hq", "hkv", "d", "dtype", "block_sizes"), KERNEL_CASES)
+def test_kernel_matches_reference(
+    t: int, s: int, hq: int, hkv: int, d: int, dtype: jnp.dtype, block_sizes: ta.BlockSizes | None
+) -> None:
+    args = make_inputs(seed=t * 1000 + s + d, b=3, t=t, s=s, hq=hq, hkv=hkv, d=d, dtype=dtype)
+    out = run_kernel(args, block_sizes)
+    want = reference(*args)
+    assert out.shape == (3, t, hq, d) and out.dtype == dtype
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(want, np.float32), atol=ATOL[dtype], rtol=RTOL[dtype]
+    )
+
+
+@pytest.mark.parametrize(
+    ("t", "s", "hq", "hkv", "d", "dtype", "block_sizes"),
+    [(16, 1024, 28, 4, 128, jnp.bfloat16, None), (8, 80, 9, 3, 48, jnp.float32, ta.BlockSizes(kv_splits=2))],
+)
+def test_kernel_lowers_to_triton(
+    t: int, s: int, hq: int, hkv: int, d: int, dtype: jnp.dtype, block_sizes: ta.BlockSizes | None
+) -> None:
+    """Lowering for CUDA needs no GPU and runs Pallas's Triton lowering, which rejects what Triton cannot
+    take (non-power-of-two tiles, unsupported ops): a cheap guard for the compiled path on CPU-only CI."""
+    args = make_inputs(seed=1, b=2, t=t, s=s, hq=hq, hkv=hkv, d=d, dtype=dtype)
+    fn = jax.jit(functools.partial(ta.tree_attention_pallas, block_sizes=block_sizes, interpret=False))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_kernel_gradient_matches_reference() -> None:
+    """The kernel's custom VJP (backward through the reference) gives the reference's gradients."""
+    q, k, v, lengths, mask = make_inputs(seed=7, b=2, t=8, s=64, hq=4, hkv=2, d=32, dtype=jnp.float32)
+    w = jax.random.normal(jax.random.key(0), q.shape)
+
+    def loss(impl: str, q_: jax.Array, k_: jax.Array, v_: jax.Array) -> jax.Array:
+        out = ta.tree_attention(q_, k_, v_, lengths, mask, impl=impl, interpret=INTERPRET)
+        return jnp.sum(out * w)
+
+    with jax.default_matmul_precision("highest"):
+        grad_kernel = jax.jit(jax.grad(functools.partial(loss, "pallas"), argnums=(0, 1, 2)))
+        got = grad_kernel.lower(q, k, v).compile(_FAST_COMPILE)(q, k, v)
+        want = jax.jit(jax.grad(functools.partial(loss, "reference"), argnums=(0, 1, 2)))(q, k, v)
+    for g_got, g_want in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_want), atol=1e-5, rtol=1e-5)
+
+
+def _has_pallas_call(fn: functools.partial, *args: jax.Array) -> bool:
+    return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="auto picks the kernel on GPUs")
+def test_auto_on_cpu_is_the_reference() -> None:
+    args = make_inputs(seed=3, b=2, t=4, s=32, hq=6, hkv=2, d=16, dtype=jnp.float32)
+    auto = functools.partial(ta.tree_attention, impl="auto")
+    assert not _has_pallas_call(auto, *args)
+    assert _has_pallas_call(functools.partial(ta.tree_attention, impl="pallas"), *args)
+    want = jax.jit(ta.tree_attention_reference)(*args)
+    np.testing.assert_array_equal(np.asarray(auto(*args)), np.asarray(want))
+
+
+@pytest.mark.parametrize("impl", ["triton", "", "Pallas"])
+def test_bad_impl_raises(impl: str) -> None:
+    args = make_inputs(seed=5, b=1, t=2, s=16, hq=2, hkv=1, d=16, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        ta.tree_attention(*args, impl=impl)
+
+
+def test_bad_block_sizes_raise() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        ta.BlockSizes(block_k=24)
+    with pytest.raises(ValueError, match="kv_splits"):
+        ta.BlockSizes(kv_splits=0)
+
+
+def naive_tree_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: np.ndarray, mask: np.ndarray
+) -> np.ndarray:
+    """The contract spelled out with loops, in float64: one (row, query head, token) at a time."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    out = np.zeros((b, t, hq, d), np.float64)
+    for row in range(b):
+        for h in range(hq):
+            kv_head = h // (hq // hkv)
+            for i in range(t):
+                keys = list(range(lengths[row]))
+                keys += [lengths[row] + j for j in range(t) if mask[row, i, j]]
+                scores = np.array([q[row, i, h] @ k[row, j, kv_head] for j in keys]) / np.sqrt(d)
+                probs = np.exp(scores - scores.max())
+                probs /= probs.sum()
+                out[row, i, h] = probs @ v[row, keys, kv_head]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("seed", "b", "t", "s", "hq", "hkv", "d"),
+    [(0, 3, 5, 24, 6, 2, 8), (1, 2, 1, 16, 4, 4, 16), (2, 4, 8, 20, 8, 2, 4)],
+)
+def test_reference_matches_naive_loop(seed: int, b: int, t: int, s: int, hq: int, hkv: int, d: int) -> None:
+    """Checks the oracle itself: ragged lengths, random trees, GQA head mapping."""
+    q, k, v, lengths, mask = make_inputs(seed, b, t, s, hq, hkv, d, jnp.float32)
+    got = reference(q, k, v, lengths, mask)
+    want = naive_tree_attention(*(np.asarray(x) for x in (q, k, v, lengths, mask)))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+def test_random_tree_mask_is_ancestor_closed() -> None:
+    """The generator's masks are valid trees: a node sees itself plus exactly what its parent sees."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        mask = random_tree_mask(rng, 12)
+        assert mask.diagonal().all() and not np.triu(mask, 1).any()
+        for i in range(1, 12):
+            ancestors = mask[i].copy()
+            ancestors[i] = False
+            if ancestors.any():
+                parent = int(np.flatnonzero(ancestors).max())
+                np.testing.assert_array_equal(ancestors[: parent + 1], mask[parent, : parent + 1])

@@ -1,0 +1,402 @@
+"""Tree-verification attention: new tokens attend to a cached prefix plus each other under a tree mask.
+
+One attention contract serves prefill (causal mask), plain decode (T=1) and speculative verification (tree
+mask). The T new tokens' keys/values have ALREADY been written into the cache at positions
+`[lengths[b], lengths[b] + T)` of row b. Query t of row b may attend to key position j when
+
+    j < lengths[b]                                   (the committed prefix), or
+    0 <= j - lengths[b] < T and tree_mask[b, t, j - lengths[b]]   (the tree / new tokens).
+
+Shapes: q [B, T, Hq, D]; k_cache, v_cache [B, S, Hkv, D] (S = the live cache-length bucket, not the whole
+preallocated cache); lengths [B] int32; tree_mask [B, T, T] bool. Hq is a multiple of Hkv (GQA).
+Output [B, T, Hq, D] in q's dtype; softmax in float32.
+
+`tree_attention_reference` is plain jnp (used on CPU and as the test oracle). `tree_attention_pallas` is a
+flash-attention-style Pallas kernel for GPUs (Triton lowering; `interpret=True` runs it anywhere), and
+`tree_attention` is the jitted entry point that picks one of the two.
+
+Kernel layout. One program handles one (batch row, KV head, block of query rows), where a query row is one
+(token t, query head g of this KV group) pair: all G query heads of a group share every K/V tile, so the
+cache is read once per KV group rather than once per query head (the point of GQA verification). Per program
+it runs an online softmax in two phases:
+  1. the committed prefix, key blocks of `block_k` over [0, lengths[b]) only (blocks past the live length are
+     never read), with a `j < lengths[b]` mask;
+  2. the T tree tokens, whose K/V the wrapper slices out of the cache into a small [B, T_pad, Hkv, D] array
+     so that the tree mask (expanded to query rows, [B, rows, T_pad]) applies with no in-kernel gather.
+With `kv_splits > 1` the prefix blocks are split over an extra grid axis (more programs for small batches,
+flash-decoding style) and the partial results are merged in the wrapper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+IMPLS = ("auto", "reference", "pallas")
+_GPU_BACKENDS = ("gpu", "cuda", "rocm")
+_NEG = -1e30  # finite "minus infinity" for masked logits: keeps exp2(m_prev - m_new) NaN-free
+_LOG2E = math.log2(math.e)
+_Carry = tuple[jax.Array, jax.Array, jax.Array]  # (acc [M, D], running max [M], running sum [M])
+
+
+def visibility_mask(lengths_b: jax.Array, tree_mask_btt: jax.Array, seq_len: int) -> jax.Array:
+    """[B, T, S] bool: which cache positions each new token may attend to."""
+    t = tree_mask_btt.shape[1]
+    j = jnp.arange(seq_len, dtype=jnp.int32)[None, :]  # [1, S]
+    rel = j - lengths_b[:, None]  # [B, S]
+    prefix = (rel < 0)[:, None, :]  # [B, 1, S]
+    in_tree = (rel >= 0) & (rel < t)
+    rel_idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (rel.shape[0], t, seq_len))
+    tree_vis = jnp.take_along_axis(tree_mask_btt, rel_idx, axis=2)
+    return prefix | (in_tree[:, None, :] & tree_vis)
+
+
+def tree_attention_reference(
+    q_bthd: jax.Array,
+    k_bshd: jax.Array,
+    v_bshd: jax.Array,
+    lengths_b: jax.Array,
+    tree_mask_btt: jax.Array,
+) -> jax.Array:
+    """Reference (jnp) tree attention; see the module docstring for the contract."""
+    b, t, hq, d = q_bthd.shape
+    s, hkv = k_bshd.shape[1], k_bshd.shape[2]
+    g = hq // hkv
+    q = q_bthd.reshape(b, t, hkv, g, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bshd, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
+    vis = visibility_mask(lengths_b, tree_mask_btt, s)[:, None, None, :, :]  # [B,1,1,T,S]
+    scores = jnp.where(vis, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum(
+        "bkgts,bskd->btkgd", probs.astype(v_bshd.dtype), v_bshd, preferred_element_type=jnp.float32
+    )
+    return out.reshape(b, t, hq, d).astype(q_bthd.dtype)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile and launch parameters of the Pallas kernel (static: hashable, used as a jit static argument).
+
+    Attributes:
+      block_q: query rows per program; a row is one (new token, query head of the KV group) pair. Clipped to
+        the next power of two >= the row count (and >= 16, the smallest `tl.dot` tile).
+      block_k: keys per inner step over the prefix, and the chunk size over the tree tokens.
+      kv_splits: programs sharing one row's prefix (flash-decoding split-K); > 1 helps small batches on
+        big GPUs, at the cost of a merge in the wrapper.
+      num_warps: Triton warps per program; None = 4 for head dim <= 64, else 8.
+      num_stages: Triton software-pipelining stages.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    kv_splits: int = 1
+    num_warps: int | None = None
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_k"):
+            val = getattr(self, name)
+            if not (_is_pow2(val) and val >= 16):
+                raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {val}")
+        if self.kv_splits < 1:
+            raise ValueError(f"BlockSizes.kv_splits must be >= 1, got {self.kv_splits}")
+
+
+def _tree_attention_kernel(
+    lengths_ref: Any,  # [] int32: committed prefix length of this batch row
+    q_ref: Any,  # [block_m, D]: query rows (token-major, head-minor) of one KV group
+    k_ref: Any,  # [S, D]: this row's key cache for one KV head
+    v_ref: Any,  # [S, D]
+    kt_ref: Any,  # [T_pad, D]: the tree tokens' keys (zero-padded past T)
+    vt_ref: Any,  # [T_pad, D]
+    tm_ref: Any,  # [block_m, T_pad] int8: tree visibility per query row
+    *out_refs: Any,  # o [block_m, D] (kv_splits == 1), or o, m, l (unnormalised partials)
+    sm_scale: float,
+    block_k: int,
+    block_t: int,
+    kv_splits: int,
+    precision: lax.Precision | None,
+) -> None:
+    """Online-softmax attention of one block of query rows over the live prefix, then the tree tokens."""
+    block_m = q_ref.shape[0]
+    length = lengths_ref[()]
+    split = pl.program_id(3)
+    q = q_ref[...]
+    qk_scale = sm_scale * _LOG2E  # work in base 2: exp2 is the cheap instruction
+
+    def step(k: jax.Array, v: jax.Array, vis: jax.Array, carry: _Carry) -> _Carry:
+        acc, m_prev, l_prev = carry
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [block_m, keys] f32
+        s = jnp.where(vis, s, _NEG)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        corr = jnp.exp2(m_prev - m_new)
+        p = jnp.where(vis, jnp.exp2(s - m_new[:, None]), 0.0)  # masked keys add exactly 0
+        l_new = corr * l_prev + jnp.sum(p, axis=1)
+        acc = corr[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_new, l_new
+
+    def prefix_body(kb: jax.Array, carry: _Carry) -> _Carry:
+        start = pl.multiple_of(kb * block_k, block_k)
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        vis = (start + jnp.arange(block_k, dtype=jnp.int32) < length)[None, :]
+        return step(k, v, vis, carry)
+
+    def tree_body(c: jax.Array, carry: _Carry) -> _Carry:
+        start = pl.multiple_of(c * block_t, block_t)
+        k = kt_ref[pl.ds(start, block_t), :]
+        v = vt_ref[pl.ds(start, block_t), :]
+        vis = tm_ref[:, pl.ds(start, block_t)] != 0
+        return step(k, v, vis, carry)
+
+    carry = (
+        jnp.zeros((block_m, q_ref.shape[1]), jnp.float32),
+        jnp.full((block_m,), _NEG, jnp.float32),
+        jnp.zeros((block_m,), jnp.float32),
+    )
+    n_prefix = lax.div(length + block_k - 1, block_k)  # key blocks holding live prefix keys
+    per_split = lax.div(n_prefix + kv_splits - 1, kv_splits)
+    lo = split * per_split
+    hi = jnp.minimum(n_prefix, lo + per_split)
+    carry = lax.fori_loop(lo, hi, prefix_body, carry)
+    n_tree = kt_ref.shape[0] // block_t
+    if kv_splits > 1:  # only the last split (the one with the fewest prefix blocks) takes the tree tokens
+        n_tree = jnp.where(split == kv_splits - 1, n_tree, 0)
+    acc, m, l_sum = lax.fori_loop(0, n_tree, tree_body, carry)
+
+    if kv_splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = (acc / jnp.where(l_sum > 0, l_sum, 1.0)[:, None]).astype(o_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l_sum
+
+
+def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_mask: jax.Array) -> None:
+    """Shape/dtype contract of every entry point (raises at trace time)."""
+    chex.assert_rank([q, k, v, lengths, tree_mask], [4, 4, 4, 1, 3])
+    b, t, hq, d = q.shape
+    chex.assert_equal_shape([k, v])
+    chex.assert_axis_dimension(k, 0, b)
+    chex.assert_axis_dimension(k, 3, d)
+    chex.assert_shape(lengths, (b,))
+    chex.assert_shape(tree_mask, (b, t, t))
+    chex.assert_type(lengths, int)
+    chex.assert_type(tree_mask, bool)
+    chex.assert_is_divisible(hq, k.shape[2])
+    chex.assert_axis_dimension_gteq(k, 1, t)
+
+
+def _pallas_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    tree_mask: jax.Array,
+    block_sizes: BlockSizes,
+    interpret: bool,
+) -> jax.Array:
+    """Layout plumbing around the kernel: group query rows, slice the tree K/V, pad to Triton shapes."""
+    b, t, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    out_dtype = q.dtype
+    cdt = k.dtype  # tl.dot wants equal operand types: compute in the cache dtype
+    lengths = lengths.astype(jnp.int32)
+
+    # Tree tokens' K/V, sliced out of the cache ([B, T, Hkv, D]; tiny next to the cache).
+    def take_new(cache_shd: jax.Array, start: jax.Array) -> jax.Array:
+        return lax.dynamic_slice_in_dim(cache_shd, start, t, axis=0)
+
+    k_new = jax.vmap(take_new)(k, lengths)
+    v_new = jax.vmap(take_new)(v, lengths)
+
+    # Query rows of one KV group: row r = token (r // G), head (r % G).
+    rows = t * g
+    block_m = min(block_sizes.block_q, max(16, pl.next_power_of_2(rows)))
+    rows_pad = _round_up(rows, block_m)
+    q_rows = q.astype(cdt).reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
+    t_pad = max(16, pl.next_power_of_2(t))
+    block_t = min(t_pad, block_sizes.block_k)
+    tm_rows = jnp.repeat(tree_mask, g, axis=1).astype(jnp.int8)  # [B, rows, T]
+
+    # Triton-friendly padding. Head dim: only when not a power of two >= 16 (a copy of the cache, so keep
+    # head dims 32/64/128). Cache length: only when S is not a multiple of block_k (also a copy).
+    d_pad = max(16, pl.next_power_of_2(d))
+    block_k = min(block_sizes.block_k, max(16, pl.next_power_of_2(s)))
+    s_pad = _round_up(s, block_k)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_pad - rows), (0, d_pad - d)))
+    tm_rows = jnp.pad(tm_rows, ((0, 0), (0, rows_pad - rows), (0, t_pad - t)))
+    k_new, v_new = (jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, d_pad - d))) for x in (k_new, v_new))
+    if s_pad != s or d_pad != d:
+        k, v = (jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d))) for x in (k, v))
+
+    splits = block_sizes.kv_splits
+    grid = (b, hkv, rows_pad // block_m, splits)
+    kernel = functools.partial(
+        _tree_attention_kernel,
+        sm_scale=1.0 / math.sqrt(d),
+        block_k=block_k,
+        block_t=block_t,
+        kv_splits=splits,
+        precision=lax.Precision.HIGHEST if cdt == jnp.float32 else None,  # fp32: IEEE dots, not TF32
+    )
+    in_specs = [
+        pl.BlockSpec((None,), lambda bi, h, i, sp: (bi,)),
+        pl.BlockSpec((None, None, block_m, d_pad), lambda bi, h, i, sp: (bi, h, i, 0)),
+        pl.BlockSpec((None, s_pad, None, d_pad), lambda bi, h, i, sp: (bi, 0, h, 0)),
+        pl.BlockSpec((None, s_pad, None, d_pad), lambda bi, h, i, sp: (bi, 0, h, 0)),
+        pl.BlockSpec((None, t_pad, None, d_pad), lambda bi, h, i, sp: (bi, 0, h, 0)),
+        pl.BlockSpec((None, t_pad, None, d_pad), lambda bi, h, i, sp: (bi, 0, h, 0)),
+        pl.BlockSpec((None, block_m, t_pad), lambda bi, h, i, sp: (bi, i, 0)),
+    ]
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((b, hkv, rows_pad, d_pad), out_dtype)
+        out_specs = pl.BlockSpec((None, None, block_m, d_pad), lambda bi, h, i, sp: (bi, h, i, 0))
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((b, hkv, splits, rows_pad, d_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, rows_pad), jnp.float32),
+        )
+        out_specs = (
+            pl.BlockSpec((None, None, None, block_m, d_pad), lambda bi, h, i, sp: (bi, h, sp, i, 0)),
+            pl.BlockSpec((None, None, None, block_m), lambda bi, h, i, sp: (bi, h, sp, i)),
+            pl.BlockSpec((None, None, None, block_m), lambda bi, h, i, sp: (bi, h, sp, i)),
+        )
+    num_warps = block_sizes.num_warps or (4 if d_pad <= 64 else 8)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=block_sizes.num_stages),
+        interpret=interpret,
+        name="tree_attention",
+    )(lengths, q_rows, k, v, k_new, v_new, tm_rows)
+
+    if splits > 1:  # merge the per-split partial softmaxes (base-2 logits)
+        o_part, m_part, l_part = out
+        m_all = jnp.max(m_part, axis=2, keepdims=True)
+        w = jnp.exp2(m_part - m_all)  # [B, Hkv, splits, rows_pad]; empty splits weigh 0
+        l_all = jnp.sum(w * l_part, axis=2)
+        o_sum = jnp.sum(w[..., None] * o_part, axis=2)
+        out = (o_sum / jnp.where(l_all > 0, l_all, 1.0)[..., None]).astype(out_dtype)
+    out = out[:, :, :rows, :d].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(b, t, hq, d)
+
+
+_Arrays5 = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _pallas_with_grad(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    tree_mask: jax.Array,
+    block_sizes: BlockSizes,
+    interpret: bool,
+) -> jax.Array:
+    """The kernel's forward with a VJP attached (pallas_call itself has no autodiff rule)."""
+    return _pallas_forward(q, k, v, lengths, tree_mask, block_sizes, interpret)
+
+
+def _pallas_with_grad_fwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    tree_mask: jax.Array,
+    block_sizes: BlockSizes,
+    interpret: bool,
+) -> tuple[jax.Array, _Arrays5]:
+    out = _pallas_forward(q, k, v, lengths, tree_mask, block_sizes, interpret)
+    return out, (q, k, v, lengths, tree_mask)
+
+
+def _pallas_with_grad_bwd(
+    block_sizes: BlockSizes, interpret: bool, res: _Arrays5, g_out: jax.Array
+) -> tuple[jax.Array | None, ...]:
+    """Backward through the reference: the same math recomputed in jnp (forward-only kernel, exact grads)."""
+    del block_sizes, interpret
+    q, k, v, lengths, tree_mask = res
+    _, vjp = jax.vjp(lambda q_, k_, v_: tree_attention_reference(q_, k_, v_, lengths, tree_mask), q, k, v)
+    return (*vjp(g_out), None, None)
+
+
+_pallas_with_grad.defvjp(_pallas_with_grad_fwd, _pallas_with_grad_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def tree_attention_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    tree_mask: jax.Array,
+    *,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Pallas (Triton) tree attention; same contract and result as `tree_attention_reference`.
+
+    Differentiable: the backward pass recomputes through the reference, so a trainer forward may use it too.
+    Rows whose query sees no key at all (not a valid tree) return zeros where the reference averages V.
+    """
+    _check_inputs(q, k, v, lengths, tree_mask)
+    chex.assert_type([k, v], k.dtype)
+    return _pallas_with_grad(q, k, v, lengths, tree_mask, block_sizes or BlockSizes(), interpret)
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() in _GPU_BACKENDS
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "interpret", "block_sizes"))
+def tree_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    tree_mask: jax.Array,
+    *,
+    impl: str = "auto",
+    interpret: bool | None = None,
+    block_sizes: BlockSizes | None = None,
+) -> jax.Array:
+    """Tree attention (module contract) with a chosen implementation.
+
+    impl: "reference" (jnp), "pallas" (the kernel; `interpret` defaults to True off-GPU), or "auto" (the
+    kernel on GPU, the reference elsewhere: interpreted Pallas is slower than jnp on CPU).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"tree_attention: impl must be one of {IMPLS}, got {impl!r}")
+    _check_inputs(q, k, v, lengths, tree_mask)
+    if impl == "reference" or (impl == "auto" and not _on_gpu()):
+        return tree_attention_reference(q, k, v, lengths, tree_mask)
+    if interpret is None:
+        interpret = not _on_gpu()
+    return tree_attention_pallas(q, k, v, lengths, tree_mask, block_sizes=block_sizes, interpret=interpret)

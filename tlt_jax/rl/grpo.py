@@ -1,0 +1,212 @@
+"""GRPO-family objectives in pure jnp: group advantages, PPO clipped policy loss, low-variance KL.
+
+Layout: a batch holds P prompts x n samples, flattened prompt-major ([p0s0, p0s1, ..., p1s0, ...]), so a
+group is n consecutive rows. Token tensors are [B, T] (B = P*n rows, T response positions) with a mask that
+is 1 on response tokens and 0 on padding; padding never contributes to a loss or metric.
+
+Variants (selected by name, so configs stay strings):
+- GRPO (DeepSeekMath): advantage (r - mean_g) / (std_g + eps), loss "seq_mean_token_mean".
+- Dr.GRPO (Liu et al. 2025): advantage r - mean_g (no std), loss "seq_mean_token_sum_norm" (sum over tokens /
+  a constant max length) so neither the length nor the group's spread rescales a sequence's gradient.
+- DAPO (Yu et al. 2025): "token_mean" aggregation, asymmetric clip (clip_high e.g. 0.28 > clip_low 0.2), and
+  dynamic sampling (drop groups whose rewards are all equal: their advantages are zero anyway).
+All functions are jit-able; string and length options are static (pass them via `static_argnames`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+
+# log-ratio clamp before exp (as VeRL does) so a stale or corrupted log-prob cannot overflow the ratio.
+_LOG_RATIO_CLAMP = 20.0
+# low_var_kl clamps (VeRL's `kl_penalty(..., "low_var_kl")`): log-ratio to [-20, 20], estimate to [-10, 10].
+_KL_LOG_RATIO_CLAMP = 20.0
+_KL_VALUE_CLAMP = 10.0
+
+
+def _grouped(rewards: jax.Array, group_size: int) -> jax.Array:
+    chex.assert_rank(rewards, 1)
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rewards.shape[0] % group_size != 0:
+        raise ValueError(
+            f"rewards has {rewards.shape[0]} entries, not a multiple of group_size={group_size}: "
+            "pass P*n rewards ordered prompt-major (n samples of prompt 0, then of prompt 1, ...)"
+        )
+    return rewards.reshape(-1, group_size).astype(jnp.float32)
+
+
+def _deviations(grouped: jax.Array) -> jax.Array:
+    """r - mean_g, exactly 0 in groups whose rewards are all equal.
+
+    A float32 mean of equal values can differ from them by an ulp (mean of three 0.05 is not 0.05); divided
+    by (std + eps) ~ eps that rounding error would become a spurious advantage of ~1e-2.
+    """
+    dev = grouped - jnp.mean(grouped, axis=1, keepdims=True)
+    uniform = jnp.max(grouped, axis=1, keepdims=True) == jnp.min(grouped, axis=1, keepdims=True)
+    return jnp.where(uniform, 0.0, dev)
+
+
+def _grpo_advantages(grouped: jax.Array, eps: float) -> jax.Array:
+    # Population std (ddof=0): a group's normalised advantages then have unit RMS exactly. VeRL uses the
+    # unbiased std (ddof=1), which scales every advantage by sqrt((n-1)/n); the two differ by a constant per
+    # group size, i.e. only by an effective learning-rate factor.
+    std = jnp.std(grouped, axis=1, keepdims=True)
+    return _deviations(grouped) / (std + eps)
+
+
+def _drgrpo_advantages(grouped: jax.Array, eps: float) -> jax.Array:
+    del eps
+    return _deviations(grouped)
+
+
+ADVANTAGE_METHODS: dict[str, Callable[[jax.Array, float], jax.Array]] = {
+    "grpo": _grpo_advantages,
+    "drgrpo": _drgrpo_advantages,
+}
+
+
+def group_advantages(
+    rewards: jax.Array, group_size: int, *, method: str = "grpo", eps: float = 1e-6
+) -> jax.Array:
+    """Per-sample advantages [P*n] from rewards [P*n], normalised within each group of `group_size` samples.
+
+    "grpo": (r - mean_g) / (std_g + eps) with the population std; a group with equal rewards gets 0.
+    "drgrpo": r - mean_g (Dr.GRPO drops the std division, which over-weights near-uniform groups).
+    `group_size` and `method` are static under jit.
+    """
+    if method not in ADVANTAGE_METHODS:
+        raise ValueError(f"unknown advantage method {method!r}; valid methods: {sorted(ADVANTAGE_METHODS)}")
+    grouped = _grouped(rewards, group_size)
+    return ADVANTAGE_METHODS[method](grouped, eps).reshape(-1)
+
+
+def dynamic_sampling_mask(rewards: jax.Array, group_size: int) -> jax.Array:
+    """DAPO dynamic sampling: [P*n] bool, True for samples of groups whose rewards are not all equal.
+
+    Groups with zero reward variance (all right or all wrong) give zero advantage and no learning signal.
+    Equality is exact (max == min): verifier rewards are discrete, so no tolerance is needed.
+    """
+    grouped = _grouped(rewards, group_size)
+    keep = jnp.max(grouped, axis=1) > jnp.min(grouped, axis=1)
+    return jnp.repeat(keep, group_size)
+
+
+def _token_mean(loss_bt: jax.Array, mask_bt: jax.Array, max_len: int | None) -> jax.Array:
+    del max_len
+    return jnp.sum(loss_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0)
+
+
+def _seq_mean_token_mean(loss_bt: jax.Array, mask_bt: jax.Array, max_len: int | None) -> jax.Array:
+    del max_len
+    tokens_b = jnp.sum(mask_bt, axis=-1)
+    seq_b = jnp.sum(loss_bt * mask_bt, axis=-1) / jnp.maximum(tokens_b, 1.0)
+    has_tokens = (tokens_b > 0).astype(loss_bt.dtype)
+    # Mean over sequences that have at least one response token: fully masked rows (e.g. dropped by dynamic
+    # sampling) neither contribute nor dilute the mean.
+    return jnp.sum(seq_b * has_tokens) / jnp.maximum(jnp.sum(has_tokens), 1.0)
+
+
+def _seq_mean_token_sum_norm(loss_bt: jax.Array, mask_bt: jax.Array, max_len: int | None) -> jax.Array:
+    # Dr.GRPO: mean over the B rows of (sum over tokens / max_len). The divisor B*max_len is a constant (pass
+    # the configured max response length; default T), so a token's weight never depends on its sequence's
+    # length. VeRL's "seq-mean-token-sum-norm" divides the sum by T only (not by B): a constant factor B.
+    norm = loss_bt.shape[-1] if max_len is None else max_len
+    return jnp.sum(loss_bt * mask_bt) / (loss_bt.shape[0] * norm)
+
+
+LOSS_AGGREGATIONS: dict[str, Callable[[jax.Array, jax.Array, int | None], jax.Array]] = {
+    "token_mean": _token_mean,
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+}
+
+
+def aggregate_loss(
+    loss_bt: jax.Array, mask_bt: jax.Array, aggregation: str = "token_mean", max_len: int | None = None
+) -> jax.Array:
+    """Reduce per-token losses [B, T] to a scalar with a named aggregation (see LOSS_AGGREGATIONS).
+
+    "token_mean": sum over all valid tokens / their count (DAPO token-level).
+    "seq_mean_token_mean": per-sequence token mean, then mean over sequences with tokens (GRPO).
+    "seq_mean_token_sum_norm": sum over tokens / (B * max_len) (Dr.GRPO; max_len defaults to T).
+    Empty masks give 0.
+    """
+    if aggregation not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; valid: {sorted(LOSS_AGGREGATIONS)}")
+    chex.assert_rank([loss_bt, mask_bt], 2)
+    chex.assert_equal_shape([loss_bt, mask_bt])
+    if max_len is not None and max_len < 1:
+        raise ValueError(f"max_len must be >= 1 (the constant Dr.GRPO divisor), got {max_len}")
+    return LOSS_AGGREGATIONS[aggregation](loss_bt, mask_bt.astype(loss_bt.dtype), max_len)
+
+
+def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def policy_loss(
+    logp_new_bt: jax.Array,
+    logp_old_bt: jax.Array,
+    advantages_b: jax.Array,
+    mask_bt: jax.Array,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    aggregation: str = "token_mean",
+    max_len: int | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """PPO clipped surrogate: per token max(-A*r, -A*clip(r, 1-clip_low, 1+clip_high)), then aggregated.
+
+    r = exp(logp_new - logp_old) (log-ratio clamped to +-20 before exp). The per-sequence advantage
+    broadcasts over its tokens. DAPO's clip-higher is clip_high > clip_low. Returns (loss, metrics) with
+    metrics over valid tokens: clip_frac (fraction where the clipped term is the active one), approx_kl
+    (mean of logp_old - logp_new) and ratio_mean.
+    """
+    chex.assert_rank([logp_new_bt, logp_old_bt, mask_bt, advantages_b], [2, 2, 2, 1])
+    chex.assert_equal_shape([logp_new_bt, logp_old_bt, mask_bt])
+    chex.assert_equal_shape_prefix([logp_new_bt, advantages_b], 1)
+    dtype = logp_new_bt.dtype
+    mask = mask_bt.astype(dtype)
+    adv = advantages_b.astype(dtype)[:, None]
+    log_ratio = jnp.clip(logp_new_bt - logp_old_bt, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = jnp.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_bt = jnp.maximum(unclipped, clipped)
+    loss = aggregate_loss(loss_bt, mask, aggregation, max_len)
+    metrics = {
+        "clip_frac": _masked_mean((clipped > unclipped).astype(dtype), mask),
+        "approx_kl": _masked_mean(-log_ratio, mask),
+        "ratio_mean": _masked_mean(ratio, mask),
+    }
+    return loss, metrics
+
+
+def low_var_kl(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
+    """Per-token k3 estimate of KL(policy || ref): exp(ref - logp) - (ref - logp) - 1, as VeRL's low_var_kl.
+
+    Non-negative and unbiased for samples from the policy, with lower variance than logp - ref. As in VeRL
+    the log-ratio is clamped to [-20, 20] and the estimate to [-10, 10] (no gradient beyond the clamps).
+    """
+    chex.assert_equal_shape([logp_bt, ref_logp_bt])
+    log_ratio = jnp.clip(ref_logp_bt - logp_bt, -_KL_LOG_RATIO_CLAMP, _KL_LOG_RATIO_CLAMP)
+    kl = jnp.exp(log_ratio) - log_ratio - 1.0
+    return jnp.clip(kl, -_KL_VALUE_CLAMP, _KL_VALUE_CLAMP)
+
+
+def kl_penalty_loss(
+    logp_bt: jax.Array,
+    ref_logp_bt: jax.Array,
+    mask_bt: jax.Array,
+    *,
+    aggregation: str = "token_mean",
+    max_len: int | None = None,
+) -> jax.Array:
+    """The aggregated low_var_kl over valid tokens (multiply by the KL coefficient, e.g. 0.001, and add)."""
+    chex.assert_rank([logp_bt, ref_logp_bt, mask_bt], 2)
+    return aggregate_loss(low_var_kl(logp_bt, ref_logp_bt), mask_bt, aggregation, max_len)
