@@ -40,8 +40,8 @@ def make_inputs(
     """Random q/k/v, lengths in [0.75 S, S - T], and a random valid tree (each node sees its ancestors)."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((b, t, hq, d), dtype=np.float32), dtype)
-    k = jnp.asarray(rng.standard_normal((b, s, hkv, d), dtype=np.float32), dtype)
-    v = jnp.asarray(rng.standard_normal((b, s, hkv, d), dtype=np.float32), dtype)
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d), dtype=np.float32), dtype)
+    v = jnp.asarray(rng.standard_normal((b, hkv, s, d), dtype=np.float32), dtype)
     lengths = rng.integers(min(3 * s // 4, s - t), s - t + 1, size=b).astype(np.int32)
     masks = np.zeros((b, t, t), dtype=bool)
     for row in range(b):

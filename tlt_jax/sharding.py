@@ -40,7 +40,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "fc": ("embed", None),  # EAGLE drafter fusion layer
 }
 
-CACHE_AXES = ("batch", "seq", "kv_heads", None)
+CACHE_AXES = ("batch", "kv_heads", "seq", None)
 
 
 def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -129,7 +129,7 @@ def cache_sharding(
 
 
 def shard_pytree_batch(tree: object, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES) -> object:
-    """Shardings for a pytree of batch-major arrays; 4-D [B, S, Hkv, D] leaves get the KV-cache layout."""
+    """Shardings for a pytree of batch-major arrays; 4-D [B, Hkv, S, D] leaves get the KV-cache layout."""
 
     def one(x: jax.Array) -> NamedSharding:
         if x.ndim == 4:

@@ -55,7 +55,8 @@ def make_inputs(
         k[row, dead] *= 50.0
         v[row, dead] = 1e3
     cast = lambda x: jnp.asarray(x, dtype)
-    return cast(q), cast(k), cast(v), jnp.asarray(lengths), jnp.asarray(masks)
+    # the cache contract is [B, Hkv, S, D]
+    return cast(q), cast(k.transpose(0, 2, 1, 3)), cast(v.transpose(0, 2, 1, 3)), jnp.asarray(lengths), jnp.asarray(masks)
 
 
 def reference(*args: jax.Array) -> jax.Array:
@@ -166,6 +167,7 @@ def naive_tree_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: np.ndarray, mask: np.ndarray
 ) -> np.ndarray:
     """The contract spelled out with loops, in float64: one (row, query head, token) at a time."""
+    k, v = np.swapaxes(k, 1, 2), np.swapaxes(v, 1, 2)  # [B, Hkv, S, D] -> [B, S, Hkv, D] for indexing
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     out = np.zeros((b, t, hq, d), np.float64)

@@ -7,7 +7,7 @@ mask). The T new tokens' keys/values have ALREADY been written into the cache at
     j < lengths[b]                                   (the committed prefix), or
     0 <= j - lengths[b] < T and tree_mask[b, t, j - lengths[b]]   (the tree / new tokens).
 
-Shapes: q [B, T, Hq, D]; k_cache, v_cache [B, S, Hkv, D] (S = the live cache-length bucket, not the whole
+Shapes: q [B, T, Hq, D]; k_cache, v_cache [B, Hkv, S, D] (S = the live cache-length bucket, not the whole
 preallocated cache); lengths [B] int32; tree_mask [B, T, T] bool. Hq is a multiple of Hkv (GQA).
 Output [B, T, Hq, D] in q's dtype; softmax in float32.
 
@@ -62,24 +62,27 @@ def visibility_mask(lengths_b: jax.Array, tree_mask_btt: jax.Array, seq_len: int
 
 def tree_attention_reference(
     q_bthd: jax.Array,
-    k_bshd: jax.Array,
-    v_bshd: jax.Array,
+    k_bhsd: jax.Array,
+    v_bhsd: jax.Array,
     lengths_b: jax.Array,
     tree_mask_btt: jax.Array,
 ) -> jax.Array:
-    """Reference (jnp) tree attention; see the module docstring for the contract."""
+    """Reference (jnp) tree attention; see the module docstring for the contract.
+
+    Computed in float32 whatever the input dtype: it is the oracle, and XLA's CPU dot has no
+    bf16 x bf16 -> f32 path for this (transpose-free) layout.
+    """
     b, t, hq, d = q_bthd.shape
-    s, hkv = k_bshd.shape[1], k_bshd.shape[2]
+    hkv, s = k_bhsd.shape[1], k_bhsd.shape[2]
     g = hq // hkv
-    q = q_bthd.reshape(b, t, hkv, g, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bshd, preferred_element_type=jnp.float32)
+    q = q_bthd.reshape(b, t, hkv, g, d).astype(jnp.float32)
+    k_bhsd, v_bhsd = k_bhsd.astype(jnp.float32), v_bhsd.astype(jnp.float32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k_bhsd)
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
     vis = visibility_mask(lengths_b, tree_mask_btt, s)[:, None, None, :, :]  # [B,1,1,T,S]
     scores = jnp.where(vis, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum(
-        "bkgts,bskd->btkgd", probs.astype(v_bshd.dtype), v_bshd, preferred_element_type=jnp.float32
-    )
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v_bhsd)
     return out.reshape(b, t, hq, d).astype(q_bthd.dtype)
 
 
@@ -203,8 +206,8 @@ def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, 
     chex.assert_shape(tree_mask, (b, t, t))
     chex.assert_type(lengths, int)
     chex.assert_type(tree_mask, bool)
-    chex.assert_is_divisible(hq, k.shape[2])
-    chex.assert_axis_dimension_gteq(k, 1, t)
+    chex.assert_is_divisible(hq, k.shape[1])
+    chex.assert_axis_dimension_gteq(k, 2, t)
 
 
 def _pallas_forward(
@@ -218,15 +221,15 @@ def _pallas_forward(
 ) -> jax.Array:
     """Layout plumbing around the kernel: group query rows, slice the tree K/V, pad to Triton shapes."""
     b, t, hq, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
+    hkv, s = k.shape[1], k.shape[2]
     g = hq // hkv
     out_dtype = q.dtype
     cdt = k.dtype  # tl.dot wants equal operand types: compute in the cache dtype
     lengths = lengths.astype(jnp.int32)
 
-    # Tree tokens' K/V, sliced out of the cache ([B, T, Hkv, D]; tiny next to the cache).
-    def take_new(cache_shd: jax.Array, start: jax.Array) -> jax.Array:
-        return lax.dynamic_slice_in_dim(cache_shd, start, t, axis=0)
+    # Tree tokens' K/V, sliced out of the cache ([B, Hkv, T, D]; tiny next to the cache).
+    def take_new(cache_hsd: jax.Array, start: jax.Array) -> jax.Array:
+        return lax.dynamic_slice_in_dim(cache_hsd, start, t, axis=1)
 
     k_new = jax.vmap(take_new)(k, lengths)
     v_new = jax.vmap(take_new)(v, lengths)
@@ -247,9 +250,9 @@ def _pallas_forward(
     s_pad = _round_up(s, block_k)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_pad - rows), (0, d_pad - d)))
     tm_rows = jnp.pad(tm_rows, ((0, 0), (0, rows_pad - rows), (0, t_pad - t)))
-    k_new, v_new = (jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, d_pad - d))) for x in (k_new, v_new))
+    k_new, v_new = (jnp.pad(x, ((0, 0), (0, 0), (0, t_pad - t), (0, d_pad - d))) for x in (k_new, v_new))
     if s_pad != s or d_pad != d:
-        k, v = (jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d))) for x in (k, v))
+        k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, s_pad - s), (0, d_pad - d))) for x in (k, v))
 
     splits = block_sizes.kv_splits
     grid = (b, hkv, rows_pad // block_m, splits)
@@ -264,10 +267,10 @@ def _pallas_forward(
     in_specs = [
         pl.BlockSpec((None,), lambda bi, h, i, sp: (bi,)),
         pl.BlockSpec((None, None, block_m, d_pad), lambda bi, h, i, sp: (bi, h, i, 0)),
-        pl.BlockSpec((None, s_pad, None, d_pad), lambda bi, h, i, sp: (bi, 0, h, 0)),
-        pl.BlockSpec((None, s_pad, None, d_pad), lambda bi, h, i, sp: (bi, 0, h, 0)),
-        pl.BlockSpec((None, t_pad, None, d_pad), lambda bi, h, i, sp: (bi, 0, h, 0)),
-        pl.BlockSpec((None, t_pad, None, d_pad), lambda bi, h, i, sp: (bi, 0, h, 0)),
+        pl.BlockSpec((None, None, s_pad, d_pad), lambda bi, h, i, sp: (bi, h, 0, 0)),
+        pl.BlockSpec((None, None, s_pad, d_pad), lambda bi, h, i, sp: (bi, h, 0, 0)),
+        pl.BlockSpec((None, None, t_pad, d_pad), lambda bi, h, i, sp: (bi, h, 0, 0)),
+        pl.BlockSpec((None, None, t_pad, d_pad), lambda bi, h, i, sp: (bi, h, 0, 0)),
         pl.BlockSpec((None, block_m, t_pad), lambda bi, h, i, sp: (bi, i, 0)),
     ]
     if splits == 1:

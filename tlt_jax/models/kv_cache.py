@@ -1,6 +1,6 @@
 """Preallocated KV cache with per-row lengths: write at positions, advance, compact rows, resize buckets.
 
-Layout: one [B, S, Hkv, D] key and value buffer per layer (a tuple, so each is donated and updated in place),
+Layout: one [B, Hkv, S, D] key and value buffer per layer (a tuple, so each is donated and updated in place),
 plus `lengths` [B]: the number of committed tokens of each row. A forward pass writes its T new tokens at
 `[lengths[b], lengths[b] + T)` and leaves `lengths` alone; the caller commits with `advance` (plain decode,
 prefill) or after gathering an accepted speculative path into place (`commit_path`).
@@ -20,7 +20,7 @@ from tlt_jax.models.config import ModelConfig
 
 @flax.struct.dataclass
 class KVCache:
-    k: tuple[jax.Array, ...]  # num_layers x [B, S, Hkv, D]
+    k: tuple[jax.Array, ...]  # num_layers x [B, Hkv, S, D] (head-major: attention needs no transpose)
     v: tuple[jax.Array, ...]
     lengths: jax.Array  # [B] int32
 
@@ -29,7 +29,7 @@ class KVCache:
         cls, cfg: ModelConfig, batch: int, seq_len: int, dtype: jnp.dtype | str | None = None
     ) -> KVCache:
         dtype = jnp.dtype(dtype or cfg.dtype)
-        shape = (batch, seq_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, seq_len, cfg.head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
         return cls(
             k=zeros,
@@ -43,7 +43,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     def advance(self, n_b: jax.Array | int) -> KVCache:
         """Commit n tokens per row (n may be a per-row array)."""
@@ -61,41 +61,39 @@ class KVCache:
         if seq_len == cur:
             return self
         if seq_len > cur:
-            pad = ((0, 0), (0, seq_len - cur), (0, 0), (0, 0))
+            pad = ((0, 0), (0, 0), (0, seq_len - cur), (0, 0))
             return KVCache(
                 k=tuple(jnp.pad(x, pad) for x in self.k),
                 v=tuple(jnp.pad(x, pad) for x in self.v),
                 lengths=self.lengths,
             )
         return KVCache(
-            k=tuple(x[:, :seq_len] for x in self.k),
-            v=tuple(x[:, :seq_len] for x in self.v),
+            k=tuple(x[:, :, :seq_len] for x in self.k),
+            v=tuple(x[:, :, :seq_len] for x in self.v),
             lengths=self.lengths,
         )
 
 
-def write_rows(buf_bshd: jax.Array, new_bthd: jax.Array, start_b: jax.Array) -> jax.Array:
-    """Write each row's T new entries at its own offset: buf[b, start[b]:start[b]+T] = new[b]."""
-    chex.assert_rank([buf_bshd, new_bthd], 4)
-    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0)))(
-        buf_bshd, new_bthd, start_b
-    )
+def write_rows(buf_bhsd: jax.Array, new_bthd: jax.Array, start_b: jax.Array) -> jax.Array:
+    """Write each row's T new entries at its own offset: buf[b, :, start[b]:start[b]+T] = new[b] (new is
+    token-major [B, T, Hkv, D], as projections produce it; only this small piece is transposed)."""
+    chex.assert_rank([buf_bhsd, new_bthd], 4)
+    new_bhtd = jnp.swapaxes(new_bthd, 1, 2).astype(buf_bhsd.dtype)
+    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x, (0, s, 0)))(buf_bhsd, new_bhtd, start_b)
 
 
-def gather_path(buf_bshd: jax.Array, start_b: jax.Array, src_bp: jax.Array) -> jax.Array:
-    """Move entries buf[b, start[b] + src[b, i]] to buf[b, start[b] + i] for i < P (speculative commit).
+def gather_path(buf_bhsd: jax.Array, start_b: jax.Array, src_bp: jax.Array) -> jax.Array:
+    """Move entries buf[b, :, start[b] + src[b, i]] to buf[b, :, start[b] + i] for i < P (speculative commit).
 
     `src` holds tree-node offsets of the accepted path relative to the row's committed length; entries past
     the accepted count may point anywhere valid (they are rewritten before they are ever attended to).
     """
-    p = src_bp.shape[1]
 
     def one(c: jax.Array, s: jax.Array, src: jax.Array) -> jax.Array:
-        moved = c[s + src]  # [P, Hkv, D]
-        return jax.lax.dynamic_update_slice(c, moved, (s, 0, 0))
+        moved = c[:, s + src]  # [Hkv, P, D]
+        return jax.lax.dynamic_update_slice(c, moved, (0, s, 0))
 
-    del p
-    return jax.vmap(one)(buf_bshd, start_b, src_bp)
+    return jax.vmap(one)(buf_bhsd, start_b, src_bp)
 
 
 def commit_path(cache: KVCache, src_bp: jax.Array, num_b: jax.Array) -> KVCache:

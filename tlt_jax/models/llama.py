@@ -101,7 +101,7 @@ class Attention(nnx.Module):
         b, t = x_bth.shape[:2]
         q = q.reshape(b, t, self.cfg.num_heads, self.cfg.head_dim)
         if k_cache is None:  # no cache (trainer forward): the new tokens are the whole sequence
-            k_all, v_all = k, v
+            k_all, v_all = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # cache layout [B, Hkv, T, D]
         else:
             k_all = k_cache = write_rows(k_cache, k, lengths_b)
             v_all = v_cache = write_rows(v_cache, v, lengths_b)
