@@ -31,10 +31,11 @@ DEFAULT_RULES: dict[str, str | None] = {
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "embed": ("vocab", "embed"),
     "lm_head": ("vocab", "embed"),
-    "qkv": ("kv_heads", None, None, "embed"),
-    "qkv_bias": ("kv_heads", None, None),
-    "o_proj": ("embed", "kv_heads", None, None),
-    "gate_up": ("mlp", None, "embed"),
+    # fused rows ordered per KV group / per MLP unit, so a contiguous split hands out whole groups/units
+    "qkv": ("kv_heads", "embed"),
+    "qkv_bias": ("kv_heads",),
+    "o_proj": ("embed", "kv_heads"),
+    "gate_up": ("mlp", "embed"),
     "down": ("embed", "mlp"),
     "weight": (None,),  # RMSNorm scales
     "fc": ("embed", None),  # EAGLE drafter fusion layer

@@ -5,11 +5,13 @@ drafter consumes the latter. The attention mask is explicit ([B, T, T] over the 
 `tlt_jax.kernels.tree_attention`), so prefill (causal), decode (T=1) and speculative tree verification (a tree
 mask) are one code path.
 
-Layouts (chosen for speed on small-M matmuls and for clean tensor-parallel sharding):
-- weights are stored [out, in] (HF layout, "NT" matmuls);
-- q/k/v are one fused projection laid out per KV group, [Hkv, G + 2, D, H]: group k holds its G query heads,
-  then its key head, then its value head. Sharding the Hkv axis splits whole GQA groups across devices;
-- gate/up are fused as [F, 2, H].
+Layouts (chosen by measurement on XLA:CPU, where a decode step is a chain of M=1..64 matmuls):
+- every weight is a 2-D [out, in] matrix (HF layout). Multi-dimensional weights made XLA copy (transpose)
+  each weight inside the decode loop on every step, 10x slower at batch 1 (see docs/benchmarks.md);
+- q/k/v are one fused projection whose output rows are ordered per KV group, [Hkv, G + 2, D]: group k holds
+  its G query heads, then its key head, then its value head, so a contiguous split of the rows (tensor
+  parallelism over the model axis) hands whole GQA groups to each device;
+- gate/up are fused with rows ordered [F, 2] (unit f's gate then its up), so a contiguous split keeps pairs.
 """
 
 from __future__ import annotations
@@ -76,9 +78,9 @@ class Attention(nnx.Module):
         self.cfg = cfg
         g = cfg.num_heads // cfg.num_kv_heads
         h, kv, d = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
-        self.qkv = _normal(rngs, (kv, g + 2, d, h), dt)
-        self.qkv_bias = nnx.Param(jnp.zeros((kv, g + 2, d), dt)) if cfg.qkv_bias else nnx.data(None)
-        self.o_proj = _normal(rngs, (h, kv, g, d), dt)
+        self.qkv = _normal(rngs, (kv * (g + 2) * d, h), dt)
+        self.qkv_bias = nnx.Param(jnp.zeros((kv * (g + 2) * d,), dt)) if cfg.qkv_bias else nnx.data(None)
+        self.o_proj = _normal(rngs, (h, cfg.num_heads * d), dt)
 
     def __call__(
         self,
@@ -92,13 +94,14 @@ class Attention(nnx.Module):
         attn_impl: str,
     ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
         g = self.cfg.num_heads // self.cfg.num_kv_heads
-        qkv = jnp.einsum("bth,kgdh->btkgd", x_bth, self.qkv[...])
+        b, t = x_bth.shape[:2]
+        qkv = jnp.einsum("bth,oh->bto", x_bth, self.qkv[...])
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
+        qkv = qkv.reshape(b, t, self.cfg.num_kv_heads, g + 2, self.cfg.head_dim)
         q = apply_rope(qkv[:, :, :, :g], cos, sin)  # [B, T, Hkv, G, D]
         k = apply_rope(qkv[:, :, :, g], cos, sin)  # [B, T, Hkv, D]
         v = qkv[:, :, :, g + 1]
-        b, t = x_bth.shape[:2]
         q = q.reshape(b, t, self.cfg.num_heads, self.cfg.head_dim)
         if k_cache is None:  # no cache (trainer forward): the new tokens are the whole sequence
             k_all, v_all = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # cache layout [B, Hkv, T, D]
@@ -106,20 +109,21 @@ class Attention(nnx.Module):
             k_all = k_cache = write_rows(k_cache, k, lengths_b)
             v_all = v_cache = write_rows(v_cache, v, lengths_b)
         out = ta.tree_attention(q, k_all, v_all, lengths_b, mask_btt, impl=attn_impl)
-        out = out.reshape(b, t, self.cfg.num_kv_heads, g, self.cfg.head_dim)
-        return jnp.einsum("btkgd,hkgd->bth", out, self.o_proj[...]), k_cache, v_cache
+        out = out.reshape(b, t, self.cfg.num_heads * self.cfg.head_dim)
+        return jnp.einsum("bti,hi->bth", out, self.o_proj[...]), k_cache, v_cache
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)) with gate/up fused as [F, 2, H]."""
+    """SwiGLU: down(silu(gate(x)) * up(x)) with gate/up fused as [2F, H], rows ordered [F, 2]."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = _dtype(cfg)
-        self.gate_up = _normal(rngs, (cfg.intermediate_size, 2, cfg.hidden_size), dt)
+        self.gate_up = _normal(rngs, (2 * cfg.intermediate_size, cfg.hidden_size), dt)
         self.down = _normal(rngs, (cfg.hidden_size, cfg.intermediate_size), dt)
 
     def __call__(self, x_bth: jax.Array) -> jax.Array:
-        gu = jnp.einsum("bth,fch->btfc", x_bth, self.gate_up[...])
+        gu = jnp.einsum("bth,oh->bto", x_bth, self.gate_up[...])
+        gu = gu.reshape(gu.shape[:2] + (-1, 2))
         act = jax.nn.silu(gu[..., 0]) * gu[..., 1]
         return jnp.einsum("btf,hf->bth", act, self.down[...])
 
@@ -245,8 +249,8 @@ def hf_to_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
         k = get(p + "self_attn.k_proj.weight").reshape(kv, 1, d, h)
         v = get(p + "self_attn.v_proj.weight").reshape(kv, 1, d, h)
         attn = {
-            "qkv": np.concatenate([q, k, v], axis=1),
-            "o_proj": get(p + "self_attn.o_proj.weight").reshape(h, kv, g, d),
+            "qkv": np.concatenate([q, k, v], axis=1).reshape(-1, h),
+            "o_proj": get(p + "self_attn.o_proj.weight"),
         }
         if cfg.qkv_bias:
             attn["qkv_bias"] = np.concatenate(
@@ -256,13 +260,15 @@ def hf_to_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
                     get(p + "self_attn.v_proj.bias").reshape(kv, 1, d),
                 ],
                 axis=1,
-            )
+            ).reshape(-1)
         layers[i] = {
             "input_norm": {"weight": get(p + "input_layernorm.weight")},
             "attn": attn,
             "post_attn_norm": {"weight": get(p + "post_attention_layernorm.weight")},
             "mlp": {
-                "gate_up": np.stack([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], axis=1),
+                "gate_up": np.stack(
+                    [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], axis=1
+                ).reshape(-1, h),
                 "down": get(p + "mlp.down_proj.weight"),
             },
         }
