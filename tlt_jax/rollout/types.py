@@ -1,29 +1,103 @@
-"""What a rollout returns: sequences, the engine's log-probs and the per-step timeline the paper plots."""
+"""Rollout data types: the device-side decode state, and what a rollout returns (sequences, the engine's
+log-probs and the per-step timeline the paper plots)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import flax.struct
+import jax
 import numpy as np
+
+from tlt_jax.models.kv_cache import KVCache
+
+
+@flax.struct.dataclass
+class SpecAux:
+    """Per-row state that only speculative decoding needs (batch-major: compaction gathers it like the rest).
+
+    A field is None when no configured mode needs it, so plain decoding carries nothing extra.
+    drafter_cache: the EAGLE drafter's one-layer KV cache. Invariant at every chunk boundary: it holds the
+        pairs (x_{t+1}, h_t) for t < L - 1 (L = the target cache's length), i.e. length L - 1; the pending
+        pair (last_token, hidden) is written at the start of the next step or round.
+    hidden: [B, H] the target's final hidden state h_{L-1} at the last committed position.
+    prompt: [B, Tp] prompt tokens (left-aligned), prompt_len [B]: the n-gram drafter's history.
+    seq_id: [B] the sequence index (prompt index * n + sample index; -1 for padding rows): finds siblings.
+    """
+
+    drafter_cache: KVCache | None = None
+    hidden: jax.Array | None = None
+    prompt: jax.Array | None = None
+    prompt_len: jax.Array | None = None
+    seq_id: jax.Array | None = None
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Everything a decode chunk carries, batch-major so compaction is one gather."""
+
+    cache: KVCache
+    last_token: jax.Array  # [B] the newest token (sampled, not yet written to the cache)
+    out_tokens: jax.Array  # [B, N]
+    out_logp: jax.Array  # [B, N]
+    num_generated: jax.Array  # [B]
+    done: jax.Array  # [B] bool
+    seq_keys: jax.Array  # [B, 2] uint32 raw key data of each sequence's PRNG stream
+    max_new: jax.Array  # [B] per-row token budget (<= N)
+    aux: SpecAux | None = None  # speculative-decoding state (None: plain decoding only)
+
+
+@flax.struct.dataclass
+class DraftTree:
+    """A draft tree per row in `acceptance.py`'s layout (static N per strategy).
+
+    tokens: [B, N] int32; node 0 is the root (the row's last committed token), nodes 1.. are drafts.
+    parents: [B, N] int32; -1 for the root, < i for draft i, -2 for padding.
+    depth: [B, N] int32; 0 for the root (and padding); a draft's position is the committed length + depth.
+    """
+
+    tokens: jax.Array
+    parents: jax.Array
+    depth: jax.Array
+
+
+def row_keys(state: DecodeState) -> jax.Array:
+    """One PRNG key per row for the token at index num_generated: the sequence's key folded with its token
+    index, so a row's randomness does not depend on its batch, its bucket or how many tokens a step emits."""
+    keys = jax.random.wrap_key_data(state.seq_keys)
+    return jax.vmap(jax.random.fold_in)(keys, state.num_generated)
 
 
 @dataclasses.dataclass
 class ChunkRecord:
     """One device call of the engine (a chunk of decode steps or speculative rounds)."""
 
-    mode: str  # "plain" or a speculative strategy name like "8_4_48" / "ngram_4_1_4"
+    mode: str  # "plain" or a speculative mode name like "8_4_48" (EAGLE) / "ngram_4_1_4"
     batch_bucket: int
     cache_bucket: int
-    steps: int
+    steps: int  # decode steps (plain) or verify rounds (speculative) the chunk ran
     running_start: int
     seconds: float
     accepted_tokens: int = 0  # tokens emitted by speculative rounds (accepted drafts + bonus)
     verify_rounds: int = 0  # per-row verify rounds (sum over rows)
+    new_tokens: int = 0  # tokens emitted by the chunk (any mode)
+    strategy: str = ""  # the speculative strategy "depth_topk_verify" ("" for plain)
+    accept_hist: tuple[int, ...] = ()  # [i] = row-rounds that emitted i tokens (i = 0..depth+1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """The bandit's reward: tokens emitted per second of this chunk."""
+        return self.new_tokens / max(self.seconds, 1e-9)
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens emitted per row per verify round (accepted drafts + 1); 0 for plain chunks."""
+        return self.accepted_tokens / self.verify_rounds if self.verify_rounds else 0.0
 
 
 @dataclasses.dataclass
 class RolloutStats:
-    running_per_step: list[int] = dataclasses.field(default_factory=list)  # long-tail curve
+    running_per_step: list[int] = dataclasses.field(default_factory=list)  # long-tail curve (steps/rounds)
     sd_per_step: list[bool] = dataclasses.field(default_factory=list)  # SD on at that step
     chunks: list[ChunkRecord] = dataclasses.field(default_factory=list)
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -47,6 +121,24 @@ class RolloutStats:
     def sd_seconds(self) -> float:
         return sum(c.seconds for c in self.chunks if c.mode != "plain")
 
+    def mode_tokens_per_second(self, mode: str | None = None) -> float:
+        """Tokens per second of device time in chunks of `mode` (None: all speculative chunks).
+
+        Counts only chunk (decode) time, not prefill or host time: the number to compare plain with SD.
+        """
+        sel = [c for c in self.chunks if (c.mode != "plain" if mode is None else c.mode == mode)]
+        return sum(c.new_tokens for c in sel) / max(sum(c.seconds for c in sel), 1e-9) if sel else 0.0
+
+    def accept_histogram(self) -> np.ndarray:
+        """Row-rounds by tokens emitted (index i = i tokens), summed over all speculative chunks."""
+        hists = [np.asarray(c.accept_hist) for c in self.chunks if c.accept_hist]
+        if not hists:
+            return np.zeros((0,), np.int64)
+        out = np.zeros((max(len(h) for h in hists),), np.int64)
+        for h in hists:
+            out[: len(h)] += h
+        return out
+
     def summary(self) -> dict[str, float]:
         return {
             "rollout/tokens": float(self.num_tokens),
@@ -55,6 +147,8 @@ class RolloutStats:
             "rollout/decode_steps": float(len(self.running_per_step)),
             "rollout/sd_seconds": self.sd_seconds,
             "rollout/accept_len": self.mean_accept_length,
+            "rollout/sd_tok_per_s": self.mode_tokens_per_second(None),
+            "rollout/plain_tok_per_s": self.mode_tokens_per_second("plain"),
             **{f"rollout/time_{k}": v for k, v in self.phase_seconds.items()},
         }
 

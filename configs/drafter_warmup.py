@@ -1,0 +1,128 @@
+"""Drafter warm-up: train a first EAGLE drafter for a target model on the target's own generations.
+
+    python -m tlt_jax.main --config configs/drafter_warmup.py --workdir workdirs/drafter_warmup
+    python -m tlt_jax.drafter.warmup --config configs/drafter_warmup.py --workdir workdirs/drafter_warmup
+
+Args (`--config configs/drafter_warmup.py:ARG`): none = SmolLM2-135M-Instruct (the GGUF under the repository's
+.cache/models, fetched by `make setup`) on CPU in < 30 min;
+"tiny" / "runlocal" = a tiny random target with a byte tokenizer and the counting task (seconds; tests).
+Every field can be overridden, e.g. `--config.train.steps=400 --config.task.name=gsm_symbolic`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import ml_collections
+from ml_collections import config_dict
+
+from tlt_jax import config_lib
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.job = "drafter_warmup"
+    c.seed = 0
+    c.multiprocess = False
+    c.compilation_cache_dir = ""
+
+    # The target: a .gguf file or HF model directory (path), OR a tiny random architecture (random).
+    c.model = ml_collections.ConfigDict()
+    c.model.path = config_dict.placeholder(str)
+    c.model.path = str(DEFAULT_MODEL)
+    c.model.random = ml_collections.ConfigDict()
+    c.model.dtype = "float32"  # fp32 on CPU (no bf16 instructions); "bfloat16" on GPUs
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))  # read by tlt_jax.main's validation only
+
+    # Prompts for the target's own responses; held-out eval prompts follow the training prompts in the
+    # task's seeded order, so they are different problems.
+    c.task = ml_collections.ConfigDict()
+    c.task.kind = "reasoning_gym"
+    c.task.name = "chain_sum"
+    c.task.size = 5000
+    c.task.seed = 0
+    c.task.dataset_kwargs = ml_collections.ConfigDict()
+
+    c.generation = ml_collections.ConfigDict()
+    c.generation.num_prompts = 96  # training prompts
+    c.generation.n = 4  # samples per prompt
+    c.generation.batch_prompts = (
+        16  # prompts per engine call (batch = batch_prompts * n); one cache file each
+    )
+    c.generation.max_new_tokens = 256
+    c.generation.temperature = 0.9  # the RL sampling temperature: the drafter learns the RL distribution
+    c.generation.top_p = 1.0
+    c.generation.max_cache_len = 1024
+    c.generation.chunk_steps = 16
+
+    # Target forward for the hidden states: sequences packed into [rows, seq_len] with a block mask.
+    c.forward = ml_collections.ConfigDict()
+    c.forward.rows = 4
+    c.forward.seq_len = 512
+    c.forward.hidden_dtype = "float16"  # cache / host storage of the features (packed as float32)
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 300
+    c.train.lr = 1e-3
+    c.train.warmup = 20
+    c.train.schedule = "cosine"
+    c.train.end_lr_ratio = 0.1
+    c.train.rows = 4
+    c.train.seq_len = 512
+    c.train.w_feat = 1.0  # offline EAGLE warm-up weights (online RL training uses 0.5 / 0.5)
+    c.train.w_ce = 0.1
+    c.train.weight_decay = 0.0
+    c.train.clip_norm = 0.5
+    # The LM head (49152 x 576) dominates a step: compute it only at loss positions (-1: sized from the data,
+    # 0: all positions) and the soft CE on `ce_tokens` random loss positions per step (0: all of them).
+    c.train.max_loss_tokens = -1
+    c.train.ce_tokens = 384
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.init = "random"  # "random" | "target_last_layer" (copy the target's last decoder layer)
+    c.train.log_every = 10
+    c.train.checkpoint_every = 50
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.depth = 6
+    c.eval.num_prompts = 16
+    # Held-out data sampled like the training data (same engine shapes: no extra compiles); drafts are checked
+    # against the target's argmax given the true prefix. temperature=0 makes the number exact for greedy SD.
+    c.eval.n = 4
+    c.eval.temperature = 0.9
+    c.eval.rows = 4
+    c.eval.seq_len = 512
+
+    if arg in ("tiny", "runlocal"):
+        c.model.path = None
+        c.model.random = config_lib.tiny_random_model("llama")
+        c.task = ml_collections.ConfigDict({"kind": "counting", "size": 10, "seed": 0})
+        c.generation.num_prompts = 4
+        c.generation.n = 2
+        c.generation.batch_prompts = 2
+        c.generation.max_new_tokens = 24
+        c.generation.temperature = 1.0
+        c.generation.max_cache_len = 128
+        c.generation.chunk_steps = 8
+        c.forward.rows = 2
+        c.forward.seq_len = 128
+        c.train.steps = 6
+        c.train.warmup = 2
+        c.train.lr = 3e-3
+        c.train.rows = 2
+        c.train.seq_len = 128
+        c.train.log_every = 2
+        c.train.ce_tokens = 64
+        c.train.checkpoint_every = 3
+        c.eval.depth = 3
+        c.eval.num_prompts = 2
+        c.eval.n = 2
+        c.eval.temperature = 1.0
+        c.eval.rows = 2
+        c.eval.seq_len = 128
+    elif arg:
+        raise ValueError(f"unknown config arg {arg!r}: use none, 'tiny' or 'runlocal'")
+    return c

@@ -1,0 +1,22 @@
+"""GRPO on Qwen2.5-32B with the paper's settings (`config_lib.paper_grpo`), for multi-host GPU runs:
+tensor-parallel 8 within a node, data-parallel across nodes. The trainer's float32 master weights and AdamW
+state are also sharded over the data axis (trainer.fsdp): 32B x 12 bytes does not fit one node's TP group.
+
+  python -m tlt_jax.main --config configs/qwen2_5_32b.py --config.model.path=/models/Qwen2.5-32B \\
+      --workdir /ckpt/qwen32b          (run on every host; jax.distributed finds the others)
+Args: as configs/qwen2_5_7b.py (dataset, steps, runlocal).
+"""
+
+from tlt_jax import config_lib
+
+
+def get_config(arg: str | None = None):
+    arg = config_lib.parse_arg(arg, dataset="gsm_symbolic", steps=200, runlocal=False)
+    c = config_lib.paper_grpo(config_lib.base_config(), arg.dataset, arg.steps)
+    c.multiprocess = True
+    c.mesh.data, c.mesh.model = -1, 8
+    c.trainer.fsdp = True
+    if arg.runlocal:
+        config_lib.shrink_for_cpu(c, "qwen2")
+        c.multiprocess = False
+    return c

@@ -1,0 +1,19 @@
+"""GRPO on Qwen2.5-7B with the paper's settings (`config_lib.paper_grpo`: 8 samples/prompt, T=0.9, low_var_kl
+0.001, lr 1e-6, responses up to 32K tokens) for one GPU node: tensor-parallel 4 x data-parallel (the rest).
+
+  python -m tlt_jax.main --config configs/qwen2_5_7b.py --config.model.path=/models/Qwen2.5-7B \\
+      --workdir /ckpt/qwen7b [--config.mesh.model=8] [--config.multiprocess=True on several hosts]
+Args: dataset=gsm_symbolic (a reasoning-gym dataset) or dataset=jsonl (then --config.task.path=/data/x.jsonl);
+steps=N; runlocal (the same algorithm on a tiny random Qwen2-architecture model on CPU: a pipeline check).
+"""
+
+from tlt_jax import config_lib
+
+
+def get_config(arg: str | None = None):
+    arg = config_lib.parse_arg(arg, dataset="gsm_symbolic", steps=200, runlocal=False)
+    c = config_lib.paper_grpo(config_lib.base_config(), arg.dataset, arg.steps)
+    c.mesh.data, c.mesh.model = -1, 4
+    if arg.runlocal:
+        config_lib.shrink_for_cpu(c, "qwen2")
+    return c

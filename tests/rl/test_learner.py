@@ -1,0 +1,252 @@
+"""GRPO learner and trainer: batch layout, trainer log-probs vs a full forward, exact gradient accumulation,
+one GRPO step improving its surrogate, no recompilation, and a Learner step's metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tlt_jax import config_lib
+from tlt_jax import sharding as shd
+from tlt_jax.models.config import tiny_config
+from tlt_jax.models.llama import Transformer
+from tlt_jax.rl import grpo
+from tlt_jax.rl.learner import Learner
+from tlt_jax.rl.trainer import (
+    LossConfig,
+    OptimConfig,
+    PolicyTrainer,
+    TrainBatch,
+    build_train_batch,
+    micro_weights,
+    response_logprobs,
+    split_micro,
+)
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+CFG = tiny_config("llama")
+
+
+def smoke_config(arg: str | None = None):
+    spec = importlib.util.spec_from_file_location("cfg_smoke", CONFIGS / "smoke.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def mesh(data: int):
+    return shd.make_mesh(data, 1, jax.devices()[:data])
+
+
+def random_batch(seed: int, groups: int = 4, n: int = 2, bucket: int = 8) -> TrainBatch:
+    """Prompts of 2..9 tokens, responses of 1..12 tokens, advantages in [-1, 1]."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(groups):
+        p = rng.integers(1, CFG.vocab_size, rng.integers(2, 10)).tolist()
+        prompts += [p] * n
+    b = groups * n
+    lengths = rng.integers(1, 13, b)
+    responses = rng.integers(1, CFG.vocab_size, (b, 12))
+    adv = rng.uniform(-1, 1, b).astype(np.float32)
+    return build_train_batch(
+        prompts, responses, lengths, adv, np.ones(b, bool), group_size=n, seq_bucket=bucket
+    )
+
+
+def trainer(model_seed: int = 0, *, data: int = 1, micro: int = 8, **kw) -> PolicyTrainer:
+    loss = kw.pop("loss", LossConfig(temperature=0.8, fuse_old_logprobs=False))
+    return PolicyTrainer(
+        Transformer(CFG, nnx.Rngs(model_seed)),
+        mesh(data),
+        loss,
+        kw.pop("optim", OptimConfig(lr=1e-2, weight_decay=0.0)),
+        micro_batch_size=micro,
+        with_reference=kw.pop("with_reference", False),
+        **kw,
+    )
+
+
+def leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# batch layout
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_build_train_batch_layout() -> None:
+    prompts = [[5, 6, 7]] * 2 + [[8, 9]] * 2
+    responses = np.arange(1, 21).reshape(4, 5)
+    lengths = np.array([5, 2, 1, 3])
+    keep = np.array([True, True, False, False])
+    b = build_train_batch(prompts, responses, lengths, np.arange(4.0), keep, group_size=2, seq_bucket=4)
+    assert b.prompt.shape == (2, 4) and b.response.shape == (2, 2, 8)  # Tp, Nb rounded up to 4
+    np.testing.assert_array_equal(b.prompt, [[5, 6, 7, 0], [8, 9, 0, 0]])
+    np.testing.assert_array_equal(b.prompt_len, [3, 2])
+    np.testing.assert_array_equal(b.response[0, 1], [6, 7, 0, 0, 0, 0, 0, 0])  # padding zeroed
+    np.testing.assert_array_equal(b.response_mask.sum(-1), [[5, 2], [0, 0]])  # dropped group: no tokens
+    np.testing.assert_array_equal(b.advantages, [[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="does not share the prompt of its group"):
+        build_train_batch([[1], [2], [1], [2]], responses, lengths, np.zeros(4), keep, group_size=2, seq_bucket=4)
+
+
+def test_micro_weights_reproduce_the_full_batch_aggregation() -> None:
+    rng = np.random.default_rng(0)
+    loss = rng.normal(size=(8, 6)).astype(np.float32)
+    mask = (rng.uniform(size=(8, 6)) < 0.6).astype(np.float32)
+    mask[3] = 0.0  # a row without tokens
+    for agg in grpo.LOSS_AGGREGATIONS:
+        full = float(grpo.aggregate_loss(jnp.asarray(loss), jnp.asarray(mask), agg, max_len=6))
+        w = micro_weights(mask.reshape(4, 1, 2, 6), agg)  # 4 micro-batches of one group of 2
+        parts = [
+            float(grpo.aggregate_loss(jnp.asarray(loss[2 * k : 2 * k + 2]), jnp.asarray(mask[2 * k : 2 * k + 2]),
+                                      agg, max_len=6))
+            for k in range(4)
+        ]
+        assert np.dot(w, parts) == pytest.approx(full, rel=1e-5), agg
+
+
+# ----------------------------------------------------------------------------------------------------------
+# trainer forward
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_shared_prompt_logprobs_match_a_full_forward(chunk: int) -> None:
+    model = Transformer(CFG, nnx.Rngs(1))
+    batch = jax.tree_util.tree_map(jnp.asarray, random_batch(0))
+    out = response_logprobs(model, batch, temperature=0.7, logits_chunk=chunk, return_hidden=True)
+    g, n, nb = batch.response.shape
+    assert out.logp.shape == (g * n, nb) and out.hidden.shape == (g * n, nb, CFG.hidden_size)
+    for row in range(g * n):
+        gi, length = row // n, int(batch.response_mask[row // n, row % n].sum())
+        prompt = np.asarray(batch.prompt[gi, : int(batch.prompt_len[gi])])
+        seq = np.concatenate([prompt, np.asarray(batch.response[gi, row % n, :length])])
+        logits = model(jnp.asarray(seq)[None], jnp.arange(len(seq))[None]).logits[0] / 0.7
+        ref = jax.nn.log_softmax(logits, -1)[len(prompt) - 1 : -1]
+        want = np.take_along_axis(np.asarray(ref), seq[len(prompt) :, None], -1)[:, 0]
+        np.testing.assert_allclose(out.logp[row, :length], want, atol=2e-5, rtol=1e-5)
+
+
+def test_micro_batching_and_fsdp_do_not_change_the_update() -> None:
+    """Gradient accumulation over micro-batches (and sharding params over data) = one full-batch step."""
+    batch = random_batch(1)  # 4 groups x 2 samples
+    results = []
+    for micro, data, fsdp in [(8, 1, False), (2, 1, False), (4, 2, True)]:
+        tr = trainer(micro=micro, data=data, fsdp=fsdp)
+        mb = tr.put_micro(batch)
+        old = np.asarray(tr.logprobs(mb).logp).reshape(batch.old_logp.shape)
+        mb = tr.put_micro(batch.replace(old_logp=old))
+        mask = np.asarray(batch.response_mask)
+        w = micro_weights(mask.reshape((8 // micro, -1) + mask.shape[1:]), tr.loss.aggregation)
+        grads = leaves(tr.gradients(mb, w))
+        metrics, _ = tr.update(mb, w)
+        results.append((grads, leaves(tr.params), metrics))
+    (g0, p0, m0), *rest = results
+    for g, p, m in rest:
+        assert m["loss/pg"] == pytest.approx(m0["loss/pg"], abs=1e-6)
+        assert m["optim/grad_norm"] == pytest.approx(m0["optim/grad_norm"], rel=1e-4)
+        for a, b in zip(g0, g, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        for a, b in zip(p0, p, strict=True):  # AdamW's first step ~ lr * sign(grad): tiny grads may flip
+            np.testing.assert_allclose(a, b, atol=2e-4)
+
+
+def test_no_recompilation_after_warmup() -> None:
+    tr = trainer(micro=4, loss=LossConfig(fuse_old_logprobs=True))
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda e, d, **kw: compiles.append(e) if e == "/jax/core/compile/backend_compile_duration" else None
+    )
+    w = np.full((2,), 0.5, np.float32)
+    tr.update(tr.put_micro(random_batch(2)), w)
+    tr.update(tr.put_micro(random_batch(3)), w)  # same buckets (Tp=16, Nb=16), new values
+    before = len(compiles)
+    for seed in (4, 5):
+        tr.update(tr.put_micro(random_batch(seed)), w)
+    assert len(compiles) == before, "the update recompiled for same-bucket batches"
+    assert tr._update._cache_size() == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one GRPO step
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_one_grpo_step_changes_params_and_raises_the_surrogate() -> None:
+    """Rollout from the smoke model, rewards that prefer even tokens, one PPO-clipped update (with KL to the
+    reference): the parameters move and the surrogate objective on the same batch goes up."""
+    config = smoke_config()
+    model, _ = config_lib.build_model_and_tokenizer(config)
+    m = mesh(2)
+    engine = RolloutEngine(model, EngineConfig(max_new_tokens=10, max_cache_len=64, min_cache_bucket=16), [-1],
+                           mesh=m)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    n = 4
+    rollout = engine.generate(prompts, n=n, key=jax.random.key(0), sampling=SamplingParams(temperature=1.0))
+    rewards = np.asarray([(rollout.response(i) and np.mean(np.asarray(rollout.response(i)) % 2 == 0)) or 0.0
+                          for i in range(8)], np.float32)
+    adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), n))
+    assert np.abs(adv).sum() > 0
+    batch = build_train_batch(rollout.prompt_tokens, rollout.tokens, rollout.lengths, adv, np.ones(8, bool),
+                              group_size=n, seq_bucket=8)
+    loss = LossConfig(temperature=1.0, kl_coef=0.01, fuse_old_logprobs=False)
+    tr = PolicyTrainer(model, m, loss, OptimConfig(lr=1e-3, weight_decay=0.0), micro_batch_size=4,
+                       with_reference=True)
+    mb = tr.put_micro(batch)
+    old = tr.logprobs(mb).logp
+    # the trainer recomputes what the engine sampled with
+    mask = rollout.mask
+    np.testing.assert_allclose(np.asarray(old).reshape(8, -1)[:, : mask.shape[1]][mask], rollout.logprobs[mask],
+                               atol=1e-5)
+    batch = batch.replace(old_logp=np.asarray(old).reshape(batch.old_logp.shape))
+    ref = tr.logprobs(tr.put_micro(batch), params=tr.ref_params).logp
+    batch = batch.replace(ref_logp=np.asarray(ref).reshape(batch.ref_logp.shape))
+    mb = tr.put_micro(batch)
+    w = micro_weights(np.asarray(batch.response_mask).reshape(2, 1, n, -1), "seq_mean_token_mean")
+    before_params = leaves(tr.params)
+    before = tr.surrogate_loss(mb, w)
+    metrics, _ = tr.update(mb, w)
+    after = tr.surrogate_loss(mb, w)
+    assert after < before - 1e-4, (before, after)
+    assert metrics["loss/pg"] == pytest.approx(before, abs=1e-6)  # KL is 0 at the reference
+    assert max(float(np.abs(a - b).max()) for a, b in zip(before_params, leaves(tr.params), strict=True)) > 1e-4
+    # the engine picks up the new weights without recompiling
+    programs = engine.compile_count
+    engine.set_params(tr.compute_params())
+    engine.generate(prompts, n=n, key=jax.random.key(0), sampling=SamplingParams(temperature=1.0))
+    assert engine.compile_count == programs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the Learner
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_learner_step_metrics(tmp_path) -> None:
+    config = smoke_config()
+    config.mesh.data = 2
+    learner = Learner(config, str(tmp_path))
+    try:
+        m = learner.train_step()
+        m = learner.train_step()
+    finally:
+        learner.close()
+    for key in ("reward/mean", "accuracy", "length/p50", "length/p90", "length/max", "time/rollout",
+                "time/reward", "time/logprob", "time/update", "rollout/share", "throughput/tok_per_s",
+                "loss/pg", "optim/grad_norm", "policy/entropy"):
+        assert key in m, key
+    assert m["logprob/engine_gap"] < 1e-4  # the engine's sampling log-probs == the trainer's recomputation
+    assert 0 < m["rollout/share"] < 1 and learner.step == 2 and learner.data_position == 4
+    for a, b in zip(leaves(learner.engine.params), leaves(learner.trainer.compute_params()), strict=True):
+        np.testing.assert_array_equal(a, b)

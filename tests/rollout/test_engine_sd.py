@@ -1,0 +1,359 @@
+"""Speculative rollouts through the engine: greedy identity, switching + compaction, no recompiles, and the
+lossless claim end to end (the emitted tokens are distributed exactly as the target samples them).
+
+Models are tiny and built so that speculation does real work:
+- the target's attention is scaled up, so its next token depends on the context (a verify pass that mixed
+  up positions, masks or caches would change the output);
+- a "mirror" drafter copies the target's single layer and reads only the token embedding (embeddings have
+  unit RMS, so the target's input norm is the identity): it predicts the target almost exactly, and noise on
+  its fusion weights sets the acceptance rate; random drafters (low acceptance) are the other extreme.
+
+Statistical protocol (as tests/rollout/test_acceptance.py): 65,536 samples of one prompt in one engine call
+per variant; Pearson chi-square of the joint of the first three response tokens against the exact joint the
+target computes by teacher forcing (`target_probs`, temperature 0.9, top-k 8 < V = 12, top-p 0.95);
+cells with expected count < 5 pooled; zero-probability cells must stay empty. Exact variants pass at
+p > 1e-3; a biased acceptance rule run through the same pipeline must give p < 1e-6 (the test has power).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from flax import nnx
+
+from tlt_jax.models.config import ModelConfig, tiny_config
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.llama import Transformer
+from tlt_jax.rollout.acceptance import tree_accept
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams, target_probs
+from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.types import ChunkRecord
+
+GREEDY = SamplingParams(temperature=0.0)
+CFG = tiny_config(num_layers=1, tie_embeddings=False)
+EOS = 48  # appears early in prompt 0's greedy continuation and never in prompt 1's (checked below)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations through jax.monitoring (the ground truth, not the engine's cache)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event: str, duration: float, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+_COMPILES = CompileCounter()
+
+
+def make_target(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    model = Transformer(cfg, nnx.Rngs(seed))
+    emb = model.embed[...]
+    model.embed[...] = emb / jnp.sqrt(jnp.mean(emb * emb, axis=-1, keepdims=True))  # unit RMS rows
+    model.layers[0].attn.qkv[...] = model.layers[0].attn.qkv[...] * 5.0
+    model.layers[0].attn.o_proj[...] = model.layers[0].attn.o_proj[...] * 20.0
+    return model
+
+
+def mirror_drafter(target: Transformer, noise: float, seed: int = 1) -> Drafter:
+    """A drafter whose layer is the target's layer and whose input is the next token's embedding (+ noise)."""
+    cfg = target.cfg
+    drafter = Drafter(cfg, nnx.Rngs(seed))
+    nnx.update(drafter.layer.attn, nnx.state(target.layers[0].attn))
+    nnx.update(drafter.layer.mlp, nnx.state(target.layers[0].mlp))
+    nnx.update(drafter.layer.post_attn_norm, nnx.state(target.layers[0].post_attn_norm))
+    h = cfg.hidden_size
+    eye = jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], axis=1)
+    drafter.fc[...] = eye + noise * jax.random.normal(jax.random.key(seed), (h, 2 * h))
+    return drafter
+
+
+def check_stats(out, max_depth: int) -> None:
+    """Bookkeeping: every chunk's counts add up; all tokens after the first (prefill) come from chunks."""
+    for c in out.stats.chunks:
+        if c.mode == "plain":
+            assert c.accepted_tokens == 0 and c.verify_rounds == 0
+            continue
+        hist = np.asarray(c.accept_hist)
+        assert len(hist) == max_depth + 2 and hist[0] == 0
+        assert hist.sum() == c.verify_rounds and (hist * np.arange(len(hist))).sum() == c.accepted_tokens
+        assert c.accepted_tokens == c.new_tokens
+    assert sum(c.new_tokens for c in out.stats.chunks) == out.lengths.sum() - len(out.lengths)
+
+
+# ---- greedy: speculative == plain, token for token ------------------------------------------------------
+
+PROMPTS = [[1, 5, 6, 7, 8], [9, 9, 2]]  # different lengths in one batch
+MODES = [("eagle", "3_1_4"), ("eagle", "3_2_6"), ("ngram", "2_2_5")]  # the n-gram chain: see below
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target(CFG)
+
+
+@pytest.fixture(scope="module")
+def greedy_engine(target):
+    engine = RolloutEngine(
+        target,
+        EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=8, compact=False),
+        eos_ids=[EOS],
+        drafter=mirror_drafter(target, noise=0.03),
+    )
+    names = [engine.add_mode(kind, strat) for kind, strat in MODES]
+    plain = engine.generate(
+        PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r: "plain"
+    )
+    assert plain.finish_reason == ["eos", "eos", "length", "length"], "EOS no longer splits the batch"
+    return engine, names, plain
+
+
+@pytest.mark.parametrize("which", range(len(MODES)), ids=[f"{k}_{s}" for k, s in MODES])
+def test_greedy_speculative_equals_plain(greedy_engine, which):
+    """Whole rollout speculative (prompts of different lengths, 2 samples each, EOS inside accepted paths,
+    the 40-token budget cutting the last round): identical tokens, lengths, finish reasons; same log-probs."""
+    engine, names, plain = greedy_engine
+    mode = names[which]
+    out = engine.generate(PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r: mode)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.lengths, plain.lengths)
+    assert out.finish_reason == plain.finish_reason
+    np.testing.assert_allclose(out.logprobs, plain.logprobs, atol=1e-5)
+    assert all(c.mode == mode for c in out.stats.chunks)
+    check_stats(out, engine.modes[mode].strategy.max_depth)
+    assert out.stats.mean_accept_length > 1.2, (
+        "drafts were rarely accepted: the test would not exercise commits"
+    )
+
+
+# ---- switching at a threshold, compaction, mode alternation, no recompiles -------------------------------
+
+SWITCH_PROMPTS = [[1, 5, 6, 7, 8], [9, 9, 2], [10, 53, 36, 94, 96, 91, 118, 119, 24]]  # EOS at 8, never, 15
+
+
+@pytest.fixture(scope="module")
+def compact_engine(target):
+    spec = SpecConfig(enabled=True, drafter="eagle", strategy="3_2_6", threshold=2, min_steps_below=4)
+    engine = RolloutEngine(
+        target,
+        EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=4, compact=True, spec=spec),
+        eos_ids=[EOS],
+        drafter=mirror_drafter(target, noise=0.03),
+    )
+    engine.add_mode("ngram", "3_1_4")
+    return engine
+
+
+@pytest.fixture(scope="module")
+def switch_reference(greedy_engine):
+    engine, _, _ = greedy_engine
+    out = engine.generate(
+        SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r: "plain"
+    )
+    assert len(set(out.lengths.tolist())) == 3, "rows should finish at different steps (compaction)"
+    return out
+
+
+def test_threshold_switch_with_compaction_greedy(compact_engine, switch_reference):
+    """SpecConfig's switch: plain until <= 2 rows have run for 4 steps, then EAGLE; rows finish at different
+    times, so the batch is compacted 4 -> 2 -> 1 while speculating. Output identical to plain decoding."""
+    out = compact_engine.generate(SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY)
+    np.testing.assert_array_equal(out.tokens, switch_reference.tokens)
+    np.testing.assert_array_equal(out.lengths, switch_reference.lengths)
+    np.testing.assert_allclose(out.logprobs, switch_reference.logprobs, atol=1e-5)
+    modes = [c.mode for c in out.stats.chunks]
+    first_sd = modes.index("3_2_6")
+    assert "plain" in modes[:first_sd] and set(modes[first_sd:]) == {"3_2_6"}
+    running = out.stats.running_per_step
+    sd = out.stats.sd_per_step
+    switch = sd.index(True)
+    assert switch >= 4 and all(r <= 2 for r in running[switch - 4 : switch]) and max(running[:switch]) > 2
+    buckets = [c.batch_bucket for c in out.stats.chunks]
+    assert buckets[0] == 4 and buckets[-1] == 1 and buckets == sorted(buckets, reverse=True)
+    check_stats(out, 3)
+
+
+class AlternatingSelector:
+    """Plain above 2 running rows; then EAGLE at batch bucket 2 and, at bucket 1, n-gram and EAGLE chunks in
+    turn (a bandit-like choice per bucket). Records what it observed."""
+
+    def __init__(self) -> None:
+        self.i = 0
+        self.records: list[ChunkRecord] = []
+
+    def select(self, running: int, batch_bucket: int) -> str:
+        if running > 2:
+            return "plain"
+        if batch_bucket > 1:
+            return "3_2_6"
+        self.i += 1
+        return "ngram_3_1_4" if self.i % 2 else "3_2_6"
+
+    def observe(self, record: ChunkRecord, running_steps) -> None:
+        assert record.steps == len(running_steps)
+        self.records.append(record)
+
+
+def test_mode_selector_alternates_drafters_and_nothing_recompiles(compact_engine, switch_reference):
+    """A ModeSelector switching between the EAGLE and the n-gram drafter chunk by chunk (the drafter cache is
+    kept through n-gram rounds), with compaction: output identical to plain. Then a second rollout after
+    swapping in other drafter weights: zero new XLA compilations, and still the same greedy output."""
+    sel = AlternatingSelector()
+    out = compact_engine.generate(
+        SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, mode_selector=sel
+    )
+    np.testing.assert_array_equal(out.tokens, switch_reference.tokens)
+    np.testing.assert_allclose(out.logprobs, switch_reference.logprobs, atol=1e-5)
+    combos = {(r.mode, r.batch_bucket) for r in sel.records}
+    assert {("3_2_6", 2), ("3_2_6", 1), ("ngram_3_1_4", 1)} <= combos
+    assert sel.records == out.stats.chunks
+    assert all(r.tokens_per_second > 0 for r in sel.records)
+
+    programs, compiles = compact_engine.compile_count, _COMPILES.count
+    other = mirror_drafter(compact_engine.model(), noise=0.3, seed=7)  # much worse drafts, same shapes
+    compact_engine.set_drafter_params(nnx.state(other, nnx.Param))
+    again = compact_engine.generate(
+        SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, mode_selector=AlternatingSelector()
+    )
+    assert {(r.mode, r.batch_bucket) for r in again.stats.chunks} <= combos
+    assert compact_engine.compile_count == programs
+    assert _COMPILES.count == compiles, "XLA compiled a new program after warm-up"
+    np.testing.assert_array_equal(again.tokens, switch_reference.tokens)
+    eagle = [c for c in out.stats.chunks if c.mode == "3_2_6"]
+    eagle_again = [c for c in again.stats.chunks if c.mode == "3_2_6"]
+    acc = sum(c.accepted_tokens for c in eagle) / sum(c.verify_rounds for c in eagle)
+    acc_again = sum(c.accepted_tokens for c in eagle_again) / sum(c.verify_rounds for c in eagle_again)
+    assert acc_again < acc, "the swapped-in drafter weights were not used"
+
+
+# ---- lossless sampling, end to end ------------------------------------------------------------------------
+
+V = 12
+SAMPLE_CFG = tiny_config(
+    vocab_size=V,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    tie_embeddings=False,
+)
+SAMPLING = SamplingParams(temperature=0.9, top_k=8, top_p=0.95)
+NUM_SAMPLES = 65_536
+PASS_P, POWER_P = 1e-3, 1e-6
+
+
+def biased_accept(key, tokens_bn, parents_bn, probs_bnv, max_depth):
+    """A LOSSY rule for the power check: tree_accept, but the bonus is drawn from p itself instead of p with
+    the rejected drafts removed, so rejected drafts come back too often."""
+    acc = tree_accept(key, tokens_bn, parents_bn, probs_bnv, max_depth)
+    rows = jnp.arange(tokens_bn.shape[0])
+    p_last = probs_bnv[rows, acc.last_node]
+    bonus = jax.random.categorical(jax.random.fold_in(key, 7), jnp.log(p_last), axis=-1).astype(jnp.int32)
+    at_bonus = jnp.arange(max_depth + 1)[None, :] == acc.num_accepted[:, None]
+    return acc.replace(tokens=jnp.where(at_bonus, bonus[:, None], acc.tokens), bonus=bonus)
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    target = Transformer(SAMPLE_CFG, nnx.Rngs(0))
+    emb = target.embed[...]
+    target.embed[...] = emb / jnp.sqrt(jnp.mean(emb * emb, axis=-1, keepdims=True))
+    target.lm_head[...] = target.lm_head[...] * 12.0  # logits of order 1: a non-trivial distribution
+    target.layers[0].attn.o_proj[...] = target.layers[0].attn.o_proj[...] * 10.0
+    good = mirror_drafter(target, noise=0.05)
+    # the prompt: the target's own greedy continuation of [3, 5] (it cycles), so the n-gram drafter finds
+    # drafts in the prompt that the target often samples
+    graph, params = nnx.split(target)
+    forward = jax.jit(
+        lambda p, toks: nnx.merge(graph, p)(toks, jnp.broadcast_to(jnp.arange(16), toks.shape)).logits
+    )
+    prompt = [3, 5]
+    for _ in range(8):  # causal: the padding after the prompt does not change its logits
+        toks = np.zeros((V * V, 16), np.int32)
+        toks[:, : len(prompt)] = prompt
+        prompt.append(int(jnp.argmax(forward(params, jnp.asarray(toks))[0, len(prompt) - 1])))
+    engine = RolloutEngine(
+        target,
+        EngineConfig(max_new_tokens=3, max_cache_len=32, chunk_steps=4, min_cache_bucket=16, compact=False),
+        eos_ids=[],
+        drafter=good,
+    )
+    modes = {
+        "chain": engine.add_mode("eagle", "2_1_3"),
+        "tree": engine.add_mode("eagle", "2_3_6"),
+        "ngram": engine.add_mode("ngram", "2_2_5"),
+        "biased": engine.add_mode("eagle", "2_1_3", accept_rule=biased_accept, label="biased"),
+    }
+    # exact joint of the first three response tokens, by teacher forcing all V^2 two-token prefixes
+    p = len(prompt)
+    seqs = np.zeros((V * V, 16), np.int32)
+    seqs[:, : p + 2] = [[*prompt, a, b] for a in range(V) for b in range(V)]
+    logits = forward(params, jnp.asarray(seqs))
+    probs = np.asarray(target_probs(logits, SAMPLING), np.float64)
+    p0, p1 = probs[0, p - 1], probs[::V, p]  # [V], [V, V]
+    p2 = probs[:, p + 1].reshape(V, V, V)
+    joint = p0[:, None, None] * p1[:, :, None] * p2
+    return engine, modes, good, prompt, joint / joint.sum()
+
+
+def chi_square_pvalue(tokens: np.ndarray, joint: np.ndarray) -> float:
+    idx = tokens[:, 0] * V * V + tokens[:, 1] * V + tokens[:, 2]
+    counts = np.bincount(idx, minlength=V**3).astype(np.float64)
+    expected = joint.reshape(-1) * len(idx)
+    zero = expected == 0
+    assert counts[zero].sum() == 0, "a token the target never samples was emitted"
+    c, e = counts[~zero], expected[~zero]
+    small = e < 5
+    if small.any():
+        c = np.append(c[~small], c[small].sum())
+        e = np.append(e[~small], e[small].sum())
+    return float(scipy.stats.chisquare(c, e).pvalue)
+
+
+def _sample(engine, prompt: list[int], mode: str, seed: int):
+    out = engine.generate(
+        [prompt],
+        n=NUM_SAMPLES,
+        key=jax.random.key(seed),
+        sampling=SAMPLING,
+        mode_selector=lambda r: mode,
+    )
+    assert (out.lengths == 3).all() and all(c.mode == mode for c in out.stats.chunks)
+    return out
+
+
+@pytest.mark.slow
+def test_speculative_sampling_is_lossless(sampling_setup):
+    """Chain and tree EAGLE (good drafter), the same tree with a confident random drafter, and n-gram drafts:
+    each matches the target's exact joint; the biased rule is rejected, so the test can tell."""
+    engine, modes, good, prompt, joint = sampling_setup
+    results = {}
+    for name, seed in (("chain", 1), ("tree", 2), ("ngram", 3)):
+        out = _sample(engine, prompt, modes[name], seed)
+        results[name] = (chi_square_pvalue(out.tokens, joint), out.stats.mean_accept_length)
+    # a confident, wrong drafter: random weights, fusion scaled up (same shapes: no recompile)
+    bad = Drafter(SAMPLE_CFG, nnx.Rngs(11))
+    bad.fc[...] = bad.fc[...] * 30.0
+    engine.set_drafter_params(nnx.state(bad, nnx.Param))
+    out = _sample(engine, prompt, modes["tree"], 4)
+    results["tree_bad_drafter"] = (chi_square_pvalue(out.tokens, joint), out.stats.mean_accept_length)
+    engine.set_drafter_params(nnx.state(good, nnx.Param))
+    out = _sample(engine, prompt, modes["biased"], 5)
+    biased_p = chi_square_pvalue(out.tokens, joint)
+
+    for name, (pval, _) in results.items():
+        assert pval > PASS_P, f"{name}: chi-square p={pval:.2e} ({results})"
+    assert biased_p < POWER_P, f"the biased rule passed (p={biased_p:.2e}): the test has no power"
+    # the drafts were really used: a good drafter is often accepted, the bad one rarely
+    assert results["chain"][1] > 1.1 and results["tree"][1] > 1.3, results
+    assert results["tree_bad_drafter"][1] < results["tree"][1], results
+    assert results["ngram"][1] > 1.05, results

@@ -1,0 +1,170 @@
+"""config_lib: parse_arg, validation messages, builders; every config file builds and validates."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import jax
+import pytest
+
+from tlt_jax import config_lib
+from tlt_jax.models.llama import Transformer
+from tlt_jax.models.tokenizer import ByteTokenizer
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+def load_config(name: str, arg: str | None = None):
+    spec = importlib.util.spec_from_file_location(f"cfg_{name}", CONFIGS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# parse_arg
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_parse_arg_types_flags_and_first_default() -> None:
+    a = config_lib.parse_arg("runlocal,n=4,name=x,lr=0.5", n=1, runlocal=False, name="", lr=1.0)
+    assert (a.n, a.runlocal, a.name, a.lr) == (4, True, "x", 0.5)
+    assert isinstance(a.n, int) and isinstance(a.lr, float)
+    assert config_lib.parse_arg("8", n=1, runlocal=False).n == 8  # a bare value sets the first default
+    assert config_lib.parse_arg("runlocal", n=1, runlocal=False).runlocal is True
+    assert config_lib.parse_arg("runlocal=false", runlocal=True).runlocal is False
+    assert config_lib.parse_arg(None, n=3).n == 3 and config_lib.parse_arg("", n=3).n == 3
+
+
+def test_parse_arg_errors_name_the_problem() -> None:
+    with pytest.raises(ValueError, match=r"unknown config arg 'stepz'.*\['runlocal', 'steps'\]"):
+        config_lib.parse_arg("stepz=3", steps=1, runlocal=False)
+    with pytest.raises(ValueError, match="steps='x': expected int"):
+        config_lib.parse_arg("steps=x", steps=1)
+    with pytest.raises(ValueError, match="expected a boolean"):
+        config_lib.parse_arg("runlocal=maybe", runlocal=False)
+    with pytest.raises(ValueError, match="needs a value: write steps=<value>"):
+        config_lib.parse_arg("runlocal,steps", steps=1, runlocal=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_validate_lists_every_problem_with_its_fix() -> None:
+    c = load_config("smoke")
+    config_lib.validate(c)
+    c.rollout.temperature = 0.0
+    c.rl.samples_per_prompt = 1
+    c.rl.loss_agg = "sum"
+    c.model.path = "/nonexistent/model.gguf"  # and random is set too
+    with pytest.raises(ValueError) as e:
+        config_lib.validate(c)
+    msg = str(e.value)
+    assert "config.rollout.temperature=0.0: GRPO needs sampling" in msg
+    assert "config.rl.samples_per_prompt=1" in msg
+    assert "config.rl.loss_agg='sum'" in msg and "seq_mean_token_mean" in msg
+    assert "set exactly one of config.model.path" in msg
+    assert "does not exist" in msg
+
+
+def test_validate_micro_batches_hold_whole_groups() -> None:
+    c = load_config("smoke")  # 2 prompts x 4 samples = 8 rows
+    c.trainer.micro_batch_size = 2
+    with pytest.raises(ValueError, match=r"micro_batch_size=2 must be a multiple of samples_per_prompt=4.*\[4, 8\]"):
+        config_lib.validate(c)
+    c.trainer.micro_batch_size = 4
+    c.rl.mini_batches = 3
+    with pytest.raises(ValueError, match="mini_batches=3 must divide the 8 rows"):
+        config_lib.validate(c)
+
+
+def test_validate_unknown_job_and_random_keys() -> None:
+    c = load_config("smoke")
+    c.job = "sft"
+    c.model.random.unknown_field = 3  # the random dict is open (architecture fields)
+    with pytest.raises(ValueError) as e:
+        config_lib.validate(c)
+    assert "config.job='sft'" in str(e.value) and "unknown keys ['unknown_field']" in str(e.value)
+
+
+def test_config_is_locked_against_typos() -> None:
+    c = load_config("smoke")
+    c.lock()
+    with pytest.raises(AttributeError, match="lrr"):
+        c.rl.lrr = 1.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# builders
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_builders_on_the_smoke_config() -> None:
+    c = load_config("smoke")
+    model, tok = config_lib.build_model_and_tokenizer(c)
+    assert isinstance(model, Transformer) and isinstance(tok, ByteTokenizer)
+    assert model.cfg.vocab_size >= tok.vocab_size
+    ec = config_lib.engine_config_from(c)
+    assert isinstance(ec, EngineConfig) and ec.max_new_tokens == c.rollout.max_new_tokens
+    assert config_lib.sampling_from(c) == SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    mesh = config_lib.build_mesh(c)
+    assert mesh.shape["data"] == len(jax.devices()) and mesh.shape["model"] == 1
+    engine = config_lib.build_engine(c, model, tok, mesh)
+    assert isinstance(engine, RolloutEngine)
+    assert set(engine.eos_ids.tolist()) == set(tok.eos_token_ids)
+    c.model.random.vocab_size = 100
+    with pytest.raises(ValueError, match="vocab_size=100 is smaller than the ByteTokenizer's 261"):
+        config_lib.build_model_and_tokenizer(c)
+
+
+def test_build_model_rejects_missing_path() -> None:
+    c = load_config("smoke")
+    c.model.random = {}
+    c.model.path = "/nonexistent/dir"
+    with pytest.raises(ValueError, match="--config.model.path"):
+        config_lib.build_model_and_tokenizer(c)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the config files
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_default_config_validates_and_shrinks(smollm_gguf_path) -> None:
+    c = load_config("default")
+    config_lib.validate(c)
+    assert pathlib.Path(c.model.path) == smollm_gguf_path
+    assert c.task.name == "chain_sum" and c.rollout.temperature > 0
+    small = load_config("default", "runlocal")
+    config_lib.validate(small)
+    assert small.num_steps < c.num_steps
+    assert load_config("default", "seed=3").task.seed == 3
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_7b", "qwen2_5_32b"])
+def test_cluster_configs_validate_without_weights(name: str) -> None:
+    c = load_config(name)
+    with pytest.raises(ValueError, match="set exactly one of config.model.path"):
+        config_lib.validate(c)  # the model path comes from the command line
+    c.model.path = "/cluster/models/Qwen2.5"
+    config_lib.validate(c, check_paths=False)
+    rl, ro = c.rl, c.rollout
+    # the paper's settings (TLT_REFERENCE.md): GRPO, 8 samples, T=0.9, low_var_kl 0.001, lr 1e-6, long responses
+    assert (rl.samples_per_prompt, ro.temperature, rl.kl_coef, rl.lr) == (8, 0.9, 0.001, 1e-6)
+    assert ro.max_new_tokens >= 16384 and c.model.dtype == "bfloat16"
+    assert isinstance(config_lib.engine_config_from(c), EngineConfig)
+    assert config_lib.sampling_from(c).temperature == 0.9
+    if len(jax.devices()) % c.mesh.model == 0:
+        assert config_lib.build_mesh(c).shape["model"] == c.mesh.model
+    # runlocal: the same pipeline on a tiny random Qwen2-architecture model, on CPU
+    small = load_config(name, "runlocal")
+    config_lib.validate(small)
+    model, _ = config_lib.build_model_and_tokenizer(small)
+    assert model.cfg.architecture == "qwen2" and model.cfg.qkv_bias
+    assert small.model.dtype == "float32" and small.rollout.max_new_tokens <= 64
+    assert small.rl.samples_per_prompt == c.rl.samples_per_prompt  # the algorithm is unchanged

@@ -1,0 +1,177 @@
+"""`python -m tlt_jax.main` end to end on the smoke config, in subprocesses (a real CLI, real signals):
+overrides reach config.json, bad keys fail clearly, resuming reproduces an uninterrupted run, a SIGKILL in the
+middle of a checkpoint save resumes from the last complete checkpoint, and SIGTERM saves and exits cleanly.
+
+All runs share one persistent XLA compilation cache, so only the first pays for compiling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.tracking import read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LR = "0.004"  # a nested override every run uses (it must reach config.json)
+# Metrics that depend only on the computation, not on timing.
+DETERMINISTIC = (
+    "reward/mean",
+    "accuracy",
+    "length/mean",
+    "length/max",
+    "loss/pg",
+    "optim/grad_norm",
+    "policy/entropy",
+    "rl/adv_abs_mean",
+    "data/position",
+    "logprob/engine_gap",
+)
+
+# Runs main with orbax's final rename of checkpoint step KILL_STEP replaced by SIGKILL: every file of that
+# step is written into `<step>.orbax-checkpoint-tmp`, but the step is never committed.
+KILL_IN_SAVE = """
+import os, signal, sys
+from orbax.checkpoint._src.path import atomicity
+
+_finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+async def finalize(self):
+    if os.path.basename(str(self._final_path)) == os.environ["KILL_STEP"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return await _finalize(self)
+
+atomicity.AtomicRenameTemporaryPath.finalize = finalize
+from absl import app
+from tlt_jax import main
+sys.argv = ["tlt_jax.main"] + sys.argv[1:]
+app.run(main.main, flags_parser=main.parse_flags)
+"""
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    e = dict(os.environ)
+    e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # sharded over 2 devices; fast orbax saves
+    e["WANDB_MODE"] = "disabled"
+    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("xla_cache"))
+    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+    return e
+
+
+def run_main(env: dict[str, str], workdir: pathlib.Path, *args: str, script: str | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", script] if script else [sys.executable, "-m", "tlt_jax.main"]
+    cmd += ["--config", str(ROOT / "configs" / "smoke.py"), f"--config.rl.lr={LR}", "--workdir", str(workdir)]
+    return subprocess.run(cmd + list(args), env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
+
+
+def metrics(workdir: pathlib.Path) -> list[dict]:
+    return read_metrics(workdir / "metrics.jsonl")
+
+
+def final_params(workdir: pathlib.Path, step: int) -> list[np.ndarray]:
+    with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
+        state, meta = ckpt.restore(step)
+    assert meta["step"] == step
+    return [np.asarray(x) for x in _leaves(state["params"])]
+
+
+def _leaves(tree) -> list:
+    if isinstance(tree, dict):
+        return [leaf for k in sorted(tree) for leaf in _leaves(tree[k])]
+    return [tree]
+
+
+def assert_same_run(a: pathlib.Path, b: pathlib.Path, steps: int = 4) -> None:
+    ma, mb = metrics(a), metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb] == list(range(1, steps + 1))
+    for ra, rb in zip(ma, mb, strict=True):
+        for k in DETERMINISTIC:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-6, abs=1e-9), (ra["step"], k)
+    for x, y in zip(final_params(a, steps), final_params(b, steps), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def reference_run(env, tmp_path_factory) -> pathlib.Path:
+    """The uninterrupted 4-step smoke run every other run is compared with."""
+    workdir = tmp_path_factory.mktemp("reference")
+    ok(run_main(env, workdir, timeout=600))
+    return workdir
+
+
+def test_cli_runs_end_to_end_and_records_the_resolved_config(reference_run) -> None:
+    config = json.loads((reference_run / "config.json").read_text())
+    assert config["rl"]["lr"] == float(LR) and config["job"] == "grpo"
+    rows = metrics(reference_run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss/pg"]) and r["logprob/engine_gap"] < 1e-4 for r in rows)
+    assert any(r["optim/grad_norm"] > 0 for r in rows), "no step had a learning signal"
+    assert sorted(int(p.name) for p in (reference_run / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    assert (reference_run / "samples.jsonl").exists()
+
+
+def test_bad_overrides_fail_with_a_clear_message(env, tmp_path) -> None:
+    proc = run_main(env, tmp_path, "--config.rl.lrr=1")
+    assert proc.returncode == 2
+    assert "unknown config key: 'lrr'" in proc.stderr and 'Did you mean "lr"' in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run_main(env, tmp_path, "--config.trainer.micro_batch_size=6")
+    assert proc.returncode == 2
+    assert "config.trainer.micro_batch_size=6 must be a multiple of samples_per_prompt=8" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_resume_reproduces_the_uninterrupted_run(env, reference_run, tmp_path) -> None:
+    ok(run_main(env, tmp_path, "--config.num_steps=2"))
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
+    ok(run_main(env, tmp_path))  # same workdir, the full run: restores step 2 and runs steps 3-4
+    assert_same_run(reference_run, tmp_path)
+
+
+def test_sigkill_during_a_checkpoint_save_resumes_from_the_last_complete_one(env, reference_run, tmp_path) -> None:
+    proc = run_main({**env, "KILL_STEP": "4"}, tmp_path, script=KILL_IN_SAVE)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "2").is_dir() and not (ckpts / "4").exists()
+    assert any(p.name.startswith("4.") for p in ckpts.iterdir()), "the kill did not hit the save of step 4"
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]  # step 4 was logged, then the save died
+    ok(run_main(env, tmp_path))  # the same command again: restores step 2, reruns 3-4
+    assert not any(p.name.startswith("4.") for p in ckpts.iterdir() if not p.name.isdigit())
+    assert_same_run(reference_run, tmp_path)
+
+
+def test_sigterm_saves_and_exits_cleanly(env, tmp_path) -> None:
+    cmd = [sys.executable, "-m", "tlt_jax.main", "--config", str(ROOT / "configs" / "smoke.py:steps=100000"),
+           f"--config.rl.lr={LR}", "--config.checkpoint_every=0", "--workdir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((tmp_path / "metrics.jsonl").exists() and metrics(tmp_path)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never logged a step"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "received SIGTERM" in stderr and "job grpo: preempted" in stderr
+    last = metrics(tmp_path)[-1]["step"]
+    with Checkpointer(tmp_path / "checkpoints") as ckpt:
+        assert ckpt.all_steps() == [last]  # checkpoint_every=0: only the preemption save

@@ -1,0 +1,469 @@
+"""Shared config fragments, `parse_arg`, validation with clear messages, and the builders entry points use.
+
+Config files (`configs/*.py`) start from `base_config()` and override what they need; `validate(config)` names
+every inconsistent field and the fix. The builders turn a validated config into objects:
+
+    model, tokenizer = build_model_and_tokenizer(config)   # .gguf / HF dir, or a tiny random model
+    mesh = build_mesh(config)                              # (data, model) mesh from config.mesh
+    engine = build_engine(config, model, tokenizer, mesh)  # RolloutEngine with engine_config_from(config)
+    sampling = sampling_from(config)                       # SamplingParams from config.rollout
+
+`tlt_jax.main` (training) and `tlt_jax.generate` (sampling) both use them, so keep their signatures stable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import ml_collections as mlc
+from flax import nnx
+from jax.sharding import Mesh
+from ml_collections import config_dict
+
+from tlt_jax import sharding as shd
+from tlt_jax.models.config import ModelConfig, tiny_config
+from tlt_jax.models.llama import Transformer
+from tlt_jax.rl import grpo
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import SpecConfig
+
+JOBS = ("grpo", "drafter_warmup")
+DTYPES = ("float32", "bfloat16")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# parse_arg: the single string after `configs/x.py:` (big_vision style).
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _convert(name: str, raw: str, default: Any) -> Any:
+    """Parse `raw` with the type of `default` (bool accepts true/false/1/0; None defaults keep strings)."""
+    if isinstance(default, bool):
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError(f"config arg {name}={raw!r}: expected a boolean (true/false/1/0).")
+    if default is None or isinstance(default, str):
+        return raw
+    try:
+        return type(default)(raw)
+    except ValueError as e:
+        raise ValueError(f"config arg {name}={raw!r}: expected {type(default).__name__} ({e}).") from e
+
+
+def parse_arg(arg: str | None, **defaults: Any) -> mlc.ConfigDict:
+    """Parse a config-file argument "runlocal,n=4,name=x" into a ConfigDict over `defaults`.
+
+    A bare name is a boolean flag set to True ("runlocal"); "k=v" is parsed with the type of the default.
+    A single bare value that is not a key sets the FIRST default ("x.py:8" with `n=1` first gives n=8).
+    Unknown names raise a ValueError listing the valid ones.
+    """
+    out = mlc.ConfigDict(dict(defaults))
+    arg = (arg or "").strip()
+    if not arg:
+        return out
+    parts = [p.strip() for p in arg.split(",") if p.strip()]
+    if len(parts) == 1 and "=" not in parts[0] and parts[0] not in defaults and defaults:
+        parts = [f"{next(iter(defaults))}={parts[0]}"]
+    for part in parts:
+        name, eq, raw = part.partition("=")
+        name = name.strip()
+        if name not in defaults:
+            raise ValueError(
+                f"unknown config arg {name!r} in {arg!r}; valid args: {sorted(defaults)} "
+                "(e.g. 'runlocal,n=4')."
+            )
+        if not eq and not isinstance(defaults[name], bool):
+            raise ValueError(f"config arg {name!r} needs a value: write {name}=<value>.")
+        out[name] = _convert(name, raw if eq else "true", defaults[name])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fragments
+# ----------------------------------------------------------------------------------------------------------
+
+
+def base_config() -> mlc.ConfigDict:
+    """Every field the GRPO learner reads, with neutral defaults; config files override what they need.
+
+    Sections: model (what to load), mesh, task (kwargs of `rl.tasks.make_task`), rollout (engine + sampling),
+    rl (GRPO algorithm + optimizer), trainer (shapes/batching of the learner's forward and backward), wandb.
+    """
+    c = mlc.ConfigDict()
+    c.job = "grpo"  # "grpo" | "drafter_warmup"
+    c.seed = 0
+    c.multiprocess = False  # jax.distributed.initialize() before anything touches a device
+    c.num_steps = 10
+    c.checkpoint_every = 5  # save every k steps (and always at the end / on SIGTERM); 0: only then
+    c.keep_checkpoints = 2
+    c.log_every = 1  # console summary line every k steps (metrics.jsonl gets every step)
+    c.progress_bar = True  # tqdm rollout bar (shown only on a TTY)
+    c.log_samples = 2  # responses per step written to workdir/samples.jsonl (and the first to the console)
+    c.compilation_cache_dir = ""  # persistent XLA compilation cache ("" = off); speeds up restarts
+
+    c.model = mlc.ConfigDict()
+    c.model.path = config_dict.placeholder(str)  # a .gguf file or a HF model directory
+    c.model.random = mlc.ConfigDict()  # OR tiny random architecture (ModelConfig fields) + ByteTokenizer
+    c.model.dtype = "float32"  # "bfloat16" on GPUs (this CPU has no bf16 instructions: use float32)
+
+    c.mesh = mlc.ConfigDict(dict(data=-1, model=1))  # data=-1: all remaining devices
+
+    c.task = mlc.ConfigDict(dict(kind="counting"))
+
+    c.rollout = mlc.ConfigDict()
+    c.rollout.temperature = 1.0
+    c.rollout.top_k = 0
+    c.rollout.top_p = 1.0
+    c.rollout.max_new_tokens = 256
+    c.rollout.max_cache_len = 1024
+    c.rollout.chunk_steps = 16
+    c.rollout.min_cache_bucket = 64
+    c.rollout.prompt_bucket = 16
+    c.rollout.compact = True
+    c.rollout.attn_impl = "reference"
+    c.rollout.stop_strings = ()
+
+    # Speculative rollouts (rollout.speculative.SpecConfig): off by default; "ngram" needs no drafter model.
+    c.spec = mlc.ConfigDict(dataclasses.asdict(SpecConfig()))
+
+    c.rl = mlc.ConfigDict()
+    c.rl.prompts_per_step = 8
+    c.rl.samples_per_prompt = 8  # GRPO group size
+    c.rl.advantage = "grpo"  # grpo | drgrpo (see tlt_jax.rl.grpo.ADVANTAGE_METHODS)
+    c.rl.adv_eps = 1e-6
+    c.rl.loss_agg = "seq_mean_token_mean"  # token_mean (DAPO) | seq_mean_token_mean | seq_mean_token_sum_norm
+    c.rl.clip_low = 0.2
+    c.rl.clip_high = 0.2  # DAPO clip-higher: 0.28
+    c.rl.dynamic_sampling = False  # DAPO: groups with equal rewards are masked out of the loss
+    c.rl.kl_coef = 0.0  # low_var_kl to the frozen initial policy; 0 skips the reference forward
+    c.rl.mini_batches = 1  # optimizer updates per RL step (PPO mini-batches over the step's samples)
+    c.rl.lr = 1e-6
+    c.rl.warmup_steps = 0  # linear warm-up in optimizer updates
+    c.rl.weight_decay = 0.01
+    c.rl.b1 = 0.9
+    c.rl.b2 = 0.999
+    c.rl.grad_clip = 1.0  # global-norm clip; 0 disables
+
+    c.trainer = mlc.ConfigDict()
+    c.trainer.micro_batch_size = 8  # rows per forward/backward (gradient accumulation over micro-batches)
+    c.trainer.seq_bucket = 32  # prompt/response lengths are padded to multiples of this (fewer compiles)
+    c.trainer.fuse_old_logprobs = True  # with one mini-batch, take old log-probs from the update's forward
+    c.trainer.logits_chunk = 0  # compute response logits in chunks of this many positions (0: at once)
+    c.trainer.master_dtype = "float32"  # optimizer/master weights (the model computes in model.dtype)
+    c.trainer.fsdp = False  # also shard the trainer's params/optimizer state over the data axis (ZeRO-3-like)
+
+    c.wandb = mlc.ConfigDict()
+    c.wandb.mode = config_dict.placeholder(str)  # None: $WANDB_MODE, else offline
+    c.wandb.project = "tlt_jax"
+    c.wandb.name = config_dict.placeholder(str)
+    return c
+
+
+def tiny_random_model(architecture: str = "llama", vocab_size: int = 264, **kw: Any) -> mlc.ConfigDict:
+    """A `config.model.random` for CPU smoke runs: `tiny_config` fields, vocab covering the ByteTokenizer."""
+    cfg = dataclasses.asdict(tiny_config(architecture, vocab_size=vocab_size, **kw))
+    cfg.pop("dtype")  # config.model.dtype decides
+    return mlc.ConfigDict(cfg)
+
+
+def paper_grpo(c: mlc.ConfigDict, dataset: str = "gsm_symbolic", steps: int = 200) -> mlc.ConfigDict:
+    """The TLT reference scripts' GRPO settings for 7B-70B models on GPUs (TLT_REFERENCE.md): 8 samples per
+    prompt, temperature 0.9, low_var_kl 0.001 to the initial policy, lr 1e-6, responses up to 32K tokens,
+    bfloat16 compute with float32 master weights.
+
+    dataset: a reasoning-gym dataset name (generated offline), or "jsonl" for a local GSM8K/MATH-style file
+    (then pass --config.task.path=/data/train.jsonl).
+    """
+    c.num_steps = steps
+    c.checkpoint_every = 10
+    c.keep_checkpoints = 3
+    c.model.dtype = "bfloat16"
+    c.trainer.master_dtype = "float32"  # AdamW at lr 1e-6 needs float32 master weights
+    if dataset == "jsonl":
+        c.task = mlc.ConfigDict(
+            dict(kind="jsonl", path=config_dict.placeholder(str), answer_mode="answer", format_reward=0.0)
+        )
+    else:
+        c.task = mlc.ConfigDict(
+            dict(kind="reasoning_gym", name=dataset, size=100_000, seed=0, answer_mode="answer")
+        )
+
+    c.rollout.temperature = 0.9
+    c.rollout.top_p = 1.0
+    c.rollout.max_new_tokens = 32768
+    c.rollout.max_cache_len = 32768 + 2048  # responses + the longest prompt
+    c.rollout.chunk_steps = 64
+    c.rollout.min_cache_bucket = 1024
+    c.rollout.prompt_bucket = 128
+    c.rollout.attn_impl = "auto"  # the Pallas kernel on GPU
+
+    c.rl.prompts_per_step = 128
+    c.rl.samples_per_prompt = 8
+    c.rl.mini_batches = 4  # PPO updates per step (mini-batches of 32 prompts)
+    c.rl.advantage = "grpo"
+    c.rl.loss_agg = "token_mean"
+    c.rl.clip_low = 0.2
+    c.rl.clip_high = 0.2
+    c.rl.kl_coef = 0.001
+    c.rl.lr = 1e-6
+    c.rl.warmup_steps = 0
+    c.rl.weight_decay = 0.01
+    c.rl.grad_clip = 1.0
+
+    c.trainer.micro_batch_size = 8  # one group per micro-batch
+    c.trainer.seq_bucket = 512
+    c.trainer.logits_chunk = 1024  # never materialise [rows, 32K, vocab] logits
+    return c
+
+
+def shrink_for_cpu(c: mlc.ConfigDict, architecture: str = "llama") -> mlc.ConfigDict:
+    """The `runlocal` switch of cluster configs: same algorithm settings (group size, loss, KL, clipping), but
+    a tiny random model of the same architecture (float32, ByteTokenizer), the counting task, short responses,
+    2 steps on whatever devices exist. It checks the pipeline on a laptop, not the learning."""
+    c.num_steps = 2
+    c.checkpoint_every = 1
+    c.model.path = None
+    c.model.random = tiny_random_model(architecture)
+    c.model.dtype = "float32"
+    c.mesh.data, c.mesh.model = -1, 1
+    c.task = mlc.ConfigDict(dict(kind="counting", size=8, seed=c.seed))
+    c.rollout.max_new_tokens = 16
+    c.rollout.max_cache_len = 128
+    c.rollout.min_cache_bucket = 16
+    c.rollout.chunk_steps = 8
+    c.rl.prompts_per_step = 2
+    c.rl.mini_batches = 1
+    c.trainer.micro_batch_size = c.rl.samples_per_prompt
+    c.trainer.seq_bucket = 16
+    c.trainer.logits_chunk = 0
+    c.trainer.fsdp = False
+    return c
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _fail(problems: list[str]) -> None:
+    if problems:
+        raise ValueError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _model_problems(config: Any, check_paths: bool) -> list[str]:
+    out = []
+    path, random = config.model.path, dict(config.model.random)
+    if bool(path) == bool(random):
+        out.append(
+            "set exactly one of config.model.path (a .gguf file or HF model dir) and config.model.random "
+            f"(a tiny architecture); got path={path!r}, random={'set' if random else 'empty'}."
+        )
+    if path and check_paths and not os.path.exists(path):
+        out.append(
+            f"config.model.path={path!r} does not exist: pass --config.model.path=/path/to/model.gguf or "
+            "an HF directory (`make setup` fetches SmolLM2 to .cache/models/)."
+        )
+    if random:
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        unknown = sorted(set(random) - fields)
+        if unknown:
+            out.append(
+                f"config.model.random has unknown keys {unknown}; ModelConfig fields: {sorted(fields)}."
+            )
+    if config.model.dtype not in DTYPES:
+        out.append(f"config.model.dtype={config.model.dtype!r}: use one of {DTYPES}.")
+    return out
+
+
+def _rl_problems(config: Any) -> list[str]:
+    out = []
+    ro, rl, tr = config.rollout, config.rl, config.trainer
+    if config.num_steps < 1:
+        out.append(f"config.num_steps={config.num_steps}: must be >= 1.")
+    if config.checkpoint_every < 0:
+        out.append(f"config.checkpoint_every={config.checkpoint_every}: must be >= 0 (0 = only at the end).")
+    if not config.task.get("kind"):
+        out.append("config.task.kind is empty: set it to one of reasoning_gym | jsonl | counting.")
+    if config.task.get("kind") == "jsonl" and not config.task.get("path"):
+        out.append("config.task.path is empty: pass --config.task.path=/path/to/train.jsonl (question/answer lines).")
+    if tr.master_dtype not in DTYPES:
+        out.append(f"config.trainer.master_dtype={tr.master_dtype!r}: use one of {DTYPES}.")
+    if tr.logits_chunk < 0:
+        out.append(f"config.trainer.logits_chunk={tr.logits_chunk}: must be >= 0 (0 = no chunking).")
+    if ro.temperature <= 0:
+        out.append(
+            f"config.rollout.temperature={ro.temperature}: GRPO needs sampling (> 0; the paper uses 0.9), "
+            "greedy samples of a group are identical and carry no advantage."
+        )
+    if not 0 < ro.top_p <= 1 or ro.top_k < 0:
+        out.append(f"config.rollout.top_p={ro.top_p} / top_k={ro.top_k}: need 0 < top_p <= 1, top_k >= 0.")
+    if ro.max_new_tokens < 1 or ro.max_cache_len <= ro.max_new_tokens:
+        out.append(
+            f"config.rollout.max_new_tokens={ro.max_new_tokens} / max_cache_len={ro.max_cache_len}: need "
+            "max_new_tokens >= 1 and max_cache_len > max_new_tokens + the longest prompt."
+        )
+    if rl.samples_per_prompt < 2:
+        out.append(
+            f"config.rl.samples_per_prompt={rl.samples_per_prompt}: GRPO compares samples within a group, "
+            "use >= 2 (the paper uses 8)."
+        )
+    if rl.prompts_per_step < 1:
+        out.append(f"config.rl.prompts_per_step={rl.prompts_per_step}: must be >= 1.")
+    if rl.advantage not in grpo.ADVANTAGE_METHODS:
+        out.append(f"config.rl.advantage={rl.advantage!r}: use one of {sorted(grpo.ADVANTAGE_METHODS)}.")
+    if rl.loss_agg not in grpo.LOSS_AGGREGATIONS:
+        out.append(f"config.rl.loss_agg={rl.loss_agg!r}: use one of {sorted(grpo.LOSS_AGGREGATIONS)}.")
+    if rl.clip_low < 0 or rl.clip_high < 0 or rl.clip_low >= 1:
+        out.append(
+            f"config.rl.clip_low={rl.clip_low} / clip_high={rl.clip_high}: need 0 <= clip_low < 1, "
+            "clip_high >= 0."
+        )
+    if rl.kl_coef < 0:
+        out.append(f"config.rl.kl_coef={rl.kl_coef}: must be >= 0 (0 disables the KL term).")
+    if rl.lr <= 0 or rl.warmup_steps < 0 or rl.grad_clip < 0 or rl.weight_decay < 0:
+        out.append(
+            f"config.rl: lr={rl.lr}, warmup_steps={rl.warmup_steps}, grad_clip={rl.grad_clip}, weight_decay="
+            f"{rl.weight_decay}: need lr > 0 and the others >= 0."
+        )
+    rows = rl.prompts_per_step * rl.samples_per_prompt
+    if rl.mini_batches < 1 or rows % rl.mini_batches:
+        out.append(
+            f"config.rl.mini_batches={rl.mini_batches} must divide the {rows} rows of a step "
+            f"(prompts_per_step * samples_per_prompt)."
+        )
+    elif (
+        tr.micro_batch_size < 1
+        or (rows // rl.mini_batches) % tr.micro_batch_size
+        or tr.micro_batch_size % rl.samples_per_prompt
+    ):
+        mini = rows // rl.mini_batches
+        n = rl.samples_per_prompt
+        options = [d for d in range(n, mini + 1, n) if mini % d == 0]
+        out.append(
+            f"config.trainer.micro_batch_size={tr.micro_batch_size} must be a multiple of "
+            f"samples_per_prompt={n} (micro-batches hold whole groups) that divides the mini-batch of {mini} "
+            f"rows (prompts_per_step * samples_per_prompt / mini_batches); valid: {options}."
+        )
+    try:
+        spec_config_from(config)
+    except ValueError as e:
+        out.append(str(e))
+    if tr.seq_bucket < 1:
+        out.append(f"config.trainer.seq_bucket={tr.seq_bucket}: must be >= 1.")
+    return out
+
+
+def validate(config: Any, check_paths: bool = True) -> None:
+    """Raise one ValueError listing every problem in `config` (with the field and the fix).
+
+    `check_paths=False` skips filesystem checks (cluster configs validated on a laptop).
+    """
+    problems = []
+    if config.job not in JOBS:
+        problems.append(f"config.job={config.job!r}: use one of {JOBS}.")
+    problems += _model_problems(config, check_paths)
+    if config.mesh.model < 1 or (config.mesh.data < 1 and config.mesh.data != -1):
+        problems.append(
+            f"config.mesh data={config.mesh.data}, model={config.mesh.model}: need model >= 1 and data >= 1 "
+            "(or -1 for all remaining devices)."
+        )
+    if config.job == "grpo":
+        problems += _rl_problems(config)
+    _fail(problems)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Builders
+# ----------------------------------------------------------------------------------------------------------
+
+
+def build_model_and_tokenizer(config: Any) -> tuple[Transformer, Any]:
+    """The policy model and its tokenizer from `config.model`.
+
+    path: a .gguf file or HF directory via `tlt_jax.models.loading.load_model` (weights, config, tokenizer).
+    random: `ModelConfig(**random)` initialised from `config.seed`, with the ByteTokenizer (vocab >= 261).
+    """
+    from tlt_jax.models.llama import from_hf_tensors
+    from tlt_jax.models.loading import load_model
+    from tlt_jax.models.tokenizer import ByteTokenizer
+
+    _fail(_model_problems(config, check_paths=True))
+    if config.model.path:
+        loaded = load_model(config.model.path, dtype=config.model.dtype)
+        return from_hf_tensors(loaded.config, loaded.tensors), loaded.tokenizer
+    tokenizer = ByteTokenizer()
+    cfg = ModelConfig(**{**dict(config.model.random), "dtype": config.model.dtype})
+    if cfg.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"config.model.random.vocab_size={cfg.vocab_size} is smaller than the ByteTokenizer's "
+            f"{tokenizer.vocab_size} ids: set it to >= {tokenizer.vocab_size}."
+        )
+    return Transformer(cfg, nnx.Rngs(params=config.seed)), tokenizer
+
+
+def build_mesh(config: Any) -> Mesh:
+    """The (data, model) mesh of `config.mesh` over all visible devices (all hosts in a multi-process run)."""
+    return shd.make_mesh(data=config.mesh.data, model=config.mesh.model, devices=jax.devices())
+
+
+def engine_config_from(config: Any) -> EngineConfig:
+    """`EngineConfig` from `config.rollout` (buckets, chunking, lengths, stop strings)."""
+    ro = config.rollout
+    return EngineConfig(
+        max_new_tokens=ro.max_new_tokens,
+        max_cache_len=ro.max_cache_len,
+        chunk_steps=ro.chunk_steps,
+        min_cache_bucket=ro.min_cache_bucket,
+        prompt_bucket=ro.prompt_bucket,
+        compact=ro.compact,
+        attn_impl=ro.attn_impl,
+        stop_strings=tuple(ro.stop_strings),
+        spec=spec_config_from(config),
+    )
+
+
+def spec_config_from(config: Any) -> SpecConfig:
+    """`SpecConfig` (speculative rollouts: drafter, strategy, SD threshold) from `config.spec`."""
+    try:
+        return SpecConfig(**dict(config.spec))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.spec is invalid: {e}") from e
+
+
+def sampling_from(config: Any) -> SamplingParams:
+    """`SamplingParams` (temperature / top-k / top-p) from `config.rollout`."""
+    ro = config.rollout
+    return SamplingParams(temperature=float(ro.temperature), top_k=int(ro.top_k), top_p=float(ro.top_p))
+
+
+def build_engine(
+    config: Any, model: Transformer, tokenizer: Any, mesh: Mesh | None = None, drafter: Any | None = None
+) -> RolloutEngine:
+    """A `RolloutEngine` for `model` that stops at the tokenizer's EOS / end-of-turn ids; speculative when
+    `config.spec.enabled` (an "eagle" drafter needs the `drafter` model, an "ngram" one needs nothing)."""
+    ec = engine_config_from(config)
+    if ec.spec.enabled and ec.spec.drafter == "eagle" and drafter is None:
+        raise ValueError(
+            "config.spec.drafter='eagle' needs an EAGLE drafter model, and none was given: use "
+            "--config.spec.drafter=ngram (model-free), or pass build_engine(..., drafter=Drafter(...))."
+        )
+    return RolloutEngine(
+        model, ec, eos_ids=list(tokenizer.eos_token_ids), mesh=mesh, tokenizer=tokenizer, drafter=drafter
+    )
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain nested dict of a ConfigDict (or Mapping), for config.json and wandb."""
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return {k: to_dict(v) if isinstance(v, Mapping) else v for k, v in dict(config).items()}

@@ -1,0 +1,371 @@
+"""The GRPO learner: the RL loop that `python -m tlt_jax.main` runs for `config.job = "grpo"`.
+
+One step (DESIGN.md, "One RL step"):
+  task batch (prompts via the chat template) -> engine.generate (n samples per prompt) -> rewards (task.score)
+  -> group advantages (GRPO / Dr.GRPO, optional DAPO dynamic sampling) -> trainer forward for the reference /
+  old log-probs -> PPO-clipped update(s) with optional low_var_kl -> engine.set_params (no recompilation).
+
+Determinism: step s uses the key fold_in(key(seed), s) and the data position stored in the checkpoint, so a
+run resumed from step k's checkpoint reproduces an uninterrupted run exactly (samples, metrics, weights).
+Checkpoints (policy params, optimizer state, drafter params when present, rng, data position, step) go
+out every `config.checkpoint_every` steps, at the end, and when SIGTERM/SIGINT arrives (PreemptionGuard).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from tlt_jax import config_lib
+from tlt_jax.rl import grpo
+from tlt_jax.rl.tasks import Problem, make_task
+from tlt_jax.rl.trainer import (
+    LossConfig,
+    OptimConfig,
+    PolicyTrainer,
+    TrainBatch,
+    build_train_batch,
+    micro_weights,
+)
+from tlt_jax.rollout.types import Rollout
+from tlt_jax.utils.checkpoint import Checkpointer, PreemptionGuard
+from tlt_jax.utils.tracking import RolloutProgress, make_trackers
+
+CHECKPOINT_DIR = "checkpoints"
+SAMPLES_FILE = "samples.jsonl"
+
+
+def _percentiles(x: np.ndarray) -> dict[str, float]:
+    return {
+        "length/mean": float(x.mean()),
+        "length/p50": float(np.percentile(x, 50)),
+        "length/p90": float(np.percentile(x, 90)),
+        "length/max": float(x.max()),
+    }
+
+
+def _take(batch: TrainBatch, rows: slice) -> TrainBatch:
+    return jax.tree_util.tree_map(lambda x: x[rows], batch)
+
+
+def _truncate_jsonl(path: str, from_step: int) -> None:
+    """Drop lines of steps >= from_step (they are re-run after a restore)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] < from_step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError):  # a torn last line from a crash
+            continue
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+class Learner:
+    """Builds everything from a config, restores the workdir's latest checkpoint if any, and runs steps."""
+
+    def __init__(self, config: Any, workdir: str):
+        config_lib.validate(config)
+        self.config, self.workdir = config, workdir
+        self.is_main = jax.process_index() == 0
+        rl = config.rl
+        self.group = int(rl.samples_per_prompt)
+        self.rows = int(rl.prompts_per_step) * self.group
+        self.mini_rows = self.rows // int(rl.mini_batches)
+
+        t0 = time.perf_counter()
+        model, self.tokenizer = config_lib.build_model_and_tokenizer(config)
+        self.mesh = config_lib.build_mesh(config)
+        self.engine = config_lib.build_engine(config, model, self.tokenizer, self.mesh)
+        self.sampling = config_lib.sampling_from(config)
+        fused = bool(config.trainer.fuse_old_logprobs) and int(rl.mini_batches) == 1
+        loss = LossConfig(
+            temperature=float(config.rollout.temperature),
+            clip_low=float(rl.clip_low),
+            clip_high=float(rl.clip_high),
+            aggregation=rl.loss_agg,
+            max_len=int(config.rollout.max_new_tokens),
+            kl_coef=float(rl.kl_coef),
+            fuse_old_logprobs=fused,
+            logits_chunk=int(config.trainer.logits_chunk),
+        )
+        optim = OptimConfig(
+            lr=float(rl.lr),
+            warmup_steps=int(rl.warmup_steps),
+            weight_decay=float(rl.weight_decay),
+            b1=float(rl.b1),
+            b2=float(rl.b2),
+            grad_clip=float(rl.grad_clip),
+        )
+        self.trainer = PolicyTrainer(
+            model,
+            self.mesh,
+            loss,
+            optim,
+            micro_batch_size=int(config.trainer.micro_batch_size),
+            with_reference=rl.kl_coef > 0,
+            master_dtype=config.trainer.master_dtype,
+            fsdp=bool(config.trainer.fsdp),
+        )
+        del model  # the trainer owns (and donates) its buffers now
+        self.engine.set_params(self.trainer.compute_params())
+        self.task = make_task(config.task)
+        self._prompt_cache: dict[str, list[int]] = {}
+        self.base_key = jax.random.key(int(config.seed))
+        self.drafter_params = None  # the adaptive drafter (tlt_jax.drafter) plugs in here
+        self.step, self.data_position = 0, 0
+        self.ckpt = Checkpointer(
+            os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=int(config.keep_checkpoints)
+        )
+        self._restore()
+        if self.is_main:
+            _truncate_jsonl(os.path.join(workdir, SAMPLES_FILE), self.step + 1)
+        self.trackers = make_trackers(config, workdir, resume_step=self.step + 1) if self.is_main else None
+        if self.trackers is not None:
+            self.trackers.log_config(config)
+        logging.info("learner ready in %.1fs (start at step %d)", time.perf_counter() - t0, self.step + 1)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {
+            "params": self.trainer.params,
+            "opt_state": self.trainer.opt_state,
+            "drafter": self.drafter_params,
+            "rng": self.base_key,
+        }
+
+    def _restore(self) -> None:
+        latest = self.ckpt.latest_step()
+        if latest is None:
+            return
+        state, meta = self.ckpt.restore(latest, self._state())
+        self.trainer.params, self.trainer.opt_state = state["params"], state["opt_state"]
+        self.drafter_params, self.base_key = state["drafter"], state["rng"]
+        self.step, self.data_position = int(meta["step"]), int(meta["data_position"])
+        self.engine.set_params(self.trainer.compute_params())
+        logging.info("restored step %d from %s", self.step, self.ckpt.directory)
+
+    def save(self) -> None:
+        """Checkpoint the state after `self.step` completed steps (async; waited for at exit)."""
+        meta = {
+            "step": self.step,
+            "data_position": self.data_position,
+            "num_steps": int(self.config.num_steps),
+        }
+        info = self.ckpt.save(self.step, self._state(), meta)
+        logging.info("checkpoint step %d queued (blocked %.0f ms)", self.step, info.blocking_ms)
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def _encode(self, problem: Problem) -> list[int]:
+        if problem.uid not in self._prompt_cache:
+            self._prompt_cache[problem.uid] = self.tokenizer.encode_chat(self.task.messages(problem))
+        return self._prompt_cache[problem.uid]
+
+    def _rollout(self, problems: list[Problem], key: jax.Array) -> Rollout:
+        prompts = [self._encode(p) for p in problems]
+        show = bool(self.config.progress_bar) and self.is_main
+        with RolloutProgress(
+            total=self.rows, desc=f"rollout {self.step + 1}", disable=None if show else True
+        ) as bar:
+            return self.engine.generate(prompts, n=self.group, key=key, sampling=self.sampling, progress=bar)
+
+    def train_step(self) -> dict[str, float]:
+        """Run step `self.step + 1`; returns its metrics."""
+        cfg, rl = self.config, self.config.rl
+        step = self.step + 1
+        key = jax.random.fold_in(self.base_key, step)
+        times: dict[str, float] = {}
+        t_step = time.perf_counter()
+
+        t0 = time.perf_counter()
+        problems, next_position = self.task.batch(self.data_position, int(rl.prompts_per_step))
+        rollout = self._rollout(problems, jax.random.fold_in(key, 0))
+        times["rollout"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        texts = [self.tokenizer.decode(rollout.response(i)) for i in range(self.rows)]
+        results = [
+            self.task.score(problems[int(g)], t) for g, t in zip(rollout.prompt_index, texts, strict=True)
+        ]
+        rewards = np.asarray([r.reward for r in results], np.float32)
+        adv = np.asarray(
+            grpo.group_advantages(
+                jnp.asarray(rewards), self.group, method=rl.advantage, eps=float(rl.adv_eps)
+            )
+        )
+        keep = (
+            np.asarray(grpo.dynamic_sampling_mask(jnp.asarray(rewards), self.group))
+            if rl.dynamic_sampling
+            else np.ones((self.rows,), bool)
+        )
+        batch = build_train_batch(
+            rollout.prompt_tokens,
+            rollout.tokens,
+            rollout.lengths,
+            adv,
+            keep,
+            group_size=self.group,
+            seq_bucket=int(cfg.trainer.seq_bucket),
+        )
+        times["reward"] = time.perf_counter() - t0
+
+        metrics: dict[str, float] = {}
+        train_logp = np.zeros((self.rows, batch.num_response), np.float32)
+        times["logprob"] = 0.0
+        if rl.kl_coef > 0 or not self.trainer.loss.fuse_old_logprobs:
+            t0 = time.perf_counter()
+            micro = self.trainer.put_micro(batch)
+            if rl.kl_coef > 0:
+                ref = self.trainer.logprobs(micro, params=self.trainer.ref_params).logp
+                batch = batch.replace(ref_logp=np.asarray(ref).reshape(batch.ref_logp.shape))
+            if not self.trainer.loss.fuse_old_logprobs:
+                old = np.asarray(self.trainer.logprobs(micro).logp)
+                batch = batch.replace(old_logp=old.reshape(batch.old_logp.shape))
+                train_logp = old.reshape(self.rows, -1)
+            times["logprob"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        update_metrics: list[dict[str, float]] = []
+        skipped = 0
+        mini_groups = self.mini_rows // self.group
+        for m in range(int(rl.mini_batches)):
+            mini = _take(batch, slice(m * mini_groups, (m + 1) * mini_groups))
+            num_micro = self.mini_rows // self.trainer.micro_batch_size
+            mask = np.asarray(mini.response_mask)
+            weights = micro_weights(mask.reshape((num_micro, -1) + mask.shape[1:]), rl.loss_agg)
+            if weights.sum() == 0:  # every group filtered out (dynamic sampling): nothing to learn from
+                skipped += 1
+                continue
+            um, logp = self.trainer.update(self.trainer.put_micro(mini), weights)
+            update_metrics.append(um)
+            if self.trainer.loss.fuse_old_logprobs:
+                train_logp[m * self.mini_rows : (m + 1) * self.mini_rows] = np.asarray(logp).reshape(
+                    self.mini_rows, -1
+                )
+        self.engine.set_params(self.trainer.compute_params())
+        times["update"] = time.perf_counter() - t0
+
+        # ---- metrics
+        mask = rollout.mask
+        n = min(mask.shape[1], train_logp.shape[1])
+        gap_mask = mask[:, :n]
+        gap = np.abs(rollout.logprobs[:, :n] - train_logp[:, :n])[gap_mask]
+        for k in update_metrics[0] if update_metrics else ():
+            metrics[k] = float(np.mean([u[k] for u in update_metrics]))
+        metrics.update(
+            {
+                "reward/mean": float(rewards.mean()),
+                "reward/std": float(rewards.std()),
+                "accuracy": float(np.mean([r.correct for r in results])),
+                "format": float(np.mean([r.format_ok for r in results])),
+                **_percentiles(rollout.lengths.astype(np.float64)),
+                "length/clip_frac": float(np.mean(np.asarray(rollout.finish_reason) == "length")),
+                "rl/kept_frac": float(keep.mean()),
+                "rl/skipped_updates": float(skipped),
+                "rl/adv_abs_mean": float(np.abs(adv).mean()),
+                "optim/lr": float(rl.lr) * min(1.0, step * int(rl.mini_batches) / (int(rl.warmup_steps) + 1)),
+                "data/position": float(next_position),
+                "throughput/tok_per_s": float(rollout.lengths.sum() / max(times["rollout"], 1e-9)),
+            }
+        )
+        if gap.size and (update_metrics or not self.trainer.loss.fuse_old_logprobs):
+            metrics["logprob/engine_gap"] = float(gap.mean())
+            metrics["logprob/engine_gap_max"] = float(gap.max())
+        stats = rollout.stats
+        if self.engine.config.spec.enabled:
+            metrics["spec/accept_len"] = stats.mean_accept_length
+            metrics["spec/sd_seconds"] = stats.sd_seconds  # SD-on time of the rollout
+            metrics["spec/sd_share"] = stats.sd_seconds / max(times["rollout"], 1e-9)
+        for k, v in stats.summary().items():
+            metrics.setdefault(k, v)
+        total = time.perf_counter() - t_step
+        for k, v in times.items():
+            metrics[f"time/{k}"] = v
+        metrics["time/step"] = total
+        metrics["rollout/share"] = times["rollout"] / max(total, 1e-9)
+
+        self._log_samples(step, problems, rollout, texts, results)
+        self.step, self.data_position = step, next_position
+        return metrics
+
+    def _log_samples(
+        self, step: int, problems: list[Problem], rollout: Rollout, texts: list[str], results
+    ) -> None:  # noqa: ANN001
+        """A few responses per step to `workdir/samples.jsonl` (what the policy actually writes)."""
+        k = min(int(self.config.log_samples), self.rows)
+        if not k or not self.is_main:
+            return
+        rows = np.linspace(0, self.rows - 1, k).astype(int)
+        with open(os.path.join(self.workdir, SAMPLES_FILE), "a", encoding="utf-8") as f:
+            for i in rows:
+                p = problems[int(rollout.prompt_index[i])]
+                r = results[i]
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "question": p.question,
+                            "answer": p.answer,
+                            "response": texts[i],
+                            "reward": r.reward,
+                            "correct": r.correct,
+                        }
+                    )
+                    + "\n"
+                )
+        logging.info(
+            "step %d sample (reward %.2f): %r -> %r",
+            step,
+            results[rows[0]].reward,
+            problems[int(rollout.prompt_index[rows[0]])].question[-60:],
+            texts[rows[0]][:200],
+        )
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def train(self) -> str:
+        """Run until `config.num_steps` (or a SIGTERM/SIGINT). Returns "done" or "preempted"."""
+        cfg = self.config
+        every = int(cfg.checkpoint_every)
+        status = "done"
+        try:
+            with PreemptionGuard() as guard:
+                while self.step < int(cfg.num_steps):
+                    metrics = self.train_step()
+                    if self.trackers is not None:
+                        self.trackers.log(self.step, metrics)
+                    last = self.step == int(cfg.num_steps)
+                    if guard.should_stop or last or (every and self.step % every == 0):
+                        self.save()
+                    if guard.should_stop and not last:
+                        status = "preempted"
+                        logging.warning("stopping at step %d after %s", self.step, guard.received.name)
+                        break
+                if self.step >= int(cfg.num_steps) and self.ckpt.latest_step() != self.step:
+                    self.save()  # e.g. resumed at the end of a run that crashed before its final save
+        finally:
+            self.close()
+        return status
+
+    def close(self) -> None:
+        self.ckpt.close()
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
+
+
+def run(config: Any, workdir: str) -> str:
+    """Train GRPO as configured, in `workdir` (created; resumed from its latest checkpoint if present)."""
+    os.makedirs(workdir, exist_ok=True)
+    return Learner(config, workdir).train()

@@ -1,0 +1,441 @@
+"""The learner's side of GRPO: trainer forward (response log-probs, hidden states) and the jitted update.
+
+Sequence layout (static shapes): each row is `[left-padded prompt | right-padded response]`, the prompt in
+columns [0, Tp) and the response in [Tp, Tp + Nb), with Tp and Nb rounded up to a bucket (`seq_bucket`), so a
+run compiles one program per (Tp, Nb) bucket pair and reuses it. Padding is masked out of attention (and
+positions restart at 0 at the first real token), so a row's log-probs do not depend on its padding.
+
+The log-prob of response token j is read from the hidden state at column Tp - 1 + j; logits are computed only
+for those Nb columns, divided by the rollout temperature (as VeRL does) so that they are comparable with the
+engine's sampling log-probs. Optionally in chunks of `logits_chunk` columns under `jax.checkpoint`, so a long
+response never materialises [B, Nb, V] logits for the backward pass.
+
+`PolicyTrainer` owns the policy parameters (float32 masters when the model computes in bfloat16), the optax
+state and an optional frozen reference copy. One `update` is one optimizer step on a mini-batch, with
+gradient accumulation over micro-batches in a `lax.scan`: each micro-batch's loss is weighted by its share of
+the mini-batch (tokens, sequences or rows, by loss aggregation), so the accumulated gradient equals the
+gradient of the whole mini-batch's loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tlt_jax import sharding as shd
+from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.models.llama import Transformer, causal_mask
+from tlt_jax.rl import grpo
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    """One step's samples, group-major: G prompts x n responses (leading [G], or [K, G/K] once split)."""
+
+    prompt: jax.Array  # [G, Tp] int32, right-padded
+    prompt_len: jax.Array  # [G] int32 (>= 1)
+    response: jax.Array  # [G, n, Nb] int32, right-padded
+    response_mask: jax.Array  # [G, n, Nb] float32: 1 on response tokens that enter the loss
+    advantages: jax.Array  # [G, n] float32
+    old_logp: jax.Array  # [G, n, Nb] float32 (ignored when the update fuses old log-probs)
+    ref_logp: jax.Array  # [G, n, Nb] float32 (ignored without a KL term)
+
+    @property
+    def group_size(self) -> int:
+        return self.response.shape[-2]
+
+    @property
+    def num_response(self) -> int:
+        return self.response.shape[-1]
+
+    def rows(self, x: jax.Array) -> jax.Array:
+        """[..., G, n, ...] per-sample array -> [..., G * n, ...] rows (prompt-major, as the rollout)."""
+        lead = self.prompt.ndim - 2
+        shape = x.shape[:lead] + (-1,) + x.shape[lead + 2 :]
+        return x.reshape(shape)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-max(int(x), 1) // m) * m
+
+
+def build_train_batch(
+    prompts: list[list[int]],
+    responses_bn: np.ndarray,
+    lengths_b: np.ndarray,
+    advantages_b: np.ndarray,
+    keep_b: np.ndarray,
+    *,
+    group_size: int,
+    seq_bucket: int,
+) -> TrainBatch:
+    """Host-side (numpy) TrainBatch from a rollout of B = G * n rows (prompt-major groups: `prompts[i]` is
+    the prompt of row i). Prompt and response lengths are rounded up to multiples of `seq_bucket`; rows with
+    keep=False get an all-zero response mask."""
+    b = len(prompts)
+    chex.assert_shape([lengths_b, advantages_b, keep_b], [(b,)] * 3)
+    if b % group_size:
+        raise ValueError(f"{b} rows are not a whole number of groups of {group_size}")
+    g, n = b // group_size, group_size
+    group_prompts = [prompts[i * n] for i in range(g)]
+    for i in range(b):
+        if prompts[i] != group_prompts[i // n]:
+            raise ValueError(
+                f"row {i} does not share the prompt of its group {i // n}: rows must be prompt-major"
+            )
+    tp = round_up(max(len(p) for p in group_prompts), seq_bucket)
+    nb = round_up(int(lengths_b.max()), seq_bucket)
+    prompt = np.zeros((g, tp), np.int32)
+    for i, p in enumerate(group_prompts):
+        prompt[i, : len(p)] = p
+    response = np.zeros((b, nb), np.int32)
+    m = min(nb, responses_bn.shape[1])
+    response[:, :m] = responses_bn[:, :m]
+    valid = np.arange(nb)[None, :] < lengths_b[:, None]
+    response = np.where(valid, response, 0)
+    zeros = np.zeros((g, n, nb), np.float32)
+    return TrainBatch(
+        prompt=prompt,
+        prompt_len=np.asarray([len(p) for p in group_prompts], np.int32),
+        response=response.reshape(g, n, nb),
+        response_mask=(valid & keep_b[:, None]).astype(np.float32).reshape(g, n, nb),
+        advantages=np.asarray(advantages_b, np.float32).reshape(g, n),
+        old_logp=zeros,
+        ref_logp=zeros,
+    )
+
+
+def split_micro(batch: TrainBatch, num_micro: int) -> TrainBatch:
+    """[G, ...] leaves -> [num_micro, G / num_micro, ...] (consecutive groups per micro-batch)."""
+    return jax.tree_util.tree_map(lambda x: x.reshape((num_micro, -1) + x.shape[1:]), batch)
+
+
+def micro_weights(mask_kgnt: np.ndarray, aggregation: str) -> np.ndarray:
+    """Each micro-batch's share of its mini-batch's loss, so that sum_k w_k * loss_k == loss(mini-batch).
+
+    mask: [K, G/K, n, Nb] response masks of the K micro-batches.
+    """
+    k = mask_kgnt.shape[0]
+    mask = mask_kgnt.reshape(k, -1, mask_kgnt.shape[-1])
+    if aggregation == "token_mean":
+        counts = mask.sum(axis=(1, 2))
+    elif aggregation == "seq_mean_token_mean":
+        counts = (mask.sum(axis=2) > 0).sum(axis=1)
+    elif aggregation == "seq_mean_token_sum_norm":
+        counts = np.full((k,), mask.shape[1])
+    else:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; valid: {sorted(grpo.LOSS_AGGREGATIONS)}")
+    counts = counts.astype(np.float64)
+    total = counts.sum()
+    return (counts / total if total > 0 else counts).astype(np.float32)
+
+
+@flax.struct.dataclass
+class ForwardOut:
+    logp: jax.Array  # [G*n, Nb] log-prob of each response token under softmax(logits / temperature)
+    entropy: jax.Array  # [G*n, Nb]
+    hidden: jax.Array | None  # [G*n, Nb, H] final hidden state that predicts each response token (or None)
+
+
+def _logp_entropy(model: Transformer, h_bnh: jax.Array, targets_bn: jax.Array, temperature: float):  # noqa: ANN202
+    logits = model.logits(h_bnh) / temperature
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets_bn[..., None], axis=-1)[..., 0]
+    probs = jnp.exp(logits - logz[..., None])
+    return picked - logz, logz - jnp.sum(probs * logits, axis=-1)
+
+
+def response_logprobs(
+    model: Transformer,
+    batch: TrainBatch,
+    *,
+    temperature: float,
+    logits_chunk: int = 0,
+    return_hidden: bool = False,
+) -> ForwardOut:
+    """Trainer forward: each prompt once, then its n responses on top of the prompt's KV cache.
+
+    The prompt pass writes the prompt's keys/values into a cache (as the engine's prefill does); its rows are
+    repeated n times and the responses run as one causal block after each prompt's real length, so the
+    prompt's cost is paid once per group, not once per sample, and gradients flow through the shared prompt
+    activations (summed over its samples). Returns per-token log-probs of the responses [G*n, Nb].
+    """
+    g, tp = batch.prompt.shape
+    n, nb = batch.group_size, batch.num_response
+    b = g * n
+    chex.assert_shape(batch.prompt_len, (g,))
+    chex.assert_shape([batch.response, batch.response_mask], (g, n, nb))
+    cfg = model.cfg
+    cache = KVCache.init(cfg, g, tp + nb)
+    pos_p = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (g, tp))
+    out_p = model(batch.prompt, pos_p, cache, compute_logits=False)
+    last = jnp.take_along_axis(out_p.hidden, (batch.prompt_len - 1)[:, None, None], axis=1)  # [G, 1, H]
+    rows = jnp.repeat(jnp.arange(g), n)
+    cache = out_p.cache.advance(batch.prompt_len).take_rows(rows)
+    resp = batch.rows(batch.response)
+    pos_r = cache.lengths[:, None] + jnp.arange(nb, dtype=jnp.int32)[None, :]
+    out_r = model(resp, pos_r, cache, causal_mask(b, nb), compute_logits=False)
+    h = jnp.concatenate([last[rows], out_r.hidden[:, :-1]], axis=1)  # [B, Nb, H]: predicts response[:, j]
+    if logits_chunk and nb > logits_chunk and nb % logits_chunk == 0:
+        c = nb // logits_chunk
+        hc = jnp.moveaxis(h.reshape(b, c, logits_chunk, -1), 1, 0)
+        tc = jnp.moveaxis(resp.reshape(b, c, logits_chunk), 1, 0)
+        fn = jax.checkpoint(lambda x: _logp_entropy(model, x[0], x[1], temperature))
+        logp, ent = jax.lax.map(fn, (hc, tc))
+        logp, ent = (jnp.moveaxis(x, 0, 1).reshape(b, nb) for x in (logp, ent))
+    else:
+        logp, ent = _logp_entropy(model, h, resp, temperature)
+    return ForwardOut(logp=logp, entropy=ent, hidden=h if return_hidden else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Static settings of the GRPO-family loss (see tlt_jax.rl.grpo)."""
+
+    temperature: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    aggregation: str = "seq_mean_token_mean"
+    max_len: int | None = None  # Dr.GRPO's constant divisor (the max response length)
+    kl_coef: float = 0.0
+    fuse_old_logprobs: bool = True  # old log-probs = stop_gradient(this forward) (one mini-batch per step)
+    logits_chunk: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    grad_clip: float = 1.0
+
+
+def lr_schedule(oc: OptimConfig) -> optax.Schedule:
+    """Linear warm-up from lr / (warmup + 1) to lr over `warmup_steps` updates, then constant."""
+    if oc.warmup_steps <= 0:
+        return optax.constant_schedule(oc.lr)
+    return lambda count: oc.lr * jnp.minimum(1.0, (count + 1.0) / (oc.warmup_steps + 1.0))
+
+
+def make_optimizer(oc: OptimConfig) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping and warm-up (the VeRL actor's optimizer)."""
+    parts = [optax.clip_by_global_norm(oc.grad_clip)] if oc.grad_clip > 0 else []
+    parts.append(optax.adamw(lr_schedule(oc), b1=oc.b1, b2=oc.b2, weight_decay=oc.weight_decay))
+    return optax.chain(*parts)
+
+
+def _micro_spec(mesh: Mesh, x: Any) -> NamedSharding:
+    """[K, G, ...] micro-batched leaves: groups over the data axis, micro-batch index and the rest replicated."""
+    axes = (None, "batch") + (None,) * (x.ndim - 2)
+    return NamedSharding(mesh, shd.logical_spec(axes, x.shape, mesh))
+
+
+class PolicyTrainer:
+    """Policy params + optimizer state + the jitted trainer forward and GRPO update (see module docstring).
+
+    The trainer takes over the model's parameter buffers (its update donates them): do not use `model` after
+    constructing it; get weights from `params` / `compute_params()`.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        mesh: Mesh,
+        loss: LossConfig,
+        optim: OptimConfig,
+        *,
+        micro_batch_size: int,
+        with_reference: bool,
+        master_dtype: str = "float32",
+        fsdp: bool = False,
+    ):
+        self.mesh, self.loss, self.optim = mesh, loss, optim
+        self.micro_batch_size = int(micro_batch_size)
+        self.compute_dtype = jnp.dtype(model.cfg.dtype)
+        self.graphdef, params = nnx.split(model, nnx.Param)
+        # fsdp: the hidden ("embed") dim of every weight is also split over the data axis, so master weights
+        # and AdamW moments are sharded over all devices (XLA gathers each weight where it is used).
+        self.rules = {**shd.DEFAULT_RULES, "embed": "data"} if fsdp else dict(shd.DEFAULT_RULES)
+        self.param_shardings = shd.param_shardings(params, mesh, self.rules)
+        master = jnp.dtype(master_dtype)
+        self.params = jax.jit(
+            lambda p: jax.tree_util.tree_map(lambda x: x.astype(master), p),
+            out_shardings=self.param_shardings,
+        )(params)
+        self.tx = make_optimizer(optim)
+        opt_state = jax.jit(self.tx.init)(self.params)
+        # Moments follow the params' shardings; scalars (step counts) are replicated over the mesh.
+        self.opt_shardings = jax.tree_util.tree_map(
+            lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else NamedSharding(mesh, P()),
+            opt_state,
+        )
+        self.opt_state = jax.device_put(opt_state, self.opt_shardings)
+        self._update = jax.jit(
+            self._update_fn,
+            donate_argnums=(0, 1),
+            out_shardings=(self.param_shardings, self.opt_shardings, None),
+        )
+        self._logprobs = jax.jit(self._logprobs_fn, static_argnames=("return_hidden",))
+        self._cast = jax.jit(self._cast_fn, out_shardings=self.param_shardings)
+        self._surrogate = jax.jit(self._surrogate_fn)
+        self._copy = jax.jit(
+            lambda p: jax.tree_util.tree_map(jnp.copy, p), out_shardings=self.param_shardings
+        )
+        # A real copy: the policy's buffers are donated by every update.
+        self.ref_params = self.compute_params(copy=True) if with_reference else None
+
+    # ---- params -------------------------------------------------------------------------------------------
+    def _cast_fn(self, params: Any) -> Any:
+        return jax.tree_util.tree_map(lambda x: x.astype(self.compute_dtype), params)
+
+    def compute_params(self, copy: bool = False) -> Any:
+        """Policy params in the model's compute dtype (what the rollout engine runs); `copy` forces new
+        buffers (otherwise float32 masters of a float32 model are returned as they are)."""
+        if all(x.dtype == self.compute_dtype for x in jax.tree_util.tree_leaves(self.params)):
+            return self._copy(self.params) if copy else self.params
+        return self._cast(self.params)
+
+    def model(self, params: Any | None = None) -> Transformer:
+        return nnx.merge(self.graphdef, self._cast_fn(self.params if params is None else params))
+
+    # ---- device placement ---------------------------------------------------------------------------------
+    def put_micro(self, batch: TrainBatch) -> TrainBatch:
+        """Split a host batch into micro-batches of `micro_batch_size` rows (whole groups) and shard each
+        micro-batch's groups over the data axis."""
+        groups, n = batch.prompt.shape[0], batch.group_size
+        rows = groups * n
+        if self.micro_batch_size % n or rows % self.micro_batch_size:
+            raise ValueError(
+                f"micro-batches of {self.micro_batch_size} rows must hold whole groups of {n} samples and "
+                f"divide the {rows} rows of a mini-batch: set config.trainer.micro_batch_size to a multiple "
+                "of rl.samples_per_prompt that divides prompts_per_step * samples_per_prompt / mini_batches."
+            )
+        micro = split_micro(batch, rows // self.micro_batch_size)
+        return jax.tree_util.tree_map(lambda x: jax.device_put(x, _micro_spec(self.mesh, x)), micro)
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    def _forward(self, params: Any, mb: TrainBatch, return_hidden: bool) -> ForwardOut:
+        model = nnx.merge(self.graphdef, self._cast_fn(params))
+        return response_logprobs(
+            model,
+            mb,
+            temperature=self.loss.temperature,
+            logits_chunk=self.loss.logits_chunk,
+            return_hidden=return_hidden,
+        )
+
+    def _logprobs_fn(self, params: Any, micro: TrainBatch, return_hidden: bool = False) -> ForwardOut:
+        return jax.lax.map(lambda mb: self._forward(params, mb, return_hidden), micro)
+
+    def logprobs(self, micro: TrainBatch, params: Any = None, return_hidden: bool = False) -> ForwardOut:
+        """Trainer forward without gradients on device micro-batches ([K, ...] from `put_micro`): log-probs
+        [K, rows per micro, Nb] under `params` (default: the policy; `ref_params` for the reference)."""
+        return self._logprobs(self.params if params is None else params, micro, return_hidden=return_hidden)
+
+    # ---- update -------------------------------------------------------------------------------------------
+    def _loss_fn(self, params: Any, mb: TrainBatch, weight: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        lc = self.loss
+        out = self._forward(params, mb, return_hidden=False)
+        mask = mb.rows(mb.response_mask)
+        old = jax.lax.stop_gradient(out.logp) if lc.fuse_old_logprobs else mb.rows(mb.old_logp)
+        pg, pm = grpo.policy_loss(
+            out.logp,
+            old,
+            mb.rows(mb.advantages),
+            mask,
+            clip_low=lc.clip_low,
+            clip_high=lc.clip_high,
+            aggregation=lc.aggregation,
+            max_len=lc.max_len,
+        )
+        kl = jnp.zeros((), jnp.float32)
+        if lc.kl_coef > 0:
+            kl = grpo.kl_penalty_loss(
+                out.logp, mb.rows(mb.ref_logp), mask, aggregation=lc.aggregation, max_len=lc.max_len
+            )
+        tokens = jnp.sum(mask)
+        aux = {
+            "pg_loss": pg * weight,
+            "kl": kl * weight,
+            "tokens": tokens,
+            # token sums (the host divides by the total token count)
+            "clip_frac_sum": pm["clip_frac"] * tokens,
+            "approx_kl_sum": pm["approx_kl"] * tokens,
+            "entropy_sum": jnp.sum(out.entropy * mask),
+            "logp": jax.lax.stop_gradient(out.logp),
+        }
+        return (pg + lc.kl_coef * kl) * weight, aux
+
+    def _accumulate(self, params: Any, micro: TrainBatch, weights: jax.Array) -> tuple[Any, dict[str, Any]]:
+        """Sum over micro-batches of weight_k * grad(loss_k): the gradient of the whole mini-batch's loss."""
+
+        def body(acc: Any, xs: tuple[TrainBatch, jax.Array]) -> tuple[Any, dict[str, Any]]:
+            mb, w = xs
+            (_, aux), g = jax.value_and_grad(self._loss_fn, has_aux=True)(params, mb, w)
+            return jax.tree_util.tree_map(jnp.add, acc, g), aux
+
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        return jax.lax.scan(body, zeros, (micro, weights))
+
+    def gradients(self, micro: TrainBatch, weights: np.ndarray) -> Any:
+        """The accumulated gradient `update` would apply (for tests and diagnostics; no state change)."""
+        if not hasattr(self, "_gradients"):
+            self._gradients = jax.jit(lambda p, m, w: self._accumulate(p, m, w)[0])
+        return self._gradients(self.params, micro, jnp.asarray(weights, jnp.float32))
+
+    def _update_fn(self, params: Any, opt_state: Any, micro: TrainBatch, weights: jax.Array):  # noqa: ANN202
+        grads, aux = self._accumulate(params, micro, weights)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        stats = {k: jnp.sum(v) for k, v in aux.items() if k != "logp"}
+        stats["grad_norm"] = grad_norm
+        stats["update_norm"] = optax.global_norm(updates)
+        return params, opt_state, {"stats": stats, "logp": aux["logp"]}
+
+    def update(self, micro: TrainBatch, weights: np.ndarray) -> tuple[dict[str, float], jax.Array]:
+        """One optimizer step on device micro-batches ([K, ...]) with per-micro-batch loss weights [K].
+
+        Returns (metrics, the log-probs of the forward before the step [K, rows, Nb]); metrics: loss/pg,
+        loss/kl, policy/clip_frac, policy/approx_kl, policy/entropy (token means), optim/grad_norm,
+        optim/update_norm.
+        """
+        chex.assert_shape(weights, (micro.prompt.shape[0],))
+        self.params, self.opt_state, out = self._update(
+            self.params, self.opt_state, micro, jnp.asarray(weights, jnp.float32)
+        )
+        s = {k: float(v) for k, v in jax.device_get(out["stats"]).items()}
+        tokens = max(s["tokens"], 1.0)
+        metrics = {
+            "loss/pg": s["pg_loss"],
+            "loss/kl": s["kl"],
+            "policy/clip_frac": s["clip_frac_sum"] / tokens,
+            "policy/approx_kl": s["approx_kl_sum"] / tokens,
+            "policy/entropy": s["entropy_sum"] / tokens,
+            "optim/grad_norm": s["grad_norm"],
+            "optim/update_norm": s["update_norm"],
+        }
+        return metrics, out["logp"]
+
+    def surrogate_loss(self, micro: TrainBatch, weights: np.ndarray, params: Any = None) -> float:
+        """The weighted loss (policy + KL terms) of `params` (default: the policy) on a batch, no update.
+        With fused old log-probs this is -mean advantage at any params; pass old_logp and a trainer with
+        fuse_old_logprobs=False to measure the PPO surrogate."""
+        p = self.params if params is None else params
+        return float(self._surrogate(p, micro, jnp.asarray(weights, jnp.float32)))
+
+    def _surrogate_fn(self, params: Any, micro: TrainBatch, weights: jax.Array) -> jax.Array:
+        losses, _ = jax.lax.map(lambda xs: self._loss_fn(params, xs[0], xs[1]), (micro, weights))
+        return jnp.sum(losses)
