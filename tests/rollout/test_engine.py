@@ -1,4 +1,4 @@
-"""Plain-decoding rollout engine: correctness vs full forward, compaction, buckets, sharding, compile counts."""
+"""Plain-decoding rollout engine: vs full forward, compaction, buckets, sharding, compile counts."""
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +73,9 @@ def test_compaction_and_buckets_do_not_change_samples(model):
     """Per-sequence PRNG streams: compaction into smaller buckets leaves every sample unchanged."""
     sp = SamplingParams(temperature=1.0)
     a = _engine(model, compact=True).generate(PROMPTS, n=4, key=jax.random.key(3), sampling=sp)
-    b = _engine(model, compact=False, chunk_steps=5).generate(PROMPTS, n=4, key=jax.random.key(3), sampling=sp)
+    b = _engine(model, compact=False, chunk_steps=5).generate(
+        PROMPTS, n=4, key=jax.random.key(3), sampling=sp
+    )
     np.testing.assert_array_equal(a.lengths, b.lengths)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
@@ -103,7 +105,7 @@ def test_prompt_longer_than_cache_is_a_clear_error(model):
 
 @pytest.mark.parametrize("data,model_axis", [(8, 1), (4, 2)])
 def test_sharded_rollout_equals_single_device(model, data, model_axis):
-    """8 fake CPU devices (data-parallel, and data x tensor) give the 1-device greedy rollout token for token."""
+    """8 fake CPU devices (data-parallel; data x tensor) give the 1-device greedy rollout token for token."""
     if len(jax.devices()) < 8:
         pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set in tests/conftest.py)")
     sp = SamplingParams(temperature=0.0)

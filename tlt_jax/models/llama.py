@@ -232,7 +232,7 @@ class Transformer(nnx.Module):
 
 
 def hf_to_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
-    """Convert HF Llama/Qwen2-named float tensors into a nested dict matching `nnx.state(model, nnx.Param)`."""
+    """HF Llama/Qwen2-named float tensors -> a nested dict matching `nnx.state(model, nnx.Param)`."""
     g, kv, d, h = cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
 
     def get(name: str) -> np.ndarray:

@@ -90,6 +90,6 @@ def sample_rows(
     keys_b: jax.Array, logits_bv: jax.Array, params: SamplingParams
 ) -> tuple[jax.Array, jax.Array]:
     """`sample` with one PRNG key per row, so a row's draws do not depend on which batch it runs in
-    (compaction into smaller buckets, sharding and speculative decoding leave each sequence's stream alone)."""
+    (compaction into smaller buckets, sharding and speculative decoding leave each stream alone)."""
     tok, lp = jax.vmap(lambda k, lg: sample(k, lg[None], params))(keys_b, logits_bv)
     return tok[:, 0], lp[:, 0]
