@@ -2,8 +2,7 @@
 
 The drafting tests compare `eagle_draft` (all draft slots in one buffer, tree-masked) with the plainest
 possible reference: the real `Drafter` module run one position at a time along each node's ancestor path.
-The cache test runs real speculative rounds through the engine and compares the target and drafter KV
-caches with a fresh forward pass over the committed tokens.
+(Verification and cache commits are tested through the engine in test_engine_sd.py.)
 """
 
 from __future__ import annotations
@@ -21,8 +20,8 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout import speculative as spec
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.types import DecodeState, DraftTree
 
 CFG = tiny_config(num_layers=2, tie_embeddings=False)
 
@@ -191,80 +190,66 @@ def test_eagle_tree_nodes_are_topk_children_along_their_own_path(models):
         assert best_child in [int(tok[i]) for i in kids]
 
 
-# ---- caches after speculative rounds ----------------------------------------------------------------------
+# ---- verification: EOS and budget truncation inside an accepted path ---------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _reference_caches(tgraph, dgraph, tparams, dparams, tokens_bt):
-    """Fresh target and drafter passes over whole sequences (every position valid)."""
-    target, drafter = nnx.merge(tgraph, tparams), nnx.merge(dgraph, dparams)
-    b, t = tokens_bt.shape
-    out = target(tokens_bt, jnp.broadcast_to(jnp.arange(t), (b, t)), KVCache.init(CFG, b, t))
-    dcache = spec.drafter_prefill(
-        drafter, target, drafter.init_cache(b, t), tokens_bt, out.hidden, jnp.full((b,), t), "reference"
+@functools.partial(jax.jit, static_argnums=(0,))
+def _verify(tgraph, tparams, state, tree, eos_ids):
+    target = nnx.merge(tgraph, tparams)
+    return spec.verify_round(
+        target, None, state, tree, SamplingParams(0.0), eos_ids, max_depth=3, attn_impl="reference"
     )
-    return out.cache, dcache, out.hidden
 
 
-def _check_caches(models, state, prompts: list[list[int]], n: int) -> None:
-    """Every row's caches and carried hidden state vs one fresh pass over its committed tokens."""
-    target, drafter = models
-    tg, tp = nnx.split(target)
-    dg, dp = nnx.split(drafter)
-    num = np.asarray(state.num_generated)
-    out = np.asarray(state.out_tokens)
-    rows = len(prompts) * n
-    assert not np.asarray(state.done)[:rows].any()
-    seqs = [list(prompts[r // n]) + out[r, : num[r] - 1].tolist() for r in range(rows)]  # newest not cached
-    width = state.cache.capacity
-    padded = np.zeros((rows, width), np.int32)
-    for r, seq in enumerate(seqs):
-        padded[r, : len(seq)] = seq
-    # causal passes: positions past a row's length do not touch the ones before it
-    tcache, dcache, hidden = _reference_caches(tg, dg, tp, dp, jnp.asarray(padded))
-    np.testing.assert_array_equal(np.asarray(state.cache.lengths)[:rows], [len(s) for s in seqs])
-    np.testing.assert_array_equal(
-        np.asarray(state.aux.drafter_cache.lengths)[:rows], [len(s) - 1 for s in seqs]
-    )
-    dc = state.aux.drafter_cache
-    for r, seq in enumerate(seqs):
-        ln = len(seq)
-        for layer in range(CFG.num_layers):
-            for got, want in ((state.cache.k, tcache.k), (state.cache.v, tcache.v)):  # [B, Hkv, S, D]
-                np.testing.assert_allclose(got[layer][r, :, :ln], want[layer][r, :, :ln], atol=1e-5)
-        for got, want in ((dc.k[0], dcache.k[0]), (dc.v[0], dcache.v[0])):
-            np.testing.assert_allclose(got[r, :, : ln - 1], want[r, :, : ln - 1], atol=1e-5)
-        np.testing.assert_allclose(state.aux.hidden[r], hidden[r, ln - 1], atol=1e-5)
-
-
-def test_caches_after_speculative_rounds_equal_a_fresh_pass(models):
-    """Plain steps (drafter kept in step), EAGLE tree rounds and n-gram rounds at temperature 0.3: afterwards
-    the target cache equals a fresh target pass over the committed tokens, the drafter cache a fresh drafter
-    pass over the same pairs, and the carried hidden state the target's last committed hidden state."""
+def test_verify_truncates_accepted_path_at_eos_and_budget(models):
+    """A chain of drafts that greedy verification accepts in full (it is the target's own greedy text):
+    the emitted tokens stop at an EOS inside the path, and at the row's token budget."""
     target, _ = models
-    # a drafter that mostly copies the next token's embedding: the tiny target is nearly a bigram model, so
-    # its drafts are often accepted and the commits move real tree paths
-    h = CFG.hidden_size
-    drafter = Drafter(CFG, nnx.Rngs(2))
-    drafter.fc[...] = drafter.fc[...] + jnp.concatenate([4.0 * jnp.eye(h), jnp.zeros((h, h))], axis=1)
-    cfg = EngineConfig(
-        max_new_tokens=64, max_cache_len=128, chunk_steps=3, min_cache_bucket=128, compact=False
+    tg, tp = nnx.split(target)
+    prompt = [5, 17, 42, 9]
+    seq = list(prompt)
+    for _ in range(5):  # greedy continuation g0..g4
+        logits = _full_logits(tg, tp, jnp.asarray([seq + [0] * (16 - len(seq))]))
+        seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+    g = seq[len(prompt) :]
+    cache = KVCache.init(CFG, 1, 32)
+    pos = jnp.arange(len(prompt))[None]
+    cache = target(jnp.asarray([prompt]), pos, cache).cache.advance(len(prompt))
+
+    def state(max_new: int) -> DecodeState:
+        out = jnp.zeros((1, 8), jnp.int32).at[0, 0].set(g[0])
+        return DecodeState(
+            cache=cache,
+            last_token=jnp.asarray([g[0]], jnp.int32),
+            out_tokens=out,
+            out_logp=jnp.zeros((1, 8), jnp.float32),
+            num_generated=jnp.asarray([1], jnp.int32),
+            done=jnp.asarray([False]),
+            seq_keys=jnp.zeros((1, 2), jnp.uint32),
+            max_new=jnp.asarray([max_new], jnp.int32),
+        )
+
+    tree = DraftTree(
+        tokens=jnp.asarray([g[:4]], jnp.int32),
+        parents=jnp.asarray([[-1, 0, 1, 2]], jnp.int32),
+        depth=jnp.asarray([[0, 1, 2, 3]], jnp.int32),
     )
-    engine = RolloutEngine(target, cfg, eos_ids=[], drafter=drafter)
-    tree_mode = engine.add_mode("eagle", "3_2_5")
-    ngram_mode = engine.add_mode("ngram", "3_1_4")
-    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9]]
-    sp = SamplingParams(temperature=0.3, top_k=20, top_p=0.95)
-    state = engine.prefill(prompts, n=2, key=jax.random.key(3), sampling=sp, max_new_tokens=64)
-    _check_caches((target, drafter), state, prompts, n=2)  # after prefill
-    bank = engine.new_bank(4, 2, 64)
-    accepted_drafts = {}
-    for mode in ("plain", tree_mode, ngram_mode, tree_mode):
-        state, _, extra, bank = engine.decode_chunk(state, mode, sp, 64, bank)
-        if mode != "plain":
-            accepted_drafts[mode] = (
-                accepted_drafts.get(mode, 0) + extra["accepted_tokens"] - extra["verify_rounds"]
-            )
-        _check_caches((target, drafter), state, prompts, n=2)
-    # the commits moved accepted tree nodes (not just the root) into place
-    assert all(v > 0 for v in accepted_drafts.values()), accepted_drafts
+    no_eos = jnp.asarray([-1], jnp.int32)
+    cases = [  # (max_new, eos, emitted tokens, done)
+        (8, no_eos, g[1:5], False),  # all 3 drafts + the bonus
+        (8, jnp.asarray([g[2]], jnp.int32), g[1:3], True),  # EOS is the 2nd emitted token
+        (3, no_eos, g[1:3], True),  # 2 tokens left in the budget
+    ]
+    for max_new, eos, want, done in cases:
+        st, stats = _verify(tg, tp, state(max_new), tree, eos)
+        n = int(st.num_generated[0])
+        assert np.asarray(st.out_tokens)[0, 1:n].tolist() == want
+        assert bool(st.done[0]) == done and int(st.last_token[0]) == want[-1]
+        assert int(st.cache.lengths[0]) == len(prompt) + len(want)
+        assert int(stats.emitted) == len(want) and int(stats.rows) == 1
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _full_logits(tgraph, tparams, tokens_bt):
+    target = nnx.merge(tgraph, tparams)
+    return target(tokens_bt, jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)).logits

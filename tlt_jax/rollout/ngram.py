@@ -124,8 +124,9 @@ def propose(
 
     A match at position j of source s is usable when at least `min_ngram` trailing query tokens match there
     and the source continues after j. Matches are ranked by match length, then how many of the `depth`
-    continuation tokens exist, then source (own response > siblings > prompt), then recency (later j). Branch b is the continuation of the best match whose first
-    token differs from branches 0..b-1 (distinct first tokens, so the tree's root children are distinct).
+    continuation tokens exist, then source (own response > siblings > prompt), then recency (later j).
+    Branch b is the continuation of the best match whose first token differs from branches 0..b-1
+    (distinct first tokens, so the tree's root children are distinct).
     """
     chex.assert_rank([src_bsl, src_len_bs, query_bm], [3, 2, 2])
     b, s, width = src_bsl.shape

@@ -312,6 +312,8 @@ def eagle_draft(
     the commit overwrites; lengths unchanged).
     """
     b = root_token_b.shape[0]
+    chex.assert_shape(root_hidden_bh, (b, drafter.cfg.hidden_size))
+    chex.assert_equal(dcache.batch_size, b)
     d, k, n = strategy.max_depth, strategy.topk, strategy.tokens_to_verify
     nd, num_c = strategy.draft_slots, strategy.num_candidates
     layer = drafter.layer
