@@ -1,0 +1,265 @@
+"""Speculative-decoding rollouts vs plain decoding: acceptance length and decode speedup (cf. TLT Table 4).
+
+SmolLM2-135M (GGUF) samples responses to reasoning-gym prompts (chain_sum by default, or gsm_symbolic; the
+default step-by-step system prompt and instruction, through the chat template, as the drafter warm-up uses)
+at temperature 0.9. For every batch size B and tokens_to_verify TV, the same prompts and the same PRNG keys
+run twice (after one untimed warm-up run each, so compilation is excluded):
+  * plain: an engine without a drafter (pure plain decoding, no drafter-cache upkeep);
+  * SD:    an engine with the warmed EAGLE drafter, speculative for the whole rollout
+           (ThresholdSelector(threshold=B, min_steps_below=0): SD from the first chunk).
+Tokens/s = emitted tokens / device time of the decode chunks (RolloutStats chunk records; prefill and host
+time excluded). Accept length = tokens emitted per row per verify round (accepted drafts + bonus).
+Speedup = SD tok/s / plain tok/s. Outputs differ token by token (sampling is lossless in distribution, not
+per token), so both sides are normalised by their own token counts. Batch B = B distinct prompts (n=1);
+with fewer prompts than `--prompts`, ceil(prompts / B) engine calls are made and summed.
+
+Strategy for a TV (documented mapping): depth = min(8, TV - 1) and topk = the smallest k whose EAGLE-2 tree
+(k + (depth - 1) * k^2 candidates) can hold TV - 1 draft nodes:
+    TV=8 -> 7_1_8 (chain), 16 -> 8_2_16, 32 -> 8_3_32, 48 -> 8_3_48, 64 -> 8_3_64.
+The model-free n-gram drafter (default 4_1_5) runs at batch 1 against the same plain baseline.
+
+    python experiments/bench_sd.py --quick                    # batch 1, TV 8/16, n-gram; < 10 min on 2 cores
+    python experiments/bench_sd.py --quick --random-drafter   # smoke test without a warmed drafter
+    python experiments/bench_sd.py                            # batches 1..32 x TV 8..64
+Final line: `RESULT accept_len_bs1=... sd_speedup_bs1=... ngram_speedup_bs1=... speedup_bs{B}_tv{TV}=...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pathlib
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from tlt_jax.drafter.warmup import DRAFTER_DIR, init_drafter, load_drafter  # noqa: E402
+from tlt_jax.models.llama import from_hf_tensors  # noqa: E402
+from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
+from tlt_jax.rl.tasks import ReasoningGymTask  # noqa: E402
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
+from tlt_jax.rollout.speculative import Strategy, ThresholdSelector  # noqa: E402
+
+WARMUP_CMD = "python -m tlt_jax.main --config configs/drafter_warmup.py --workdir workdirs/drafter_warmup"
+TASK_KWARGS = {
+    "chain_sum": {},  # as configs/drafter_warmup.py (the drafter's training distribution)
+    "gsm_symbolic": {},
+}
+
+
+def strategy_for(tv: int, max_depth: int = 8) -> str:
+    """depth = min(max_depth, tv - 1); topk = smallest k with k + (depth - 1) k^2 >= tv - 1."""
+    depth = min(max_depth, tv - 1)
+    k = 1
+    while k + (depth - 1) * k * k < tv - 1:
+        k += 1
+    return Strategy(depth, k, tv).name
+
+
+class Totals:
+    """Decode tokens/seconds and verify stats summed over the chunk records of several rollouts."""
+
+    def __init__(self) -> None:
+        self.tokens = self.accepted = self.rounds = 0
+        self.seconds = 0.0
+        self.compiles = 0
+
+    def add(self, stats, spec: bool) -> None:  # noqa: ANN001
+        for c in stats.chunks:
+            if (c.mode != "plain") != spec:
+                raise RuntimeError(f"unexpected {c.mode!r} chunk in a {'SD' if spec else 'plain'} rollout")
+            self.tokens += c.new_tokens
+            self.seconds += c.seconds
+            self.accepted += c.accepted_tokens
+            self.rounds += c.verify_rounds
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    @property
+    def accept_len(self) -> float:
+        return self.accepted / self.rounds if self.rounds else float("nan")
+
+
+def measure(
+    engine: RolloutEngine,
+    groups: list[list[list[int]]],
+    mode: str | None,
+    new: int,
+    temp: float,
+    seed: int,
+    reps: int,
+) -> Totals:
+    """Warm-up pass (compiles every program the trajectory needs), then `reps` timed passes; best tok/s."""
+    sp = SamplingParams(temperature=temp)
+
+    def one_pass() -> Totals:
+        tot = Totals()
+        for i, prompts in enumerate(groups):
+            if mode is None:
+                sel = lambda running: "plain"  # noqa: E731
+            else:  # SD for the whole rollout: on from the first chunk
+                sel = ThresholdSelector(mode, threshold=len(prompts), min_steps_below=0)
+            out = engine.generate(
+                prompts, n=1, key=jax.random.key(seed + i), sampling=sp, max_new_tokens=new, mode_selector=sel
+            )
+            tot.add(out.stats, spec=mode is not None)
+        return tot
+
+    one_pass()
+    best = None
+    for _ in range(reps):
+        c0 = engine.compile_count
+        tot = one_pass()
+        tot.compiles = engine.compile_count - c0
+        if best is None or tot.tok_s > best.tok_s:
+            best = tot
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="batch 1, TV 8/16, short generations (< 10 min)")
+    ap.add_argument("--drafter", default="workdirs/drafter_warmup", help="warm-up workdir or its drafter/")
+    ap.add_argument("--random-drafter", action="store_true", help="untrained drafter (smoke test only)")
+    ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
+    ap.add_argument("--task", default="chain_sum", choices=sorted(TASK_KWARGS))
+    ap.add_argument(
+        "--task-offset",
+        type=int,
+        default=2000,
+        help="stream position of the first prompt (past the warm-up's training/eval prompts)",
+    )
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
+    ap.add_argument("--tv", default=None, help="comma-separated tokens_to_verify values")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per configuration (>= batch)")
+    ap.add_argument("--new", type=int, default=None, help="max new tokens per response")
+    ap.add_argument("--temperature", type=float, default=0.9)
+    ap.add_argument("--ngram", default="4_1_5", help="n-gram drafter strategy at batch 1 ('' to skip)")
+    ap.add_argument("--reps", type=int, default=1, help="timed passes per configuration (best kept)")
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate --new tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,2,4,8,16,32")).split(",")]
+    tvs = [int(t) for t in (args.tv or ("8,16" if args.quick else "8,16,32,48,64")).split(",")]
+    new = args.new or (48 if args.quick else 128)
+    n_prompts = max(args.prompts or (2 if args.quick else 4), max(batches))
+
+    drafter_path = pathlib.Path(args.drafter)
+    missing = (
+        f"error: no drafter checkpoint under {drafter_path} (expected {drafter_path / DRAFTER_DIR}). "
+        f"Warm up the drafter first:\n    {WARMUP_CMD}\n"
+        "or pass --random-drafter to smoke-test this script (its acceptance is meaningless)."
+    )
+    if not args.random_drafter and not (drafter_path / DRAFTER_DIR).is_dir() and not drafter_path.is_dir():
+        sys.exit(missing)
+
+    loaded = load_gguf(args.gguf)
+    cfg, tok = loaded.config, loaded.tokenizer
+    model = from_hf_tensors(cfg, loaded.tensors)
+    if args.random_drafter:
+        drafter, dname = init_drafter(model, "random", args.seed), "random (smoke test)"
+    else:
+        try:
+            drafter, dname = load_drafter(drafter_path, cfg), str(drafter_path)
+        except FileNotFoundError as e:
+            sys.exit(f"{missing}\n({e})")
+
+    task = ReasoningGymTask(args.task, size=5000, seed=0, dataset_kwargs=TASK_KWARGS[args.task])
+    problems, _ = task.batch(args.task_offset, n_prompts)
+    prompts = [tok.encode_chat(task.messages(p)) for p in problems]
+    strategies = {tv: strategy_for(tv) for tv in tvs}
+    max_ahead = max(
+        [Strategy.parse(s).lookahead for s in strategies.values()]
+        + ([Strategy.parse(args.ngram).lookahead] if args.ngram else [])
+    )
+    cache = 1 << math.ceil(math.log2(max(len(p) for p in prompts) + new + max_ahead + 1))
+    # One cache bucket for the whole run (fewer programs to compile; identical for plain and SD).
+    ecfg = EngineConfig(max_new_tokens=new, max_cache_len=cache, min_cache_bucket=cache, chunk_steps=16)
+    eos = [] if args.ignore_eos else list(tok.eos_token_ids)
+    plain_engine = RolloutEngine(model, ecfg, eos_ids=eos)
+    sd_engine = RolloutEngine(model, ecfg, eos_ids=eos, drafter=drafter)
+    modes = {tv: sd_engine.add_mode("eagle", s) for tv, s in strategies.items()}
+
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M fp32; "
+        f"drafter {dname}; task {args.task} ({n_prompts} prompts, {min(map(len, prompts))}.."
+        f"{max(map(len, prompts))} tokens); temperature {args.temperature}; <= {new} new tokens; "
+        f"cache {cache}; eos {'ignored' if args.ignore_eos else 'stops'}"
+    )
+    print("strategies (depth_topk_tv): " + ", ".join(f"TV={tv}: {s}" for tv, s in strategies.items()))
+
+    def groups_for(b: int) -> list[list[list[int]]]:
+        k = max(1, n_prompts // b)
+        return [prompts[i * b : (i + 1) * b] for i in range(k)]
+
+    results: dict[str, float] = {}
+    cells: dict[tuple[int, int], tuple[float, float]] = {}
+    print(
+        f"\n{'batch':>5} {'TV':>3} {'strategy':>11} {'plain tok/s':>11} {'SD tok/s':>9} {'speedup':>7} "
+        f"{'accept':>6} {'tokens':>7} {'s':>5}"
+    )
+    for b in batches:
+        groups = groups_for(b)
+        t0 = time.perf_counter()
+        base = measure(plain_engine, groups, None, new, args.temperature, args.seed, args.reps)
+        results[f"plain_tok_s_bs{b}"] = base.tok_s
+        print(
+            f"{b:>5} {'-':>3} {'plain':>11} {base.tok_s:>11.1f} {'':>9} {'':>7} {'':>6} {base.tokens:>7} "
+            f"{time.perf_counter() - t0:>5.0f}",
+            flush=True,
+        )
+        rows = [(tv, modes[tv], sd_engine) for tv in tvs]
+        if b == 1 and args.ngram:
+            ng_engine = RolloutEngine(model, ecfg, eos_ids=eos)
+            rows.append((None, ng_engine.add_mode("ngram", args.ngram), ng_engine))
+        for tv, mode, eng in rows:
+            t0 = time.perf_counter()
+            sd = measure(eng, groups, mode, new, args.temperature, args.seed, args.reps)
+            speed = sd.tok_s / max(base.tok_s, 1e-9)
+            if tv is None:
+                results["ngram_speedup_bs1"], results["ngram_accept_len_bs1"] = speed, sd.accept_len
+            else:
+                cells[(b, tv)] = (speed, sd.accept_len)
+                results[f"speedup_bs{b}_tv{tv}"], results[f"accept_bs{b}_tv{tv}"] = speed, sd.accept_len
+            warn = f"  ({sd.compiles} compiles while timed!)" if sd.compiles else ""
+            print(
+                f"{b:>5} {tv or '-':>3} {mode:>11} {base.tok_s:>11.1f} {sd.tok_s:>9.1f} {speed:>6.2f}x "
+                f"{sd.accept_len:>6.2f} {sd.tokens:>7} {time.perf_counter() - t0:>5.0f}{warn}",
+                flush=True,
+            )
+
+    print("\nTable 4 shape: speedup (accept length); rows batch size, columns tokens_to_verify")
+    print(f"{'batch':>5} " + " ".join(f"{'TV=' + str(tv):>14}" for tv in tvs))
+    for b in batches:
+        print(f"{b:>5} " + " ".join(f"{f'{cells[b, tv][0]:.2f}x ({cells[b, tv][1]:.2f})':>14}" for tv in tvs))
+    if args.ngram and 1 in batches:
+        print(
+            f"n-gram {args.ngram} at batch 1: {results['ngram_speedup_bs1']:.2f}x "
+            f"(accept {results['ngram_accept_len_bs1']:.2f})"
+        )
+
+    if 1 in batches:  # headline: the best TV at batch 1
+        best_tv = max(tvs, key=lambda tv: cells[1, tv][0])
+        head = {
+            "accept_len_bs1": cells[1, best_tv][1],
+            "sd_speedup_bs1": cells[1, best_tv][0],
+            "ngram_speedup_bs1": results.get("ngram_speedup_bs1", float("nan")),
+            "best_tv_bs1": best_tv,
+        }
+        results = {**head, **results}
+    results["wall_s"] = time.perf_counter() - t_start
+    print(f"wall {results['wall_s']:.0f} s")
+    fmt = [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()]
+    print("RESULT " + " ".join(fmt))
+
+
+if __name__ == "__main__":
+    main()
