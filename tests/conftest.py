@@ -7,9 +7,16 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import pathlib  # noqa: E402
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Many tests compile the same tiny-model programs (engines, trainers): a persistent compilation cache in the
+# ignored .cache/ folder compiles each once per run (a fresh clone starts empty; reruns reuse it).
+jax.config.update("jax_compilation_cache_dir", str(ROOT / ".cache" / "jax_test_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 SMOLLM_GGUF = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

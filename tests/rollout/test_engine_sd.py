@@ -50,7 +50,7 @@ class CompileCounter:
         jax.monitoring.register_event_duration_secs_listener(self._on)
 
     def _on(self, event: str, duration: float, **kw) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
             self.count += 1
 
 
