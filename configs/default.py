@@ -10,8 +10,8 @@ Args (`configs/default.py:seed=1,steps=10`): seed, steps, runlocal (a 3-step che
 from tlt_jax import config_lib
 from tlt_jax.models.loading import DEFAULT_GGUF_PATH
 
-SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly."
-INSTRUCTION = "Reply with only the result, in the form 'Answer: <value>'."
+SYSTEM_PROMPT = "You are a calculator. Reply with the result only."
+INSTRUCTION = None  # the question alone; the reward reads an `Answer:` line if any, else the last number
 
 
 def get_config(arg: str | None = None):
@@ -33,28 +33,29 @@ def get_config(arg: str | None = None):
         seed=arg.seed,
         dataset_kwargs=dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2),
         answer_mode="answer_or_last_number",
-        format_reward=0.1,
+        format_reward=0.0,
         system_prompt=SYSTEM_PROMPT,
         instruction=INSTRUCTION,
     )
 
-    c.rollout.temperature = 0.8
-    c.rollout.max_new_tokens = 40
+    c.rollout.temperature = 0.9
+    c.rollout.max_new_tokens = 32
     c.rollout.max_cache_len = 256
     c.rollout.chunk_steps = 16
     c.rollout.min_cache_bucket = 64
     c.rollout.prompt_bucket = 16
 
-    c.rl.prompts_per_step = 4
-    c.rl.samples_per_prompt = 8
+    c.rl.prompts_per_step = 8
+    c.rl.samples_per_prompt = 4
     c.rl.advantage = "grpo"
     c.rl.loss_agg = "seq_mean_token_mean"
     c.rl.kl_coef = 0.0
-    c.rl.lr = 3e-5
+    c.rl.lr = 5e-5
     c.rl.warmup_steps = 0
     c.rl.weight_decay = 0.0
     c.rl.grad_clip = 1.0
 
     c.trainer.micro_batch_size = 8
-    c.trainer.seq_bucket = 16
+    c.trainer.train_layers = 10  # the top 10 of 30 layers: ~2x cheaper update on this CPU
+    c.trainer.seq_bucket = 32  # prompts (42-48 tokens) -> 64, responses -> 32: one update program per run
     return c

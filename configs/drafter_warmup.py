@@ -80,9 +80,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 0: all positions) and the soft CE on `ce_tokens` random loss positions per step (0: all of them).
     c.train.max_loss_tokens = -1
     c.train.ce_tokens = 384
+    c.train.feature_noise = 0.0  # EAGLE's uniform noise on the input features (width; 0 = off)
     c.train.b1 = 0.9
     c.train.b2 = 0.95
-    c.train.init = "random"  # "random" | "target_last_layer" (copy the target's last decoder layer)
     c.train.log_every = 10
     c.train.checkpoint_every = 50
 

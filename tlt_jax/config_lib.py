@@ -161,6 +161,7 @@ def base_config() -> mlc.ConfigDict:
     c.trainer.logits_chunk = 0  # compute response logits in chunks of this many positions (0: at once)
     c.trainer.master_dtype = "float32"  # optimizer/master weights (the model computes in model.dtype)
     c.trainer.fsdp = False  # also shard the trainer's params/optimizer state over the data axis (ZeRO-3-like)
+    c.trainer.train_layers = 0  # 0: train every parameter; K: only the top K decoder layers + final norm
 
     c.wandb = mlc.ConfigDict()
     c.wandb.mode = config_dict.placeholder(str)  # None: $WANDB_MODE, else offline
@@ -247,6 +248,7 @@ def shrink_for_cpu(c: mlc.ConfigDict, architecture: str = "llama") -> mlc.Config
     c.trainer.seq_bucket = 16
     c.trainer.logits_chunk = 0
     c.trainer.fsdp = False
+    c.trainer.train_layers = 0
     return c
 
 
@@ -295,9 +297,13 @@ def _rl_problems(config: Any) -> list[str]:
     if not config.task.get("kind"):
         out.append("config.task.kind is empty: set it to one of reasoning_gym | jsonl | counting.")
     if config.task.get("kind") == "jsonl" and not config.task.get("path"):
-        out.append("config.task.path is empty: pass --config.task.path=/path/to/train.jsonl (question/answer lines).")
+        out.append(
+            "config.task.path is empty: pass --config.task.path=/path/to/train.jsonl (question/answer)."
+        )
     if tr.master_dtype not in DTYPES:
         out.append(f"config.trainer.master_dtype={tr.master_dtype!r}: use one of {DTYPES}.")
+    if tr.train_layers < 0:
+        out.append(f"config.trainer.train_layers={tr.train_layers}: must be >= 0 (0 = all parameters).")
     if tr.logits_chunk < 0:
         out.append(f"config.trainer.logits_chunk={tr.logits_chunk}: must be >= 0 (0 = no chunking).")
     if ro.temperature <= 0:

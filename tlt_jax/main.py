@@ -125,8 +125,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     print(
         f"error: the command-line config is invalid: {message.strip()}\n"
         f"  config overrides given: {unknown or 'none'}\n"
-        "  Overrides must name existing fields (--config.rl.lr=1e-5); see the config file, or config.json in a "
-        "run's workdir, for the available keys.",
+        "  Overrides must name existing fields (--config.rl.lr=1e-5); see the config file, or config.json in "
+        "a run's workdir, for the available keys.",
         file=sys.stderr,
     )
     sys.exit(2)

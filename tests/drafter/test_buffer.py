@@ -73,5 +73,8 @@ def test_sample_packed_uses_buffer_samples_only():
     got = sorted(int(toks[r][seg[r] == k][0]) for r in range(2) for k in range(1, seg[r].max() + 1))
     assert got == [1, 2, 3, 4, 5]
     assert batch.hidden.dtype == np.float32
+    # with the train step's loss-position budget the batch stays within it
+    b2, idx2 = buf.sample_packed(seq_len=32, rows=2, rng=np.random.default_rng(1), max_loss_tokens=20)
+    assert b2.num_loss_tokens() <= 20 and 1 <= len(idx2) < 5
     with pytest.raises(ValueError, match="empty"):
         DrafterBuffer(10).sample_packed(8, 1, np.random.default_rng(0))

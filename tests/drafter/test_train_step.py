@@ -146,6 +146,8 @@ def test_loss_position_gather_and_ce_subset(target):
     assert abs(float(part["ce"]) - float(full["ce"])) > 1e-6
     short = run(ts.LossConfig(1.0, 0.1, max_loss_tokens=30))  # an undersized budget is reported
     assert float(short["dropped_tokens"]) == n_loss - 30
+    noisy = run(ts.LossConfig(1.0, 0.1, feature_noise=0.5))  # EAGLE's input-feature noise changes the loss
+    assert abs(float(noisy["feat_loss"]) - float(full["feat_loss"])) > 1e-6
 
 
 def test_loss_decreases_and_only_drafter_trains(target):

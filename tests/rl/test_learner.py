@@ -26,7 +26,6 @@ from tlt_jax.rl.trainer import (
     build_train_batch,
     micro_weights,
     response_logprobs,
-    split_micro,
 )
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
@@ -96,8 +95,18 @@ def test_build_train_batch_layout() -> None:
     np.testing.assert_array_equal(b.response[0, 1], [6, 7, 0, 0, 0, 0, 0, 0])  # padding zeroed
     np.testing.assert_array_equal(b.response_mask.sum(-1), [[5, 2], [0, 0]])  # dropped group: no tokens
     np.testing.assert_array_equal(b.advantages, [[0, 1], [2, 3]])
+    capped = build_train_batch(
+        prompts, responses, lengths, np.arange(4.0), keep, group_size=2, seq_bucket=4, max_response=6
+    )
+    assert capped.response.shape == (2, 2, 6)  # the rollout's cap, not the next multiple of 4
+    with pytest.raises(ValueError, match="exceeds max_response=4"):
+        build_train_batch(
+            prompts, responses, lengths, np.arange(4.0), keep, group_size=2, seq_bucket=4, max_response=4
+        )
     with pytest.raises(ValueError, match="does not share the prompt of its group"):
-        build_train_batch([[1], [2], [1], [2]], responses, lengths, np.zeros(4), keep, group_size=2, seq_bucket=4)
+        build_train_batch(
+            [[1], [2], [1], [2]], responses, lengths, np.zeros(4), keep, group_size=2, seq_bucket=4
+        )
 
 
 def test_micro_weights_reproduce_the_full_batch_aggregation() -> None:
@@ -109,8 +118,11 @@ def test_micro_weights_reproduce_the_full_batch_aggregation() -> None:
         full = float(grpo.aggregate_loss(jnp.asarray(loss), jnp.asarray(mask), agg, max_len=6))
         w = micro_weights(mask.reshape(4, 1, 2, 6), agg)  # 4 micro-batches of one group of 2
         parts = [
-            float(grpo.aggregate_loss(jnp.asarray(loss[2 * k : 2 * k + 2]), jnp.asarray(mask[2 * k : 2 * k + 2]),
-                                      agg, max_len=6))
+            float(
+                grpo.aggregate_loss(
+                    jnp.asarray(loss[2 * k : 2 * k + 2]), jnp.asarray(mask[2 * k : 2 * k + 2]), agg, max_len=6
+                )
+            )
             for k in range(4)
         ]
         assert np.dot(w, parts) == pytest.approx(full, rel=1e-5), agg
@@ -162,11 +174,35 @@ def test_micro_batching_and_fsdp_do_not_change_the_update() -> None:
             np.testing.assert_allclose(a, b, atol=2e-4)
 
 
+def test_train_layers_freezes_the_bottom_of_the_model() -> None:
+    """train_layers=1 on a 2-layer model: layer 1 and the final norm move; the embedding (tied head) and
+    layer 0 stay bit-identical and carry no optimizer state."""
+    tr = trainer(micro=8, train_layers=1, loss=LossConfig(fuse_old_logprobs=True))
+    before = jax.tree_util.tree_map(np.asarray, tr.params)
+    tr.update(tr.put_micro(random_batch(6)), np.ones((1,), np.float32))
+    after = jax.tree_util.tree_map(np.asarray, tr.params)
+
+    def moved(part) -> bool:
+        return any(
+            not np.array_equal(a, b)
+            for a, b in zip(
+                jax.tree_util.tree_leaves(part(before)), jax.tree_util.tree_leaves(part(after)), strict=True
+            )
+        )
+
+    assert moved(lambda p: p["layers"][1]) and moved(lambda p: p["norm"])
+    assert not moved(lambda p: p["layers"][0]) and not moved(lambda p: p["embed"])
+    full = trainer(micro=8)
+    assert len(jax.tree_util.tree_leaves(tr.opt_state)) < len(jax.tree_util.tree_leaves(full.opt_state))
+    with pytest.raises(ValueError, match=r"train_layers=3 must be in \[0, 2\]"):
+        trainer(train_layers=3)
+
+
 def test_no_recompilation_after_warmup() -> None:
     tr = trainer(micro=4, loss=LossConfig(fuse_old_logprobs=True))
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda e, d, **kw: compiles.append(e) if e == "/jax/core/compile/backend_compile_duration" else None
+        lambda e, d, **kw: compiles.append(e) if e == "/jax/core/compile/jaxpr_to_mlir_module_duration" else None
     )
     w = np.full((2,), 0.5, np.float32)
     tr.update(tr.put_micro(random_batch(2)), w)
@@ -189,26 +225,41 @@ def test_one_grpo_step_changes_params_and_raises_the_surrogate() -> None:
     config = smoke_config()
     model, _ = config_lib.build_model_and_tokenizer(config)
     m = mesh(2)
-    engine = RolloutEngine(model, EngineConfig(max_new_tokens=10, max_cache_len=64, min_cache_bucket=16), [-1],
-                           mesh=m)
+    engine = RolloutEngine(
+        model, EngineConfig(max_new_tokens=10, max_cache_len=64, min_cache_bucket=16), [-1], mesh=m
+    )
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     n = 4
     rollout = engine.generate(prompts, n=n, key=jax.random.key(0), sampling=SamplingParams(temperature=1.0))
-    rewards = np.asarray([(rollout.response(i) and np.mean(np.asarray(rollout.response(i)) % 2 == 0)) or 0.0
-                          for i in range(8)], np.float32)
+    rewards = np.asarray(
+        [
+            (rollout.response(i) and np.mean(np.asarray(rollout.response(i)) % 2 == 0)) or 0.0
+            for i in range(8)
+        ],
+        np.float32,
+    )
     adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), n))
     assert np.abs(adv).sum() > 0
-    batch = build_train_batch(rollout.prompt_tokens, rollout.tokens, rollout.lengths, adv, np.ones(8, bool),
-                              group_size=n, seq_bucket=8)
+    batch = build_train_batch(
+        rollout.prompt_tokens,
+        rollout.tokens,
+        rollout.lengths,
+        adv,
+        np.ones(8, bool),
+        group_size=n,
+        seq_bucket=8,
+    )
     loss = LossConfig(temperature=1.0, kl_coef=0.01, fuse_old_logprobs=False)
-    tr = PolicyTrainer(model, m, loss, OptimConfig(lr=1e-3, weight_decay=0.0), micro_batch_size=4,
-                       with_reference=True)
+    tr = PolicyTrainer(
+        model, m, loss, OptimConfig(lr=1e-3, weight_decay=0.0), micro_batch_size=4, with_reference=True
+    )
     mb = tr.put_micro(batch)
     old = tr.logprobs(mb).logp
     # the trainer recomputes what the engine sampled with
     mask = rollout.mask
-    np.testing.assert_allclose(np.asarray(old).reshape(8, -1)[:, : mask.shape[1]][mask], rollout.logprobs[mask],
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(old).reshape(8, -1)[:, : mask.shape[1]][mask], rollout.logprobs[mask], atol=1e-5
+    )
     batch = batch.replace(old_logp=np.asarray(old).reshape(batch.old_logp.shape))
     ref = tr.logprobs(tr.put_micro(batch), params=tr.ref_params).logp
     batch = batch.replace(ref_logp=np.asarray(ref).reshape(batch.ref_logp.shape))
@@ -220,7 +271,9 @@ def test_one_grpo_step_changes_params_and_raises_the_surrogate() -> None:
     after = tr.surrogate_loss(mb, w)
     assert after < before - 1e-4, (before, after)
     assert metrics["loss/pg"] == pytest.approx(before, abs=1e-6)  # KL is 0 at the reference
-    assert max(float(np.abs(a - b).max()) for a, b in zip(before_params, leaves(tr.params), strict=True)) > 1e-4
+    assert (
+        max(float(np.abs(a - b).max()) for a, b in zip(before_params, leaves(tr.params), strict=True)) > 1e-4
+    )
     # the engine picks up the new weights without recompiling
     programs = engine.compile_count
     engine.set_params(tr.compute_params())
@@ -242,9 +295,22 @@ def test_learner_step_metrics(tmp_path) -> None:
         m = learner.train_step()
     finally:
         learner.close()
-    for key in ("reward/mean", "accuracy", "length/p50", "length/p90", "length/max", "time/rollout",
-                "time/reward", "time/logprob", "time/update", "rollout/share", "throughput/tok_per_s",
-                "loss/pg", "optim/grad_norm", "policy/entropy"):
+    for key in (
+        "reward/mean",
+        "accuracy",
+        "length/p50",
+        "length/p90",
+        "length/max",
+        "time/rollout",
+        "time/reward",
+        "time/logprob",
+        "time/update",
+        "rollout/share",
+        "throughput/tok_per_s",
+        "loss/pg",
+        "optim/grad_norm",
+        "policy/entropy",
+    ):
         assert key in m, key
     assert m["logprob/engine_gap"] < 1e-4  # the engine's sampling log-probs == the trainer's recomputation
     assert 0 < m["rollout/share"] < 1 and learner.step == 2 and learner.data_position == 4

@@ -130,16 +130,21 @@ class DrafterBuffer:
         }
 
     def sample_packed(
-        self, seq_len: int, rows: int, rng: np.random.Generator
+        self,
+        seq_len: int,
+        rows: int,
+        rng: np.random.Generator,
+        max_loss_tokens: int | None = None,
     ) -> tuple[PackedBatch, list[int]]:
         """A packed batch of buffer samples in random order (first-fit): (batch, indices into `samples()`).
 
-        Static shapes [rows, seq_len] whatever the buffer holds; an empty buffer is an error (train only once
+        Static shapes [rows, seq_len] whatever the buffer holds; `max_loss_tokens` is the train step's
+        loss-position budget (`LossConfig.max_loss_tokens`). An empty buffer is an error (train only once
         there is data).
         """
         view = self.samples()
         if not view:
             raise ValueError("sample_packed on an empty drafter buffer: add_step some samples first")
         order = rng.permutation(len(view))
-        batch, packed = pack_samples([view[i] for i in order], seq_len, rows)
+        batch, packed = pack_samples([view[i] for i in order], seq_len, rows, max_loss_tokens=max_loss_tokens)
         return batch, [int(order[j]) for j in packed]

@@ -15,13 +15,17 @@ every counted position can accept the full depth.
 
 Reported: mean accepted length = mean accepted drafts + 1 (the tokens per verify round of greedy chain SD),
 the per-position acceptance rates P(drafts 1..j all accepted) (the paper's per-position plot) and the
-histogram of accepted counts. With held-out data generated greedily (the warm-up's default), g_{t+j} is the
-next token itself, so this is exactly the accepted length greedy chain speculative decoding would get; with
-sampled data it is the usual teacher-forced estimate.
+histogram of accepted counts. With held-out data generated greedily (`eval.temperature=0` in the warm-up),
+g_{t+j} is the next token itself, so this is exactly the accepted length greedy chain speculative decoding
+would get; with sampled data (the warm-up's default, the RL distribution) it is the usual teacher-forced
+estimate: every chain starts from a sampled prefix, later drafts are scored against the target's argmax.
 
-All positions of a packed batch are drafted in parallel with static shapes ([rows, seq_len, depth]); the
-chain steps reuse the drafter's own weights through a small attention that adds the per-position chain keys
-to the block-diagonal causal context (the Drafter module's cache path cannot express per-position prefixes).
+All positions of a packed batch are drafted in parallel with static shapes: step 1 runs over whole rows (it
+is the drafter's context), the chain steps only at the evaluation positions gathered per row
+([rows, positions_per_row, depth]), so the LM head is skipped at prompt and padding positions. The chain
+steps reuse the drafter's own weights through a small attention that adds the per-position chain keys to the
+block-diagonal causal context (the Drafter module's cache path cannot express per-position prefixes); a
+brute-force test against the Drafter module keeps the two in step.
 """
 
 from __future__ import annotations

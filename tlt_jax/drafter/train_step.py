@@ -291,6 +291,8 @@ class LossConfig:
     (counted in the `dropped_tokens` metric). None: every position.
     ce_tokens: compute the soft CE (and top-1) on this many valid pairs drawn at random each step (the
     feature loss still covers all of them): an unbiased CE estimate at a fraction of the head cost.
+    feature_noise: EAGLE's data augmentation: uniform noise of this width (U(-a/2, a/2)) added to the INPUT
+    features h_t during training, so the drafter tolerates its own imperfect features at later chain steps.
     """
 
     w_feat: float = 0.5
@@ -298,6 +300,7 @@ class LossConfig:
     smooth_l1_beta: float = 1.0
     max_loss_tokens: int | None = None
     ce_tokens: int | None = None
+    feature_noise: float = 0.0
 
 
 def head_logits(hidden: jax.Array, head_w: jax.Array) -> jax.Array:
@@ -314,6 +317,7 @@ def per_pair_losses(
     max_loss_tokens: int | None = None,
     ce_tokens: int | None = None,
     rng: jax.Array | None = None,
+    feature_noise: float = 0.0,
 ) -> dict[str, jax.Array]:
     """Per-pair losses of a packed batch.
 
@@ -326,8 +330,13 @@ def per_pair_losses(
     embed_w = jax.lax.stop_gradient(embed_w)
     head_w = jax.lax.stop_gradient(head_w)
     e = eagle_inputs(batch)
+    key = rng if rng is not None else jax.random.key(0)
+    key_noise, key_ce = jax.random.split(key)
     emb = jnp.take(embed_w, e.next_tokens, axis=0)
-    h_draft, _ = drafter(emb, e.hidden_in, e.positions, None, e.mask)
+    h_in = e.hidden_in
+    if feature_noise > 0:
+        h_in = h_in + feature_noise * (jax.random.uniform(key_noise, h_in.shape, h_in.dtype) - 0.5)
+    h_draft, _ = drafter(emb, h_in, e.positions, None, e.mask)
     h_draft = h_draft.astype(jnp.float32)
     target, valid = e.hidden_target, e.valid
     dropped = jnp.zeros((), jnp.int32)
@@ -345,8 +354,7 @@ def per_pair_losses(
         h_flat, t_flat, v_flat = (x.reshape(-1, *x.shape[valid.ndim :]) for x in (h_draft, target, valid))
         if ce_tokens > v_flat.shape[0]:
             raise ValueError(f"ce_tokens={ce_tokens} exceeds the {v_flat.shape[0]} loss positions of a batch")
-        key = rng if rng is not None else jax.random.key(0)
-        scores = jnp.where(v_flat, jax.random.uniform(key, v_flat.shape), -1.0)
+        scores = jnp.where(v_flat, jax.random.uniform(key_ce, v_flat.shape), -1.0)
         pick = jax.lax.top_k(scores, ce_tokens)[1]
         h_ce, t_ce, ce_valid = h_flat[pick], t_flat[pick], v_flat[pick]
     t_logits = jax.lax.stop_gradient(head_logits(t_ce, head_w))
@@ -377,6 +385,7 @@ def loss_and_metrics(
         loss_cfg.max_loss_tokens,
         loss_cfg.ce_tokens,
         rng,
+        loss_cfg.feature_noise,
     )
     valid = t["valid"].astype(jnp.float32)
     n = jnp.sum(valid)

@@ -18,6 +18,7 @@ import os
 import time
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,6 +119,7 @@ class Learner:
             with_reference=rl.kl_coef > 0,
             master_dtype=config.trainer.master_dtype,
             fsdp=bool(config.trainer.fsdp),
+            train_layers=int(config.trainer.train_layers),
         )
         del model  # the trainer owns (and donates) its buffers now
         self.engine.set_params(self.trainer.compute_params())
@@ -200,6 +202,7 @@ class Learner:
             self.task.score(problems[int(g)], t) for g, t in zip(rollout.prompt_index, texts, strict=True)
         ]
         rewards = np.asarray([r.reward for r in results], np.float32)
+        chex.assert_shape([rewards, rollout.lengths], [(self.rows,), (self.rows,)])
         adv = np.asarray(
             grpo.group_advantages(
                 jnp.asarray(rewards), self.group, method=rl.advantage, eps=float(rl.adv_eps)
@@ -218,6 +221,7 @@ class Learner:
             keep,
             group_size=self.group,
             seq_bucket=int(cfg.trainer.seq_bucket),
+            max_response=int(cfg.rollout.max_new_tokens),
         )
         times["reward"] = time.perf_counter() - t0
 

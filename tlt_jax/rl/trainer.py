@@ -78,10 +78,12 @@ def build_train_batch(
     *,
     group_size: int,
     seq_bucket: int,
+    max_response: int | None = None,
 ) -> TrainBatch:
     """Host-side (numpy) TrainBatch from a rollout of B = G * n rows (prompt-major groups: `prompts[i]` is
-    the prompt of row i). Prompt and response lengths are rounded up to multiples of `seq_bucket`; rows with
-    keep=False get an all-zero response mask."""
+    the prompt of row i). Prompt and response lengths are rounded up to multiples of `seq_bucket` (the
+    response length capped at `max_response`, the rollout's max_new_tokens, so a cap below the next multiple
+    is one shape, not two); rows with keep=False get an all-zero response mask."""
     b = len(prompts)
     chex.assert_shape([lengths_b, advantages_b, keep_b], [(b,)] * 3)
     if b % group_size:
@@ -95,6 +97,12 @@ def build_train_batch(
             )
     tp = round_up(max(len(p) for p in group_prompts), seq_bucket)
     nb = round_up(int(lengths_b.max()), seq_bucket)
+    if max_response is not None:
+        if int(lengths_b.max()) > max_response:
+            raise ValueError(
+                f"a response of {int(lengths_b.max())} tokens exceeds max_response={max_response}"
+            )
+        nb = min(nb, max_response)
     prompt = np.zeros((g, tp), np.int32)
     for i, p in enumerate(group_prompts):
         prompt[i, : len(p)] = p
@@ -229,15 +237,41 @@ def lr_schedule(oc: OptimConfig) -> optax.Schedule:
     return lambda count: oc.lr * jnp.minimum(1.0, (count + 1.0) / (oc.warmup_steps + 1.0))
 
 
-def make_optimizer(oc: OptimConfig) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping and warm-up (the VeRL actor's optimizer)."""
+def make_optimizer(oc: OptimConfig, trainable: Any = None) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping and warm-up (the VeRL actor's optimizer). `trainable`: a pytree of
+    bools like the params; False leaves get no update and no optimizer state (None: all trainable)."""
     parts = [optax.clip_by_global_norm(oc.grad_clip)] if oc.grad_clip > 0 else []
     parts.append(optax.adamw(lr_schedule(oc), b1=oc.b1, b2=oc.b2, weight_decay=oc.weight_decay))
-    return optax.chain(*parts)
+    tx = optax.chain(*parts)
+    if trainable is None:
+        return tx
+    labels = jax.tree_util.tree_map(lambda t: "train" if t else "frozen", trainable)
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+def _path_parts(path: tuple) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+
+
+def trainable_mask(params: Any, num_layers: int, train_layers: int) -> Any:
+    """Which parameters train: all (train_layers=0), or only the top `train_layers` decoder layers and the
+    final norm (embedding / tied LM head and lower layers frozen: their backward pass is never computed)."""
+    if not 0 <= train_layers <= num_layers:
+        raise ValueError(f"train_layers={train_layers} must be in [0, {num_layers}] (0 = every parameter)")
+
+    def one(path: tuple, _: Any) -> bool:
+        parts = _path_parts(path)
+        if train_layers == 0:
+            return True
+        if parts[0] == "layers":
+            return int(parts[1]) >= num_layers - train_layers
+        return parts[0] == "norm"
+
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def _micro_spec(mesh: Mesh, x: Any) -> NamedSharding:
-    """[K, G, ...] micro-batched leaves: groups over the data axis, micro-batch index and the rest replicated."""
+    """[K, G, ...] micro-batches: groups sharded over the data axis, everything else replicated."""
     axes = (None, "batch") + (None,) * (x.ndim - 2)
     return NamedSharding(mesh, shd.logical_spec(axes, x.shape, mesh))
 
@@ -260,6 +294,7 @@ class PolicyTrainer:
         with_reference: bool,
         master_dtype: str = "float32",
         fsdp: bool = False,
+        train_layers: int = 0,
     ):
         self.mesh, self.loss, self.optim = mesh, loss, optim
         self.micro_batch_size = int(micro_batch_size)
@@ -274,7 +309,9 @@ class PolicyTrainer:
             lambda p: jax.tree_util.tree_map(lambda x: x.astype(master), p),
             out_shardings=self.param_shardings,
         )(params)
-        self.tx = make_optimizer(optim)
+        self.trainable = trainable_mask(params, model.cfg.num_layers, train_layers)
+        self.train_layers = int(train_layers)
+        self.tx = make_optimizer(optim, self.trainable if train_layers else None)
         opt_state = jax.jit(self.tx.init)(self.params)
         # Moments follow the params' shardings; scalars (step counts) are replicated over the mesh.
         self.opt_shardings = jax.tree_util.tree_map(
@@ -347,6 +384,10 @@ class PolicyTrainer:
     # ---- update -------------------------------------------------------------------------------------------
     def _loss_fn(self, params: Any, mb: TrainBatch, weight: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
         lc = self.loss
+        if self.train_layers:  # frozen weights are constants: no backward through the layers below
+            params = jax.tree_util.tree_map(
+                lambda x, t: x if t else jax.lax.stop_gradient(x), params, self.trainable
+            )
         out = self._forward(params, mb, return_hidden=False)
         mask = mb.rows(mb.response_mask)
         old = jax.lax.stop_gradient(out.logp) if lc.fuse_old_logprobs else mb.rows(mb.old_logp)
