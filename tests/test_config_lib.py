@@ -73,15 +73,15 @@ def test_validate_lists_every_problem_with_its_fix() -> None:
 
 
 def test_validate_micro_batches_hold_whole_groups() -> None:
-    c = load_config("smoke")  # 2 prompts x 4 samples = 8 rows
+    c = load_config("smoke")  # 2 prompts x 8 samples = 16 rows
     c.trainer.micro_batch_size = 2
     with pytest.raises(
-        ValueError, match=r"micro_batch_size=2 must be a multiple of samples_per_prompt=4.*\[4, 8\]"
+        ValueError, match=r"micro_batch_size=2 must be a multiple of samples_per_prompt=8.*\[8, 16\]"
     ):
         config_lib.validate(c)
     c.trainer.micro_batch_size = 4
     c.rl.mini_batches = 3
-    with pytest.raises(ValueError, match="mini_batches=3 must divide the 8 rows"):
+    with pytest.raises(ValueError, match="mini_batches=3 must divide the 16 rows"):
         config_lib.validate(c)
 
 
