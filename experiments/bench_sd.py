@@ -65,7 +65,7 @@ class Totals:
     """Decode tokens/seconds and verify stats summed over the chunk records of several rollouts."""
 
     def __init__(self) -> None:
-        self.tokens = self.accepted = self.rounds = 0
+        self.tokens = self.accepted = self.rounds = self.steps = 0
         self.seconds = 0.0
         self.compiles = 0
 
@@ -77,10 +77,16 @@ class Totals:
             self.seconds += c.seconds
             self.accepted += c.accepted_tokens
             self.rounds += c.verify_rounds
+            self.steps += c.steps
 
     @property
     def tok_s(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
+
+    @property
+    def step_seconds(self) -> float:
+        """Device seconds per decode step (plain) or per verify round (SD), batch-wide."""
+        return self.seconds / max(self.steps, 1)
 
     @property
     def accept_len(self) -> float:
@@ -138,6 +144,11 @@ def main() -> None:
     )
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
     ap.add_argument("--tv", default=None, help="comma-separated tokens_to_verify values")
+    ap.add_argument(
+        "--strategies",
+        default=None,
+        help="comma-separated strategies depth_topk_tv (e.g. 3_1_4,4_1_5,5_2_8): replaces the TV mapping",
+    )
     ap.add_argument("--prompts", type=int, default=None, help="prompts per configuration (>= batch)")
     ap.add_argument("--new", type=int, default=None, help="max new tokens per response")
     ap.add_argument("--temperature", type=float, default=0.9)
@@ -175,7 +186,11 @@ def main() -> None:
     task = ReasoningGymTask(args.task, size=5000, seed=0, dataset_kwargs=TASK_KWARGS[args.task])
     problems, _ = task.batch(args.task_offset, n_prompts)
     prompts = [tok.encode_chat(task.messages(p)) for p in problems]
-    strategies = {tv: strategy_for(tv) for tv in tvs}
+    if args.strategies:  # explicit strategies: columns are named after them
+        names = [Strategy.parse(x).name for x in args.strategies.split(",")]
+        strategies = {f"s{name}": name for name in names}
+    else:
+        strategies = {f"tv{tv}": strategy_for(tv) for tv in tvs}
     max_ahead = max(
         [Strategy.parse(s).lookahead for s in strategies.values()]
         + ([Strategy.parse(args.ngram).lookahead] if args.ngram else [])
@@ -186,7 +201,7 @@ def main() -> None:
     eos = [] if args.ignore_eos else list(tok.eos_token_ids)
     plain_engine = RolloutEngine(model, ecfg, eos_ids=eos)
     sd_engine = RolloutEngine(model, ecfg, eos_ids=eos, drafter=drafter)
-    modes = {tv: sd_engine.add_mode("eagle", s) for tv, s in strategies.items()}
+    modes = {col: sd_engine.add_mode("eagle", s) for col, s in strategies.items()}
 
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M fp32; "
@@ -194,52 +209,61 @@ def main() -> None:
         f"{max(map(len, prompts))} tokens); temperature {args.temperature}; <= {new} new tokens; "
         f"cache {cache}; eos {'ignored' if args.ignore_eos else 'stops'}"
     )
-    print("strategies (depth_topk_tv): " + ", ".join(f"TV={tv}: {s}" for tv, s in strategies.items()))
+    print("strategies (depth_topk_tv): " + ", ".join(f"{col}: {s}" for col, s in strategies.items()))
 
     def groups_for(b: int) -> list[list[list[int]]]:
         k = max(1, n_prompts // b)
         return [prompts[i * b : (i + 1) * b] for i in range(k)]
 
     results: dict[str, float] = {}
-    cells: dict[tuple[int, int], tuple[float, float]] = {}
+    cells: dict[tuple[int, str], tuple[float, float]] = {}
     print(
-        f"\n{'batch':>5} {'TV':>3} {'strategy':>11} {'plain tok/s':>11} {'SD tok/s':>9} {'speedup':>7} "
-        f"{'accept':>6} {'tokens':>7} {'s':>5}"
+        f"\n{'batch':>5} {'column':>8} {'strategy':>11} {'plain tok/s':>11} {'SD tok/s':>9} {'speedup':>7} "
+        f"{'accept':>6} {'round/step':>10} {'tokens':>7} {'s':>5}"
     )
+    print("(round/step: device time of one verify round, drafting included, in plain decode steps)")
     for b in batches:
         groups = groups_for(b)
         t0 = time.perf_counter()
         base = measure(plain_engine, groups, None, new, args.temperature, args.seed, args.reps)
         results[f"plain_tok_s_bs{b}"] = base.tok_s
         print(
-            f"{b:>5} {'-':>3} {'plain':>11} {base.tok_s:>11.1f} {'':>9} {'':>7} {'':>6} {base.tokens:>7} "
+            f"{b:>5} {'-':>8} {'plain':>11} {base.tok_s:>11.1f} {'':>9} {'':>7} {'':>6} {'':>10} "
+            f"{base.tokens:>7} "
             f"{time.perf_counter() - t0:>5.0f}",
             flush=True,
         )
-        rows = [(tv, modes[tv], sd_engine) for tv in tvs]
+        rows = [(col, modes[col], sd_engine) for col in strategies]
         if b == 1 and args.ngram:
             ng_engine = RolloutEngine(model, ecfg, eos_ids=eos)
             rows.append((None, ng_engine.add_mode("ngram", args.ngram), ng_engine))
-        for tv, mode, eng in rows:
+        for col, mode, eng in rows:
             t0 = time.perf_counter()
             sd = measure(eng, groups, mode, new, args.temperature, args.seed, args.reps)
             speed = sd.tok_s / max(base.tok_s, 1e-9)
-            if tv is None:
+            round_cost = sd.step_seconds / max(base.step_seconds, 1e-9)
+            if col is None:
                 results["ngram_speedup_bs1"], results["ngram_accept_len_bs1"] = speed, sd.accept_len
+                results["ngram_round_cost_bs1"] = round_cost
             else:
-                cells[(b, tv)] = (speed, sd.accept_len)
-                results[f"speedup_bs{b}_tv{tv}"], results[f"accept_bs{b}_tv{tv}"] = speed, sd.accept_len
+                cells[(b, col)] = (speed, sd.accept_len)
+                results[f"speedup_bs{b}_{col}"], results[f"accept_bs{b}_{col}"] = speed, sd.accept_len
+                results[f"round_cost_bs{b}_{col}"] = round_cost
             warn = f"  ({sd.compiles} compiles while timed!)" if sd.compiles else ""
             print(
-                f"{b:>5} {tv or '-':>3} {mode:>11} {base.tok_s:>11.1f} {sd.tok_s:>9.1f} {speed:>6.2f}x "
-                f"{sd.accept_len:>6.2f} {sd.tokens:>7} {time.perf_counter() - t0:>5.0f}{warn}",
+                f"{b:>5} {col or '-':>8} {mode:>11} {base.tok_s:>11.1f} {sd.tok_s:>9.1f} {speed:>6.2f}x "
+                f"{sd.accept_len:>6.2f} {round_cost:>10.2f} {sd.tokens:>7} {time.perf_counter() - t0:>5.0f}"
+                f"{warn}",
                 flush=True,
             )
 
-    print("\nTable 4 shape: speedup (accept length); rows batch size, columns tokens_to_verify")
-    print(f"{'batch':>5} " + " ".join(f"{'TV=' + str(tv):>14}" for tv in tvs))
+    print("\nTable 4 shape: speedup (accept length); rows batch size, columns tokens_to_verify / strategy")
+    print(f"{'batch':>5} " + " ".join(f"{col:>14}" for col in strategies))
     for b in batches:
-        print(f"{b:>5} " + " ".join(f"{f'{cells[b, tv][0]:.2f}x ({cells[b, tv][1]:.2f})':>14}" for tv in tvs))
+        print(
+            f"{b:>5} "
+            + " ".join(f"{f'{cells[b, col][0]:.2f}x ({cells[b, col][1]:.2f})':>14}" for col in strategies)
+        )
     if args.ngram and 1 in batches:
         print(
             f"n-gram {args.ngram} at batch 1: {results['ngram_speedup_bs1']:.2f}x "
@@ -247,12 +271,12 @@ def main() -> None:
         )
 
     if 1 in batches:  # headline: the best TV at batch 1
-        best_tv = max(tvs, key=lambda tv: cells[1, tv][0])
+        best = max(strategies, key=lambda col: cells[1, col][0])
         head = {
-            "accept_len_bs1": cells[1, best_tv][1],
-            "sd_speedup_bs1": cells[1, best_tv][0],
+            "accept_len_bs1": cells[1, best][1],
+            "sd_speedup_bs1": cells[1, best][0],
             "ngram_speedup_bs1": results.get("ngram_speedup_bs1", float("nan")),
-            "best_tv_bs1": best_tv,
+            "best_bs1": strategies[best],
         }
         results = {**head, **results}
     results["wall_s"] = time.perf_counter() - t_start

@@ -10,7 +10,7 @@ Models are tiny and built so that speculation does real work:
 
 Statistical protocol (as tests/rollout/test_acceptance.py): 65,536 samples of one prompt in one engine call
 per variant; Pearson chi-square of the joint of the first three response tokens against the exact joint the
-target computes by teacher forcing (`target_probs`, temperature 0.9, top-k 8 < V = 12, top-p 0.95);
+target computes by teacher forcing (`target_probs`, temperature 0.9, top-k 20 < V = 32, top-p 0.95);
 cells with expected count < 5 pooled; zero-probability cells must stay empty. Exact variants pass at
 p > 1e-3; a biased acceptance rule run through the same pipeline must give p < 1e-6 (the test has power).
 """
@@ -305,7 +305,7 @@ def test_mode_selector_alternates_drafters_and_nothing_recompiles(compact_engine
 
 # ---- lossless sampling, end to end ------------------------------------------------------------------------
 
-V = 12
+V = 32
 SAMPLE_CFG = tiny_config(
     vocab_size=V,
     hidden_size=16,
@@ -316,7 +316,7 @@ SAMPLE_CFG = tiny_config(
     head_dim=8,
     tie_embeddings=False,
 )
-SAMPLING = SamplingParams(temperature=0.9, top_k=8, top_p=0.95)
+SAMPLING = SamplingParams(temperature=0.9, top_k=20, top_p=0.95)
 NUM_SAMPLES = 65_536
 PASS_P, POWER_P = 1e-3, 1e-6
 
@@ -422,6 +422,8 @@ def test_speculative_sampling_is_lossless(sampling_setup):
     for name, (pval, _) in results.items():
         assert pval > PASS_P, f"{name}: chi-square p={pval:.2e} ({results})"
     assert biased_p < POWER_P, f"the biased rule passed (p={biased_p:.2e}): the test has no power"
-    # the drafts were really used: a good drafter is often accepted, the bad one rarely
-    assert results["chain"][1] > 1.1 and results["tree"][1] > 1.3, results
+    # the drafts were really used: the good drafter's drafts are accepted, the bad one's less often. (At V = 32
+    # and temperature 0.9 the target keeps 15-18 tokens under top-p 0.95, so even its argmax is sampled
+    # only ~30% of the time: acceptance lengths are modest by construction.)
+    assert results["chain"][1] > 1.05 and results["tree"][1] > 1.15, results
     assert results["tree_bad_drafter"][1] < results["tree"][1], results
