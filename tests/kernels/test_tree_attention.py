@@ -56,7 +56,13 @@ def make_inputs(
         v[row, dead] = 1e3
     cast = lambda x: jnp.asarray(x, dtype)
     # the cache contract is [B, Hkv, S, D]
-    return cast(q), cast(k.transpose(0, 2, 1, 3)), cast(v.transpose(0, 2, 1, 3)), jnp.asarray(lengths), jnp.asarray(masks)
+    return (
+        cast(q),
+        cast(k.transpose(0, 2, 1, 3)),
+        cast(v.transpose(0, 2, 1, 3)),
+        jnp.asarray(lengths),
+        jnp.asarray(masks),
+    )
 
 
 def reference(*args: jax.Array) -> jax.Array:

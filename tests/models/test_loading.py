@@ -75,9 +75,18 @@ def test_gguf_tensors_equal_transformers(smol_loaded, smol_hf_state, smollm_gguf
 
 # ------------------------------------------------------------------------------------------- HF dirs
 def _tiny_hf(arch: str, tie: bool):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=5000.0,
-                  tie_word_embeddings=tie, max_position_embeddings=512)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=5000.0,
+        tie_word_embeddings=tie,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     if arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
@@ -97,8 +106,8 @@ def _save_dir(model, path: pathlib.Path, **save_kw) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize(
-    "arch,tie,sharded", [("llama", True, False), ("llama", False, True), ("qwen2", False, False),
-                         ("qwen2", True, True)]
+    "arch,tie,sharded",
+    [("llama", True, False), ("llama", False, True), ("qwen2", False, False), ("qwen2", True, True)],
 )
 def test_hf_dir_matches_state_dict(tmp_path, arch, tie, sharded):
     model = _tiny_hf(arch, tie)
@@ -108,10 +117,21 @@ def test_hf_dir_matches_state_dict(tmp_path, arch, tie, sharded):
         assert len(list(tmp_path.glob("*.safetensors"))) > 1
     loaded = load_hf_dir(tmp_path)
     c = loaded.config
-    assert c == ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                            num_kv_heads=2, head_dim=16, rope_theta=5000.0, rms_norm_eps=1e-5,
-                            tie_embeddings=tie, qkv_bias=arch == "qwen2", max_position_embeddings=512,
-                            architecture=arch)
+    assert c == ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        tie_embeddings=tie,
+        qkv_bias=arch == "qwen2",
+        max_position_embeddings=512,
+        architecture=arch,
+    )
     expected = set(state) - ({"lm_head.weight"} if tie else set())
     assert set(loaded.tensors) == expected == set(expected_shapes(c))
     for name in expected:
@@ -161,15 +181,24 @@ def _write_gguf(model, arch: str, path: pathlib.Path, quantize_mlp: bool = True)
     w.add_token_merges([])
     w.add_bos_token_id(256)
     w.add_eos_token_id(257)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     layer_names = {
-        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-        "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-        "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
     }
     for name, value in state.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

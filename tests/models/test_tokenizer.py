@@ -103,8 +103,9 @@ def test_gguf_chat_template_matches_transformers(smol_tok, hf_tok):
         f"<|im_start|>system\n{SMOL_SYSTEM}<|im_end|>\n"
         "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     )
-    ref_ids = hf_tok.apply_chat_template(CAPITAL, tokenize=True, add_generation_prompt=True,
-                                         return_dict=False)
+    ref_ids = hf_tok.apply_chat_template(
+        CAPITAL, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     assert smol_tok.encode_chat(CAPITAL) == list(ref_ids)
     convo = [
         {"role": "system", "content": "Be brief."},
@@ -131,9 +132,10 @@ def test_template_features_render_like_transformers(smol_tok, hf_tok):
         "{% endfor %}\n"
         "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
     )
-    msgs = [{"role": "user", "content": "é <b>\"q\"</b>"}, {"role": "assistant", "content": "ok"}]
-    ours = Tokenizer(smol_tok.backend, chat_template=template, bos_token=smol_tok.bos_token,
-                     eos_token=smol_tok.eos_token)
+    msgs = [{"role": "user", "content": 'é <b>"q"</b>'}, {"role": "assistant", "content": "ok"}]
+    ours = Tokenizer(
+        smol_tok.backend, chat_template=template, bos_token=smol_tok.bos_token, eos_token=smol_tok.eos_token
+    )
     ref = hf_tok.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=True)
     assert ours.apply_chat_template(msgs) == ref
     with pytest.raises(jinja2.exceptions.TemplateError, match="bad role system"):

@@ -202,7 +202,9 @@ def test_no_recompilation_after_warmup() -> None:
     tr = trainer(micro=4, loss=LossConfig(fuse_old_logprobs=True))
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda e, d, **kw: compiles.append(e) if e == "/jax/core/compile/jaxpr_to_mlir_module_duration" else None
+        lambda e, d, **kw: (
+            compiles.append(e) if e == "/jax/core/compile/jaxpr_to_mlir_module_duration" else None
+        )
     )
     w = np.full((2,), 0.5, np.float32)
     # prompts of 2-9 and responses of 1-12 tokens all land in the 16-token buckets: one shape, new values

@@ -422,8 +422,8 @@ def test_speculative_sampling_is_lossless(sampling_setup):
     for name, (pval, _) in results.items():
         assert pval > PASS_P, f"{name}: chi-square p={pval:.2e} ({results})"
     assert biased_p < POWER_P, f"the biased rule passed (p={biased_p:.2e}): the test has no power"
-    # the drafts were really used: the good drafter's drafts are accepted, the bad one's less often. (At V = 32
-    # and temperature 0.9 the target keeps 15-18 tokens under top-p 0.95, so even its argmax is sampled
-    # only ~30% of the time: acceptance lengths are modest by construction.)
+    # the drafts were really used: the good drafter's drafts are accepted, the bad one's less often.
+    # (At V = 32 and temperature 0.9 the target keeps 15-18 tokens under top-p 0.95, so even its argmax
+    # is sampled only ~30% of the time: acceptance lengths are modest by construction.)
     assert results["chain"][1] > 1.05 and results["tree"][1] > 1.15, results
     assert results["tree_bad_drafter"][1] < results["tree"][1], results

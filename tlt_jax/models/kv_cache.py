@@ -79,7 +79,9 @@ def write_rows(buf_bhsd: jax.Array, new_bthd: jax.Array, start_b: jax.Array) -> 
     token-major [B, T, Hkv, D], as projections produce it; only this small piece is transposed)."""
     chex.assert_rank([buf_bhsd, new_bthd], 4)
     new_bhtd = jnp.swapaxes(new_bthd, 1, 2).astype(buf_bhsd.dtype)
-    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x, (0, s, 0)))(buf_bhsd, new_bhtd, start_b)
+    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x, (0, s, 0)))(
+        buf_bhsd, new_bhtd, start_b
+    )
 
 
 def gather_path(buf_bhsd: jax.Array, start_b: jax.Array, src_bp: jax.Array) -> jax.Array:

@@ -71,23 +71,27 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (v, h)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (config.q_size, h),
-            p + "self_attn.k_proj.weight": (config.kv_size, h),
-            p + "self_attn.v_proj.weight": (config.kv_size, h),
-            p + "self_attn.o_proj.weight": (h, config.q_size),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (config.q_size, h),
+                p + "self_attn.k_proj.weight": (config.kv_size, h),
+                p + "self_attn.v_proj.weight": (config.kv_size, h),
+                p + "self_attn.o_proj.weight": (h, config.q_size),
+                p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f),
+            }
+        )
         if config.qkv_bias:
-            shapes.update({
-                p + "self_attn.q_proj.bias": (config.q_size,),
-                p + "self_attn.k_proj.bias": (config.kv_size,),
-                p + "self_attn.v_proj.bias": (config.kv_size,),
-            })
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (config.q_size,),
+                    p + "self_attn.k_proj.bias": (config.kv_size,),
+                    p + "self_attn.v_proj.bias": (config.kv_size,),
+                }
+            )
     return shapes
 
 
@@ -141,10 +145,29 @@ def _missing_path_error(path: pathlib.Path, what: str) -> FileNotFoundError:
 # --------------------------------------------------------------------------------------------- GGUF
 # GGUF value type id -> struct format (scalars) and numpy dtype (arrays). 8 = string, 9 = array.
 _GGUF_SCALARS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
 }
 _GGUF_NP = {
-    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
     12: "<f8",
 }
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
@@ -220,7 +243,7 @@ def read_gguf(path: PathLike) -> GGUFFile:
         nonlocal pos
         (n,) = struct.unpack_from("<Q", buf, pos)
         pos += 8 + n
-        return buf[pos - n:pos].decode("utf-8", errors="replace")
+        return buf[pos - n : pos].decode("utf-8", errors="replace")
 
     def value(vtype: int) -> Any:
         nonlocal pos
@@ -277,8 +300,13 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], n_tokens: int, dtype: str,
-                 path: pathlib.Path) -> ModelConfig:
+def _gguf_config(
+    meta: dict[str, Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    n_tokens: int,
+    dtype: str,
+    path: pathlib.Path,
+) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(

@@ -80,8 +80,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # transformers overrides jinja's tojson (which HTML-escapes) with plain json.dumps.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -200,8 +205,9 @@ class Tokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     # ----------------------------------------------------------------------------------------- chat
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template.
 
         Same rendering as transformers' `apply_chat_template(..., tokenize=False)`: keys whose value is None
@@ -221,14 +227,21 @@ class Tokenizer:
         clean = [{k: v for k, v in m.items() if v is not None} for m in messages]
         variables: dict[str, Any] = {
             name: tok
-            for name, tok in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
-                              ("unk_token", self.unk_token), ("pad_token", self.pad_token))
+            for name, tok in (
+                ("bos_token", self.bos_token),
+                ("eos_token", self.eos_token),
+                ("unk_token", self.unk_token),
+                ("pad_token", self.pad_token),
+            )
             if tok is not None
         }
         variables.update(template_kwargs)
         template = _compile_chat_template(self.chat_template)
         return template.render(
-            messages=clean, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            messages=clean,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
             **variables,
         )
 
@@ -258,8 +271,10 @@ class Tokenizer:
         gen_path.write_text(json.dumps(gen, indent=2))
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids}, "
-                f"bos_token_id={self.bos_token_id}, pad_token_id={self.pad_token_id})")
+        return (
+            f"{type(self).__name__}(vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids}, "
+            f"bos_token_id={self.bos_token_id}, pad_token_id={self.pad_token_id})"
+        )
 
 
 # --------------------------------------------------------------------------------------------- GGUF
@@ -343,8 +358,9 @@ def tokenizer_from_gguf(reader_or_path: Any) -> Tokenizer:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
         )
-    extra_eos = [int(i) for key in ("eot", "eom")
-                 if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None]
+    extra_eos = [
+        int(i) for key in ("eot", "eom") if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None
+    ]
     return Tokenizer(
         backend,
         chat_template=meta.get("tokenizer.chat_template"),
