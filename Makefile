@@ -43,7 +43,8 @@ test: setup
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5); failing."; exit 1; fi; exit $$rc
 
 lint: setup
-	$(VENV)/bin/ruff check tlt_jax tests experiments configs
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: setup
 	$(PY) experiments/bench_decode.py --quick

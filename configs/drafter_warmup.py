@@ -87,6 +87,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 50
 
     c.eval = ml_collections.ConfigDict()
+    c.eval.before = False  # also evaluate the untrained drafter (a baseline of ~1.0; costs ~1-2 min here)
     c.eval.depth = 6
     c.eval.num_prompts = 16
     # Held-out data sampled like the training data (same engine shapes: no extra compiles); drafts are checked
@@ -117,6 +118,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.train.log_every = 2
         c.train.ce_tokens = 64
         c.train.checkpoint_every = 3
+        c.eval.before = True
         c.eval.depth = 3
         c.eval.num_prompts = 2
         c.eval.n = 2

@@ -631,7 +631,10 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
     ec = config.eval
     evaluator = AcceptanceEvaluator(graphdef, int(ec.depth), int(ec.seq_len), int(ec.rows))
     before_path = wd / EVAL_BEFORE_FILE
-    if before_path.exists():
+    before: AcceptanceResult | None = None
+    if not bool(ec.get("before", True)):
+        _log("before training: skipped (config.eval.before=False; an untrained drafter accepts ~nothing)")
+    elif before_path.exists():
         before = AcceptanceResult(**json.loads(before_path.read_text()))
     else:
         t0 = time.perf_counter()
@@ -639,7 +642,8 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
         times.add("eval_before", time.perf_counter() - t0)
         _write_json(before_path, before.to_dict())
         tracker.log(0, before.metrics("eval/"))
-    _log(f"before training: {_fmt_eval(before)}")
+    if before is not None:
+        _log(f"before training: {_fmt_eval(before)}")
 
     # ---- train
     t0 = time.perf_counter()
@@ -667,7 +671,7 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
 
     summary = {
         "complete": True,
-        "before": before.to_dict(),
+        "before": before.to_dict() if before is not None else None,
         "after": after.to_dict(),
         "train": train_stats,
         "data": {
