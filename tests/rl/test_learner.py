@@ -170,8 +170,12 @@ def test_micro_batching_and_fsdp_do_not_change_the_update() -> None:
         assert m["optim/grad_norm"] == pytest.approx(m0["optim/grad_norm"], rel=1e-4)
         for a, b in zip(g0, g, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-        for a, b in zip(p0, p, strict=True):  # AdamW's first step ~ lr * sign(grad): tiny grads may flip
-            np.testing.assert_allclose(a, b, atol=2e-4)
+        # AdamW's first step is ~ lr * g / |g|: where |g| is at float-noise level (summation order differs
+        # between micro-batchings) the step is ill-conditioned, so compare params where the gradient is not
+        for a, b, grad in zip(p0, p, g0, strict=True):
+            solid = np.abs(grad) > 1e-4 * max(float(np.abs(grad).max()), 1e-30)
+            np.testing.assert_allclose(a[solid], b[solid], atol=2e-4)
+            np.testing.assert_allclose(a, b, atol=2.5e-2)  # elsewhere: at most ~2 lr (a sign flip)
 
 
 def test_train_layers_freezes_the_bottom_of_the_model() -> None:

@@ -76,11 +76,20 @@ class KVCache:
 
 def write_rows(buf_bhsd: jax.Array, new_bthd: jax.Array, start_b: jax.Array) -> jax.Array:
     """Write each row's T new entries at its own offset: buf[b, :, start[b]:start[b]+T] = new[b] (new is
-    token-major [B, T, Hkv, D], as projections produce it; only this small piece is transposed)."""
+    token-major [B, T, Hkv, D], as projections produce it; only this small piece is transposed).
+
+    One scatter with in-bounds, unique indices (callers size the cache for start + T; the engine's cache
+    buckets guarantee it). A vmapped dynamic_update_slice lowers to a bounds-checked scatter that XLA:CPU
+    implemented by copying each layer's whole K cache several times per decode step (seen in the optimized
+    HLO); this form updates in place: decode at batch 16 went from 269 to 215 ms per step (SmolLM2,
+    cache 512).
+    """
     chex.assert_rank([buf_bhsd, new_bthd], 4)
     new_bhtd = jnp.swapaxes(new_bthd, 1, 2).astype(buf_bhsd.dtype)
-    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x, (0, s, 0)))(
-        buf_bhsd, new_bhtd, start_b
+    b, h, t, _ = new_bhtd.shape
+    pos = start_b[:, None, None] + jnp.arange(t, dtype=jnp.int32)[None, None, :]
+    return buf_bhsd.at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], pos].set(
+        new_bhtd, mode="promise_in_bounds", unique_indices=True
     )
 
 
