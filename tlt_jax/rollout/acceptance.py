@@ -29,6 +29,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.rollout.sampling import categorical
+
 PAD = -1  # value of unused slots in `path` and `tokens`
 
 
@@ -85,8 +87,7 @@ def _sample_or_fallback(key: jax.Array, dist_bv: jax.Array, fallback_bv: jax.Arr
     """
     has_mass = jnp.sum(dist_bv, axis=-1, keepdims=True) > 0.0
     dist = jnp.where(has_mass, dist_bv, fallback_bv)
-    # categorical normalises internally; log(0) = -inf tokens are never drawn.
-    return jax.random.categorical(key, jnp.log(dist), axis=-1).astype(jnp.int32)
+    return categorical(key, dist)  # normalises internally; zero-weight tokens are never drawn
 
 
 def _emitted_tokens(

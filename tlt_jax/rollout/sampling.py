@@ -68,6 +68,36 @@ def target_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return out.reshape(logits.shape)
 
 
+def categorical(key: jax.Array, weights_bv: jax.Array, block: int = 256) -> jax.Array:
+    """Draw one index per row with probability weights[b, i] / sum(weights[b]) (unnormalised, >= 0).
+
+    Inverse-CDF sampling with ONE uniform per row, searched in two levels (block masses, then one block),
+    so the cost is a pass over the weights. `jax.random.categorical` (Gumbel-max) draws a uniform and takes
+    two logs per vocabulary entry: 1.6 ms per row at V = 49,152 on this CPU, which was 7% of a batch-1
+    SmolLM2 decode step and 16% at batch 64. Zero-weight entries are never drawn; a row must have some mass.
+    """
+    chex.assert_rank(weights_bv, 2)
+    b, v = weights_bv.shape
+    block = min(block, v)
+    nb = -(-v // block)
+    w = jnp.pad(weights_bv.astype(jnp.float32), ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
+    cum = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [B, nb]
+    u = jax.random.uniform(key, (b,), jnp.float32) * cum[:, -1]
+
+    def first_above(c: jax.Array, x: jax.Array, positive: jax.Array) -> jax.Array:
+        """Index of the first c > x (c non-decreasing); if rounding left none, the last positive entry."""
+        n = c.shape[-1]
+        i = jnp.sum(c <= x[:, None], axis=-1)
+        last = n - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
+        return jnp.where(i < n, i, last).astype(jnp.int32)
+
+    i = first_above(cum, u, cum > jnp.pad(cum, ((0, 0), (1, 0)))[:, :-1])
+    start = jnp.where(i > 0, jnp.take_along_axis(cum, jnp.maximum(i - 1, 0)[:, None], axis=1)[:, 0], 0.0)
+    wi = jnp.take_along_axis(w, i[:, None, None], axis=1)[:, 0]  # [B, block]
+    j = first_above(jnp.cumsum(wi, axis=-1), u - start, wi > 0)
+    return i * block + j
+
+
 def sample(key: jax.Array, logits_bv: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row. Returns (tokens [B] int32, log-prob of each token [B] float32).
 
@@ -81,7 +111,7 @@ def sample(key: jax.Array, logits_bv: jax.Array, params: SamplingParams) -> tupl
     else:
         probs = target_probs(logits_bv, params)
         logp = jnp.log(probs)
-        tokens = jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+        tokens = categorical(key, probs)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen
 
