@@ -108,12 +108,10 @@ def sample(key: jax.Array, logits_bv: jax.Array, params: SamplingParams) -> tupl
     if params.greedy:
         tokens = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
         logp = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
-    else:
-        probs = target_probs(logits_bv, params)
-        logp = jnp.log(probs)
-        tokens = categorical(key, probs)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    return tokens, chosen
+        return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    probs = target_probs(logits_bv, params)
+    tokens = categorical(key, probs)
+    return tokens, jnp.log(jnp.take_along_axis(probs, tokens[:, None], axis=-1)[:, 0])  # one log per row
 
 
 def sample_rows(
