@@ -100,11 +100,14 @@ def gather_path(buf_bhsd: jax.Array, start_b: jax.Array, src_bp: jax.Array) -> j
     the accepted count may point anywhere valid (they are rewritten before they are ever attended to).
     """
 
-    def one(c: jax.Array, s: jax.Array, src: jax.Array) -> jax.Array:
-        moved = c[:, s + src]  # [Hkv, P, D]
-        return jax.lax.dynamic_update_slice(c, moved, (0, s, 0))
-
-    return jax.vmap(one)(buf_bhsd, start_b, src_bp)
+    b, h = buf_bhsd.shape[:2]
+    p = src_bp.shape[1]
+    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
+    src = (start_b[:, None] + src_bp)[:, None, :]  # [B, 1, P]
+    dst = (start_b[:, None] + jnp.arange(p, dtype=jnp.int32)[None, :])[:, None, :]
+    moved = buf_bhsd[rows, heads, src]  # [B, Hkv, P, D]
+    # one in-place scatter, as write_rows (a vmapped dynamic_update_slice copies the cache on XLA:CPU)
+    return buf_bhsd.at[rows, heads, dst].set(moved, mode="promise_in_bounds", unique_indices=True)
 
 
 def commit_path(cache: KVCache, src_bp: jax.Array, num_b: jax.Array) -> KVCache:
