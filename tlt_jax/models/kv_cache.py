@@ -78,14 +78,19 @@ def write_rows(buf_bhsd: jax.Array, new_bthd: jax.Array, start_b: jax.Array) -> 
     """Write each row's T new entries at its own offset: buf[b, :, start[b]:start[b]+T] = new[b] (new is
     token-major [B, T, Hkv, D], as projections produce it; only this small piece is transposed).
 
-    One scatter with in-bounds, unique indices (callers size the cache for start + T; the engine's cache
-    buckets guarantee it). A vmapped dynamic_update_slice lowers to a bounds-checked scatter that XLA:CPU
-    implemented by copying each layer's whole K cache several times per decode step (seen in the optimized
-    HLO); this form updates in place: decode at batch 16 went from 269 to 215 ms per step (SmolLM2,
-    cache 512).
+    Callers size the cache for start + T (the engine's cache buckets guarantee it).
     """
     chex.assert_rank([buf_bhsd, new_bthd], 4)
-    new_bhtd = jnp.swapaxes(new_bthd, 1, 2).astype(buf_bhsd.dtype)
+    return _store_at(buf_bhsd, start_b, jnp.swapaxes(new_bthd, 1, 2).astype(buf_bhsd.dtype))
+
+
+def _store_at(buf_bhsd: jax.Array, start_b: jax.Array, new_bhtd: jax.Array) -> jax.Array:
+    """buf[b, :, start[b]:start[b]+T] = new[b] as ONE scatter with in-bounds, unique indices.
+
+    A vmapped dynamic_update_slice lowers to a bounds-checked scatter that XLA:CPU implemented by copying
+    each layer's whole K cache several times per decode step (seen in the optimized HLO); this form updates
+    in place: decode at batch 16 went from 269 to 215 ms per step (SmolLM2, cache 512).
+    """
     b, h, t, _ = new_bhtd.shape
     pos = start_b[:, None, None] + jnp.arange(t, dtype=jnp.int32)[None, None, :]
     return buf_bhsd.at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], pos].set(
@@ -101,13 +106,9 @@ def gather_path(buf_bhsd: jax.Array, start_b: jax.Array, src_bp: jax.Array) -> j
     """
 
     b, h = buf_bhsd.shape[:2]
-    p = src_bp.shape[1]
-    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
     src = (start_b[:, None] + src_bp)[:, None, :]  # [B, 1, P]
-    dst = (start_b[:, None] + jnp.arange(p, dtype=jnp.int32)[None, :])[:, None, :]
-    moved = buf_bhsd[rows, heads, src]  # [B, Hkv, P, D]
-    # one in-place scatter, as write_rows (a vmapped dynamic_update_slice copies the cache on XLA:CPU)
-    return buf_bhsd.at[rows, heads, dst].set(moved, mode="promise_in_bounds", unique_indices=True)
+    moved = buf_bhsd[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], src]  # [B, Hkv, P, D]
+    return _store_at(buf_bhsd, start_b, moved)
 
 
 def commit_path(cache: KVCache, src_bp: jax.Array, num_b: jax.Array) -> KVCache:
