@@ -81,7 +81,8 @@ def categorical(key: jax.Array, weights_bv: jax.Array, block: int = 256) -> jax.
     block = min(block, v)
     nb = -(-v // block)
     w = jnp.pad(weights_bv.astype(jnp.float32), ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
-    cum = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [B, nb]
+    mass = jnp.sum(w, axis=-1)  # [B, nb]
+    cum = jnp.cumsum(mass, axis=-1)
     u = jax.random.uniform(key, (b,), jnp.float32) * cum[:, -1]
 
     def first_above(c: jax.Array, x: jax.Array, positive: jax.Array) -> jax.Array:
@@ -91,7 +92,7 @@ def categorical(key: jax.Array, weights_bv: jax.Array, block: int = 256) -> jax.
         last = n - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
         return jnp.where(i < n, i, last).astype(jnp.int32)
 
-    i = first_above(cum, u, cum > jnp.pad(cum, ((0, 0), (1, 0)))[:, :-1])
+    i = first_above(cum, u, mass > 0)
     start = jnp.where(i > 0, jnp.take_along_axis(cum, jnp.maximum(i - 1, 0)[:, None], axis=1)[:, 0], 0.0)
     wi = jnp.take_along_axis(w, i[:, None, None], axis=1)[:, 0]  # [B, block]
     j = first_above(jnp.cumsum(wi, axis=-1), u - start, wi > 0)
