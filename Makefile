@@ -12,7 +12,7 @@ WORKDIR ?= workdirs/default
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup kernels run test lint bench clean
 
 # The venv is rebuilt only when setup.py changes (the stamp records the install).
 $(STAMP): setup.py
@@ -32,7 +32,12 @@ $(GGUF): | $(STAMP)
 	  open('$@.part', 'wb').write(z.read(n))"
 	@mv $@.part $@
 
-setup: $(STAMP) $(GGUF)
+# The CPU small-M linear kernel (tlt_jax/kernels/cpu/small_m_linear.cc, an XLA FFI library): compiled once
+# with g++ against jaxlib's FFI headers; the build is named by the source's hash, so this is a no-op when current.
+kernels: $(STAMP)
+	@$(PY) -m tlt_jax.kernels.small_m_linear --build > /dev/null
+
+setup: $(STAMP) $(GGUF) kernels
 
 run: setup
 	$(PY) -m tlt_jax.main --config configs/default.py --workdir $(WORKDIR) $(RUN_ARGS)
@@ -50,4 +55,4 @@ bench: setup
 	$(PY) experiments/bench_decode.py --quick
 
 clean:
-	rm -rf $(VENV) $(CACHE) .pytest_cache
+	rm -rf $(VENV) $(CACHE) .pytest_cache tlt_jax/kernels/cpu/build

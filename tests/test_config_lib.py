@@ -62,6 +62,7 @@ def test_validate_lists_every_problem_with_its_fix() -> None:
     c.rl.samples_per_prompt = 1
     c.rl.loss_agg = "sum"
     c.model.path = "/nonexistent/model.gguf"  # and random is set too
+    c.model.linear_impl = "fast"
     with pytest.raises(ValueError) as e:
         config_lib.validate(c)
     msg = str(e.value)
@@ -70,6 +71,7 @@ def test_validate_lists_every_problem_with_its_fix() -> None:
     assert "config.rl.loss_agg='sum'" in msg and "seq_mean_token_mean" in msg
     assert "set exactly one of config.model.path" in msg
     assert "does not exist" in msg
+    assert "config.model.linear_impl='fast': use one of ('auto', 'xla', 'cpu_ffi')" in msg
 
 
 def test_validate_micro_batches_hold_whole_groups() -> None:

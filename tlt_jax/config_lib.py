@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from ml_collections import config_dict
 
 from tlt_jax import sharding as shd
-from tlt_jax.models.config import ModelConfig, tiny_config
+from tlt_jax.models.config import LINEAR_IMPLS, ModelConfig, tiny_config
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
@@ -115,6 +115,8 @@ def base_config() -> mlc.ConfigDict:
     c.model.path = config_dict.placeholder(str)  # a .gguf file or a HF model directory
     c.model.random = mlc.ConfigDict()  # OR tiny random architecture (ModelConfig fields) + ByteTokenizer
     c.model.dtype = "float32"  # "bfloat16" on GPUs (this CPU has no bf16 instructions: use float32)
+    # projections: "auto" (the CPU small-M kernel on one CPU device, else XLA), "xla", "cpu_ffi"
+    c.model.linear_impl = "auto"
 
     c.mesh = mlc.ConfigDict(dict(data=-1, model=1))  # data=-1: all remaining devices
 
@@ -284,6 +286,8 @@ def _model_problems(config: Any, check_paths: bool) -> list[str]:
             )
     if config.model.dtype not in DTYPES:
         out.append(f"config.model.dtype={config.model.dtype!r}: use one of {DTYPES}.")
+    if config.model.linear_impl not in LINEAR_IMPLS:
+        out.append(f"config.model.linear_impl={config.model.linear_impl!r}: use one of {LINEAR_IMPLS}.")
     return out
 
 
@@ -406,9 +410,12 @@ def build_model_and_tokenizer(config: Any) -> tuple[Transformer, Any]:
     _fail(_model_problems(config, check_paths=True))
     if config.model.path:
         loaded = load_model(config.model.path, dtype=config.model.dtype)
-        return from_hf_tensors(loaded.config, loaded.tensors), loaded.tokenizer
+        cfg = loaded.config.replace(linear_impl=config.model.linear_impl)
+        return from_hf_tensors(cfg, loaded.tensors), loaded.tokenizer
     tokenizer = ByteTokenizer()
-    cfg = ModelConfig(**{**dict(config.model.random), "dtype": config.model.dtype})
+    cfg = ModelConfig(
+        **{**dict(config.model.random), "dtype": config.model.dtype, "linear_impl": config.model.linear_impl}
+    )
     if cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(
             f"config.model.random.vocab_size={cfg.vocab_size} is smaller than the ByteTokenizer's "

@@ -40,6 +40,16 @@ def test_greedy_answer_is_paris(smollm, greedy_answer):
     assert "Paris" in text, text
 
 
+def test_cpu_kernel_gives_the_same_greedy_tokens(smollm, greedy_answer):
+    """The real model with every projection through the CPU small-M kernel: the same 40 greedy tokens."""
+    loaded, _ = smollm
+    prompt, ref = greedy_answer
+    model = from_hf_tensors(loaded.config.replace(linear_impl="cpu_ffi"), loaded.tensors)
+    eng = RolloutEngine(model, EngineConfig(max_new_tokens=40, max_cache_len=256, chunk_steps=20), eos_ids=[])
+    out = eng.generate([prompt], n=1, key=jax.random.key(0), sampling=SamplingParams(temperature=0.0))
+    assert out.response(0) == ref.response(0)
+
+
 def test_greedy_continuation_equals_transformers(smollm, smollm_gguf_path, greedy_answer):
     """Same GGUF, same prompt ids: our 32 greedy tokens equal HF transformers' generate (torch CPU, fp32)."""
     torch = pytest.importorskip("torch")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+LINEAR_IMPLS = ("auto", "xla", "cpu_ffi")  # see tlt_jax.kernels.small_m_linear
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -12,6 +14,9 @@ class ModelConfig:
 
     `qkv_bias` is True for Qwen2 (biases on q/k/v projections) and False for Llama.
     `dtype` is the compute/parameter dtype name ("float32" or "bfloat16").
+    `linear_impl` picks how the projections run (`tlt_jax.kernels.small_m_linear`): "auto" (the CPU small-M
+    kernel on a single CPU device, XLA otherwise), "xla", or "cpu_ffi". It changes speed, not results
+    (beyond float rounding).
     """
 
     vocab_size: int
@@ -28,6 +33,7 @@ class ModelConfig:
     max_position_embeddings: int = 8192
     architecture: str = "llama"
     dtype: str = "float32"
+    linear_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -38,6 +44,8 @@ class ModelConfig:
             raise ValueError(f"Unsupported architecture {self.architecture!r}: expected 'llama' or 'qwen2'.")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"Unsupported dtype {self.dtype!r}: expected 'float32' or 'bfloat16'.")
+        if self.linear_impl not in LINEAR_IMPLS:
+            raise ValueError(f"Unsupported linear_impl {self.linear_impl!r}: use 'auto', 'xla' or 'cpu_ffi'.")
 
     @property
     def q_size(self) -> int:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tlt_jax.kernels.small_m_linear import linear
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import DecoderLayer, _normal, causal_mask, rope_cos_sin
@@ -60,7 +61,7 @@ class Drafter(nnx.Module):
         if mask_btt is None:
             mask_btt = causal_mask(b, t)
         x = jnp.concatenate([token_embeds_bth, target_hidden_bth.astype(token_embeds_bth.dtype)], axis=-1)
-        x = jnp.einsum("bti,hi->bth", x, self.fc[...])
+        x = linear(x, self.fc[...], self.cfg.linear_impl)
         cos, sin = rope_cos_sin(positions_bt, self.cfg.head_dim, self.cfg.rope_theta)
         lengths = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
         kc = cache.k[0] if cache is not None else None

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax.kernels import tree_attention as ta
+from tlt_jax.kernels.small_m_linear import linear
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache, write_rows
 
@@ -95,7 +96,7 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
         g = self.cfg.num_heads // self.cfg.num_kv_heads
         b, t = x_bth.shape[:2]
-        qkv = jnp.einsum("bth,oh->bto", x_bth, self.qkv[...])
+        qkv = linear(x_bth, self.qkv[...], self.cfg.linear_impl)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         qkv = qkv.reshape(b, t, self.cfg.num_kv_heads, g + 2, self.cfg.head_dim)
@@ -110,7 +111,7 @@ class Attention(nnx.Module):
             v_all = v_cache = write_rows(v_cache, v, lengths_b)
         out = ta.tree_attention(q, k_all, v_all, lengths_b, mask_btt, impl=attn_impl)
         out = out.reshape(b, t, self.cfg.num_heads * self.cfg.head_dim)
-        return jnp.einsum("bti,hi->bth", out, self.o_proj[...]), k_cache, v_cache
+        return linear(out, self.o_proj[...], self.cfg.linear_impl), k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -118,14 +119,15 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = _dtype(cfg)
+        self.cfg = cfg
         self.gate_up = _normal(rngs, (2 * cfg.intermediate_size, cfg.hidden_size), dt)
         self.down = _normal(rngs, (cfg.hidden_size, cfg.intermediate_size), dt)
 
     def __call__(self, x_bth: jax.Array) -> jax.Array:
-        gu = jnp.einsum("bth,oh->bto", x_bth, self.gate_up[...])
+        gu = linear(x_bth, self.gate_up[...], self.cfg.linear_impl)
         gu = gu.reshape(gu.shape[:2] + (-1, 2))
         act = jax.nn.silu(gu[..., 0]) * gu[..., 1]
-        return jnp.einsum("btf,hf->bth", act, self.down[...])
+        return linear(act, self.down[...], self.cfg.linear_impl)
 
 
 class DecoderLayer(nnx.Module):
@@ -179,7 +181,7 @@ class Transformer(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """LM head (the tied embedding for SmolLM2), float32 logits."""
-        return jnp.einsum("...h,vh->...v", hidden, self.head_weight(), preferred_element_type=jnp.float32)
+        return linear(hidden, self.head_weight(), self.cfg.linear_impl, preferred_element_type=jnp.float32)
 
     def __call__(
         self,
