@@ -35,6 +35,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.path = str(DEFAULT_MODEL)
     c.model.random = ml_collections.ConfigDict()
     c.model.dtype = "float32"  # fp32 on CPU (no bf16 instructions); "bfloat16" on GPUs
+    c.model.linear_impl = "auto"  # the CPU small-M matmul kernel on one CPU device, XLA elsewhere
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))  # read by tlt_jax.main's validation only
 
     # Prompts for the target's own responses; held-out eval prompts follow the training prompts in the

@@ -147,7 +147,8 @@ def main() -> None:
     ap.add_argument(
         "--strategies",
         default=None,
-        help="comma-separated strategies depth_topk_tv (e.g. 3_1_4,4_1_5,5_2_8): replaces the TV mapping",
+        help="comma-separated strategies depth_topk_tv (e.g. 3_1_4,3_1_4:argmax,5_2_8), replacing the TV "
+        "mapping; chains sample drafts + rejection sampling, NAME:argmax verifies argmax drafts target-only",
     )
     ap.add_argument("--prompts", type=int, default=None, help="prompts per configuration (>= batch)")
     ap.add_argument("--new", type=int, default=None, help="max new tokens per response")
@@ -186,13 +187,21 @@ def main() -> None:
     task = ReasoningGymTask(args.task, size=5000, seed=0, dataset_kwargs=TASK_KWARGS[args.task])
     problems, _ = task.batch(args.task_offset, n_prompts)
     prompts = [tok.encode_chat(task.messages(p)) for p in problems]
+    # column -> (strategy, variant); variant "argmax": a chain verified target-only (no rejection sampling)
     if args.strategies:  # explicit strategies: columns are named after them
-        names = [Strategy.parse(x).name for x in args.strategies.split(",")]
-        strategies = {f"s{name}": name for name in names}
+        strategies = {}
+        for item in args.strategies.split(","):
+            name, _, variant = item.partition(":")
+            if variant not in ("", "argmax"):
+                raise SystemExit(
+                    f"--strategies: unknown variant {variant!r} in {item!r} (use NAME or NAME:argmax)"
+                )
+            name = Strategy.parse(name).name
+            strategies[f"s{name}" + (f"_{variant}" if variant else "")] = (name, variant)
     else:
-        strategies = {f"tv{tv}": strategy_for(tv) for tv in tvs}
+        strategies = {f"tv{tv}": (strategy_for(tv), "") for tv in tvs}
     max_ahead = max(
-        [Strategy.parse(s).lookahead for s in strategies.values()]
+        [Strategy.parse(s).lookahead for s, _ in strategies.values()]
         + ([Strategy.parse(args.ngram).lookahead] if args.ngram else [])
     )
     cache = 1 << math.ceil(math.log2(max(len(p) for p in prompts) + new + max_ahead + 1))
@@ -201,7 +210,10 @@ def main() -> None:
     eos = [] if args.ignore_eos else list(tok.eos_token_ids)
     plain_engine = RolloutEngine(model, ecfg, eos_ids=eos)
     sd_engine = RolloutEngine(model, ecfg, eos_ids=eos, drafter=drafter)
-    modes = {col: sd_engine.add_mode("eagle", s) for col, s in strategies.items()}
+    modes = {
+        col: sd_engine.add_mode("eagle", s, rejection=False, label=v) if v else sd_engine.add_mode("eagle", s)
+        for col, (s, v) in strategies.items()
+    }
 
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M fp32; "
@@ -209,7 +221,10 @@ def main() -> None:
         f"{max(map(len, prompts))} tokens); temperature {args.temperature}; <= {new} new tokens; "
         f"cache {cache}; eos {'ignored' if args.ignore_eos else 'stops'}"
     )
-    print("strategies (depth_topk_tv): " + ", ".join(f"{col}: {s}" for col, s in strategies.items()))
+    print(
+        "strategies (depth_topk_tv; chains sample drafts + rejection sampling unless ':argmax'): "
+        + ", ".join(f"{col}: {s}{':' + v if v else ''}" for col, (s, v) in strategies.items())
+    )
 
     def groups_for(b: int) -> list[list[list[int]]]:
         k = max(1, n_prompts // b)
@@ -276,7 +291,7 @@ def main() -> None:
             "accept_len_bs1": cells[1, best][1],
             "sd_speedup_bs1": cells[1, best][0],
             "ngram_speedup_bs1": results.get("ngram_speedup_bs1", float("nan")),
-            "best_bs1": strategies[best],
+            "best_bs1": ":".join(x for x in strategies[best] if x),
         }
         results = {**head, **results}
     results["wall_s"] = time.perf_counter() - t_start

@@ -264,6 +264,11 @@ def _fail(problems: list[str]) -> None:
         raise ValueError("invalid config:\n  - " + "\n  - ".join(problems))
 
 
+def _linear_impl(config: Any) -> str:
+    """`config.model.linear_impl`; "auto" for config files written before the field existed."""
+    return config.model.get("linear_impl", "auto")
+
+
 def _model_problems(config: Any, check_paths: bool) -> list[str]:
     out = []
     path, random = config.model.path, dict(config.model.random)
@@ -286,8 +291,8 @@ def _model_problems(config: Any, check_paths: bool) -> list[str]:
             )
     if config.model.dtype not in DTYPES:
         out.append(f"config.model.dtype={config.model.dtype!r}: use one of {DTYPES}.")
-    if config.model.linear_impl not in LINEAR_IMPLS:
-        out.append(f"config.model.linear_impl={config.model.linear_impl!r}: use one of {LINEAR_IMPLS}.")
+    if _linear_impl(config) not in LINEAR_IMPLS:
+        out.append(f"config.model.linear_impl={_linear_impl(config)!r}: use one of {LINEAR_IMPLS}.")
     return out
 
 
@@ -410,11 +415,11 @@ def build_model_and_tokenizer(config: Any) -> tuple[Transformer, Any]:
     _fail(_model_problems(config, check_paths=True))
     if config.model.path:
         loaded = load_model(config.model.path, dtype=config.model.dtype)
-        cfg = loaded.config.replace(linear_impl=config.model.linear_impl)
+        cfg = loaded.config.replace(linear_impl=_linear_impl(config))
         return from_hf_tensors(cfg, loaded.tensors), loaded.tokenizer
     tokenizer = ByteTokenizer()
     cfg = ModelConfig(
-        **{**dict(config.model.random), "dtype": config.model.dtype, "linear_impl": config.model.linear_impl}
+        **{**dict(config.model.random), "dtype": config.model.dtype, "linear_impl": _linear_impl(config)}
     )
     if cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(

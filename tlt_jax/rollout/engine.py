@@ -54,6 +54,8 @@ from tlt_jax.rollout.sampling import SamplingParams, sample_rows
 from tlt_jax.rollout.speculative import AcceptRule, SpecConfig, SpecMode, Strategy
 from tlt_jax.rollout.types import ChunkRecord, DecodeState, Rollout, RolloutStats, SpecAux, row_keys
 
+DRAFT_SALT = 0x0D5A  # folded into a row's token key for sampled drafts (acceptance uses the key itself)
+
 __all__ = [
     "DecodeState",
     "EngineConfig",
@@ -230,11 +232,14 @@ class RolloutEngine:
         *,
         accept_rule: AcceptRule | None = None,
         label: str = "",
+        rejection: bool | None = None,
     ) -> str:
         """Register a speculative mode (drafter "eagle" or "ngram", strategy like "8_4_48"); returns its name.
 
         Modes compile lazily, one chunk program per (batch bucket, cache bucket). `accept_rule` replaces
         `tree_accept` at temperature > 0 (it must be lossless; tests use it to show their power).
+        `rejection` (default `config.spec.chain_rejection`): learned-drafter chains sample their drafts and
+        verify by rejection sampling at temperature > 0; ignored for trees, n-gram drafts or an accept_rule.
         """
         if drafter not in spec.DRAFTERS:
             raise ValueError(f"drafter must be one of {spec.DRAFTERS}, got {drafter!r}")
@@ -242,7 +247,11 @@ class RolloutEngine:
             raise ValueError(
                 "an 'eagle' speculative mode needs a learned drafter: RolloutEngine(..., drafter=)"
             )
-        mode = SpecMode(drafter, Strategy.parse(strategy), accept_rule=accept_rule, label=label)
+        strat = Strategy.parse(strategy)
+        if rejection is None:
+            rejection = self.config.spec.chain_rejection
+        rejection = rejection and drafter == "eagle" and strat.is_chain and accept_rule is None
+        mode = SpecMode(drafter, strat, accept_rule=accept_rule, label=label, rejection=rejection)
         if mode.name == "plain":
             raise ValueError("'plain' is reserved")
         self.modes[mode.name] = mode
@@ -358,8 +367,21 @@ class RolloutEngine:
             def draft(st: DecodeState, bank: NgramBank | None) -> tuple[Any, KVCache | None]:
                 if mode.drafter == "eagle":
                     aux = st.aux
+                    sampled = mode.rejection and not sp.greedy
                     return spec.eagle_draft(
-                        model, drafter, aux.drafter_cache, st.last_token, aux.hidden, strat, attn_impl
+                        model,
+                        drafter,
+                        aux.drafter_cache,
+                        st.last_token,
+                        aux.hidden,
+                        strat,
+                        attn_impl,
+                        # draft randomness: the row's token key folded with a salt, independent of the
+                        # acceptance uniforms (drawn from the row's token key itself)
+                        sample_keys=jax.vmap(jax.random.fold_in, (0, None))(row_keys(st), DRAFT_SALT)
+                        if sampled
+                        else None,
+                        sp=sp if sampled else None,
                     )
                 aux = st.aux
                 src, src_len, prio, query = ngram_lib.build_sources(

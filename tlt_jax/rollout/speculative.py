@@ -35,11 +35,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax.kernels.small_m_linear import linear
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.kv_cache import KVCache, commit_path
 from tlt_jax.models.llama import Transformer, causal_mask, rope_cos_sin
-from tlt_jax.rollout.acceptance import TreeAcceptance, tree_accept, tree_accept_greedy
-from tlt_jax.rollout.sampling import SamplingParams, target_probs
+from tlt_jax.rollout.acceptance import (
+    PAD,
+    TreeAcceptance,
+    chain_accept_rejection,
+    tree_accept,
+    tree_accept_greedy,
+)
+from tlt_jax.rollout.sampling import SamplingParams, categorical, target_probs
 from tlt_jax.rollout.types import ChunkRecord, DecodeState, DraftTree, row_keys
 
 DRAFTERS = ("eagle", "ngram")
@@ -130,7 +137,10 @@ class SpecConfig:
     for `min_steps_below` decode steps (the reference uses 32 and 10); with threshold >= the batch and
     min_steps_below=0 the whole rollout is speculative. `drafter`: "eagle" (needs `RolloutEngine(drafter=)`)
     or "ngram" (model-free). The n-gram drafter matches up to `ngram_max` tokens (at least `ngram_min`) in the
-    prompt, the row's response and up to `ngram_siblings` sibling responses of the same prompt."""
+    prompt, the row's response and up to `ngram_siblings` sibling responses of the same prompt.
+    `chain_rejection`: learned-drafter chains (topk = 1) sample their drafts and verify them by rejection
+    sampling at temperature > 0 (higher acceptance when the drafter's distribution is close to the target's).
+    """
 
     enabled: bool = False
     drafter: str = "eagle"
@@ -140,6 +150,7 @@ class SpecConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     ngram_siblings: int = 16
+    chain_rejection: bool = True
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -157,12 +168,24 @@ class SpecMode:
 
     accept_rule: the sampling-time acceptance rule (default `tree_accept`); any replacement must keep its
     signature and be lossless. Greedy rounds always use `tree_accept_greedy`.
+    rejection: at temperature > 0, draw a chain's drafts from the drafter's distribution and verify them by
+    rejection sampling (`chain_accept_rejection`), not argmax drafts + `tree_accept` (see `eagle_draft`).
     """
 
     drafter: str
     strategy: Strategy
     accept_rule: AcceptRule | None = None
     label: str = ""
+    rejection: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rejection and not (
+            self.drafter == "eagle" and self.strategy.is_chain and self.accept_rule is None
+        ):
+            raise ValueError(
+                "rejection-sampling verification needs the learned drafter, a chain strategy (topk = 1) and "
+                f"no custom accept_rule; got drafter={self.drafter!r}, strategy {self.strategy}"
+            )
 
     @property
     def name(self) -> str:
@@ -294,8 +317,17 @@ def eagle_draft(
     root_hidden_bh: jax.Array,
     strategy: Strategy,
     attn_impl: str,
+    *,
+    sample_keys: jax.Array | None = None,
+    sp: SamplingParams | None = None,
 ) -> tuple[DraftTree, KVCache]:
     """EAGLE-2 dynamic tree: expand the top-k children of the frontier by cumulative draft log-probability.
+
+    Sampled chains (`sample_keys` [B] and `sp` given; topk must be 1): instead of the drafter's argmax, each
+    draft is drawn from q = `target_probs(drafter logits, sp)` (the target's temperature, top-k and top-p
+    applied to the drafter), and the tree carries the q's for rejection-sampling verification (Leviathan et
+    al.): a draft is kept with probability min(1, p/q), so the expected acceptance per position is
+    sum_x min(p(x), q(x)) = 1 - TV(p, q) instead of p(argmax q), the ceiling of target-only verification.
 
     Forward 0 feeds the pending pair (root token x_L, h_{L-1}); its output gives the root's top-k children
     (the depth-1 frontier). Forward j >= 1 feeds the frontier (k nodes, each paired with the drafter feature
@@ -325,6 +357,9 @@ def eagle_draft(
     )
     fc = drafter.fc[...]
     rows = jnp.arange(b)
+    sampled = sample_keys is not None
+    if sampled and (k != 1 or sp is None or sp.greedy):
+        raise ValueError(f"sampled drafting needs a chain (topk=1, got {k}) and sampling parameters at T > 0")
 
     def forward(
         buf: dict, off: jax.Array | int, tok_bt: jax.Array, feat_bth: jax.Array, parent_slot_bt: jax.Array
@@ -332,7 +367,7 @@ def eagle_draft(
         """Feed T draft nodes at slots [off, off + T): returns (their drafter outputs [B, T, H], buffers)."""
         t = tok_bt.shape[1]
         emb = target.embed_tokens(tok_bt)
-        x_new = jnp.einsum("bti,hi->bth", jnp.concatenate([emb, feat_bth.astype(emb.dtype)], -1), fc)
+        x_new = linear(jnp.concatenate([emb, feat_bth.astype(emb.dtype)], -1), fc, cfg.linear_impl)
         x_buf = jax.lax.dynamic_update_slice_in_dim(buf["x"], x_new.astype(fc.dtype), off, axis=1)
         own = jax.nn.one_hot(off + jnp.arange(t), nd, dtype=bool)[None]
         rows_vis = jnp.take_along_axis(buf["vis"], parent_slot_bt[:, :, None], axis=1) | own
@@ -347,6 +382,13 @@ def eagle_draft(
         vals, idx = jax.lax.top_k(logp, k)
         return vals, idx.astype(jnp.int32)
 
+    def sampled_child(h_bh: jax.Array, depth: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One draft per row drawn from q (keys: the row's key folded with the depth): (log q, token, q)."""
+        q = target_probs(target.logits(h_bh), sp)  # [B, V]
+        keys = jax.vmap(jax.random.fold_in, (0, None))(sample_keys, depth)
+        tok = jax.vmap(lambda kk, w: categorical(kk, w[None])[0])(keys, q).astype(jnp.int32)
+        return jnp.log(q[rows, tok]), tok, q
+
     buf = {
         "x": jnp.zeros((b, nd, cfg.hidden_size), fc.dtype),
         "vis": jnp.broadcast_to(jnp.eye(nd, dtype=bool), (b, nd, nd)),
@@ -354,12 +396,18 @@ def eagle_draft(
         "v": dcache.v[0],
     }
     h0, buf = forward(buf, 0, root_token_b[:, None], root_hidden_bh[:, None], jnp.zeros((b, 1), jnp.int32))
-    vals, idx = top_children(h0[:, 0])  # [B, k]: the root's children, the depth-1 frontier
+    if sampled:
+        lq, tok, q = sampled_child(h0[:, 0], 0)
+        vals, idx = lq[:, None], tok[:, None]
+    else:
+        vals, idx = top_children(h0[:, 0])  # [B, k]: the root's children, the depth-1 frontier
     cand = {  # all scored candidates, in depth order (parents before children); parent -1 = the root
         "tok": jnp.zeros((b, num_c), jnp.int32).at[:, :k].set(idx),
         "score": jnp.full((b, num_c), -jnp.inf, jnp.float32).at[:, :k].set(vals),
         "parent": jnp.full((b, num_c), -1, jnp.int32),
     }
+    if sampled:  # the draft distribution of each depth, for rejection sampling
+        cand["q"] = jnp.zeros((b, d, q.shape[-1]), jnp.float32).at[:, 0].set(q)
     front = {
         "tok": idx,
         "score": vals,
@@ -374,14 +422,23 @@ def eagle_draft(
         off = 1 + (j - 1) * k
         c_start = k + (j - 1) * k * k
         h, buf = forward(buf, off, front["tok"], front["feat"], front["slot"])  # [B, k, H]
-        vals, idx = top_children(h)  # [B, k, k]
+        if sampled:
+            lq, t1, q = sampled_child(h[:, 0], j)
+            vals, idx = lq[:, None, None], t1[:, None, None]
+        else:
+            vals, idx = top_children(h)  # [B, k, k]
         score = (front["score"][:, :, None] + vals).reshape(b, k * k)
         tok = idx.reshape(b, k * k)
         parent = jnp.repeat(front["cand"], k, axis=1)
         cand = {
-            name: jax.lax.dynamic_update_slice_in_dim(cand[name], val, c_start, axis=1)
-            for name, val in (("tok", tok), ("score", score), ("parent", parent))
+            **cand,
+            **{
+                name: jax.lax.dynamic_update_slice_in_dim(cand[name], val, c_start, axis=1)
+                for name, val in (("tok", tok), ("score", score), ("parent", parent))
+            },
         }
+        if sampled:
+            cand["q"] = jax.lax.dynamic_update_slice_in_dim(cand["q"], q[:, None], j, axis=1)
         _, sel = jax.lax.top_k(score, k)
         front = {
             "tok": tok[rows[:, None], sel],
@@ -410,7 +467,14 @@ def eagle_draft(
     tokens = jnp.concatenate([root_token_b[:, None], all_tok[rows[:, None], sel]], axis=1).astype(jnp.int32)
     depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), all_depth[sel]], axis=1)
     depth = jnp.where(parents == -2, 0, depth)
-    tree = DraftTree(tokens=tokens, parents=parents.astype(jnp.int32), depth=depth)
+    # a sampled chain keeps all d drafts in depth order (n - 1 = d, every score is finite), so node i + 1 was
+    # drawn from cand["q"][:, i]
+    tree = DraftTree(
+        tokens=tokens,
+        parents=parents.astype(jnp.int32),
+        depth=depth,
+        draft_probs=cand["q"][:, : n - 1] if sampled else None,
+    )
     return tree, KVCache(k=(buf["k"],), v=(buf["v"],), lengths=dcache.lengths)
 
 
@@ -454,6 +518,22 @@ class RoundStats:
     hist: jax.Array  # [depth + 2] row counts by tokens emitted
 
 
+def _chain_rejection_row(
+    key: jax.Array, tok_n: jax.Array, q_dv: jax.Array, p_nv: jax.Array
+) -> TreeAcceptance:
+    """`chain_accept_rejection` for one row's chain (node 0 = root, node i = draft i), as a TreeAcceptance."""
+    res = chain_accept_rejection(key, tok_n[None, 1:], q_dv[None], p_nv[None])
+    n_acc = res.num_accepted[0]
+    i = jnp.arange(tok_n.shape[0], dtype=jnp.int32)
+    return TreeAcceptance(
+        num_accepted=n_acc,
+        path=jnp.where(i <= n_acc, i, PAD),
+        tokens=res.tokens[0],
+        bonus=res.bonus[0],
+        last_node=n_acc,
+    )
+
+
 def verify_round(
     target: Transformer,
     drafter: Drafter | None,
@@ -486,6 +566,9 @@ def verify_round(
     if sp.greedy:
         argmax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
         acc = tree_accept_greedy(tree.tokens, tree.parents, argmax, max_depth)
+    elif tree.draft_probs is not None:  # a sampled chain: rejection sampling against its draft distributions
+        probs = target_probs(out.logits, sp)
+        acc = jax.vmap(_chain_rejection_row)(row_keys(state), tree.tokens, tree.draft_probs, probs)
     else:
         probs = target_probs(out.logits, sp)
         rule = accept_rule or tree_accept

@@ -54,11 +54,15 @@ class DraftTree:
     tokens: [B, N] int32; node 0 is the root (the row's last committed token), nodes 1.. are drafts.
     parents: [B, N] int32; -1 for the root, < i for draft i, -2 for padding.
     depth: [B, N] int32; 0 for the root (and padding); a draft's position is the committed length + depth.
+    draft_probs: [B, N - 1, V] float32 or None. Set only for a chain whose drafts were SAMPLED from these
+        drafter distributions (node i + 1 ~ draft_probs[:, i]); verification then uses rejection sampling
+        (`chain_accept_rejection`) instead of target-only tree sampling.
     """
 
     tokens: jax.Array
     parents: jax.Array
     depth: jax.Array
+    draft_probs: jax.Array | None = None
 
 
 def row_keys(state: DecodeState) -> jax.Array:
