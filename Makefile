@@ -32,10 +32,10 @@ $(GGUF): | $(STAMP)
 	  open('$@.part', 'wb').write(z.read(n))"
 	@mv $@.part $@
 
-# The CPU small-M linear kernel (tlt_jax/kernels/cpu/small_m_linear.cc, an XLA FFI library): compiled once
-# with g++ against jaxlib's FFI headers; the build is named by the source's hash, so this is a no-op when current.
+# The CPU kernels (tlt_jax/kernels/cpu/*.cc, one XLA FFI library): compiled with g++ against jaxlib's FFI
+# headers; the build is named by the sources' hash, so this is a no-op when it is current.
 kernels: $(STAMP)
-	@$(PY) -m tlt_jax.kernels.small_m_linear --build > /dev/null
+	@$(PY) -m tlt_jax.kernels.cpu_ffi --build > /dev/null
 
 setup: $(STAMP) $(GGUF) kernels
 

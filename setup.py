@@ -27,8 +27,8 @@ setup(
     version="0.1.0",
     description="TLT (Taming the Long Tail): GRPO with adaptive speculative rollouts in JAX/Flax",
     packages=find_packages(include=["tlt_jax", "tlt_jax.*"]),
-    # the CPU kernel's C++ source ships with the package; it is compiled on first use or by `make setup`
-    package_data={"tlt_jax.kernels": ["cpu/*.cc"]},
+    # the CPU kernels' C++ sources ship with the package; compiled on first use or by `make setup`
+    package_data={"tlt_jax.kernels": ["cpu/*.cc", "cpu/*.h"]},
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require={

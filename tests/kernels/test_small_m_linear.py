@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tlt_jax.kernels import cpu_ffi
 from tlt_jax.kernels import small_m_linear as sml
 from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.kv_cache import KVCache
@@ -26,9 +27,9 @@ def _check(y: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
 
 
 def test_library_builds_once_and_registers():
-    path = sml.build()
-    assert path == sml.build() and path.exists() and path.name.startswith("libtlt_small_m_linear-")
-    assert sml.available()
+    path = cpu_ffi.build()
+    assert path == cpu_ffi.build() and path.exists() and path.name.startswith("libtlt_cpu_kernels-")
+    assert cpu_ffi.available()
 
 
 # M: 1 (decode), 2..8 (verification) incl. odd counts for the 3-row tiles' tails, up to MAX_ROWS.

@@ -40,12 +40,13 @@ def test_greedy_answer_is_paris(smollm, greedy_answer):
     assert "Paris" in text, text
 
 
-def test_cpu_kernel_gives_the_same_greedy_tokens(smollm, greedy_answer):
-    """The real model with every projection through the CPU small-M kernel: the same 40 greedy tokens."""
+def test_cpu_kernels_give_the_same_greedy_tokens(smollm, greedy_answer):
+    """The real model on the CPU FFI kernels (small-M matmuls, tree attention): the same 40 greedy tokens."""
     loaded, _ = smollm
     prompt, ref = greedy_answer
     model = from_hf_tensors(loaded.config.replace(linear_impl="cpu_ffi"), loaded.tensors)
-    eng = RolloutEngine(model, EngineConfig(max_new_tokens=40, max_cache_len=256, chunk_steps=20), eos_ids=[])
+    ecfg = EngineConfig(max_new_tokens=40, max_cache_len=256, chunk_steps=20, attn_impl="cpu_ffi")
+    eng = RolloutEngine(model, ecfg, eos_ids=[])
     out = eng.generate([prompt], n=1, key=jax.random.key(0), sampling=SamplingParams(temperature=0.0))
     assert out.response(0) == ref.response(0)
 

@@ -136,13 +136,14 @@ def test_greedy_speculative_equals_plain(greedy_engine, which):
 
 
 def test_greedy_speculative_with_cpu_kernel_equals_plain(greedy_engine):
-    """linear_impl='cpu_ffi' (every projection through the CPU small-M kernel; verify passes run it at
-    M = B x tokens to verify): plain decoding gives XLA's tokens, chain and tree SD give plain's."""
+    """The CPU FFI kernels: every projection through the small-M matmul (verify passes run it at M = B x
+    tokens to verify) and attention through the tree-attention kernel. Plain decoding gives XLA's tokens,
+    chain and tree SD give plain's."""
     _, _, plain_xla = greedy_engine
     target = make_target(CFG.replace(linear_impl="cpu_ffi"))
     engine = RolloutEngine(
         target,
-        EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=8, compact=False),
+        EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=8, compact=False, attn_impl="cpu_ffi"),
         eos_ids=[EOS],
         drafter=mirror_drafter(target, noise=0.03),
     )

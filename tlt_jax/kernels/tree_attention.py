@@ -11,9 +11,12 @@ Shapes: q [B, T, Hq, D]; k_cache, v_cache [B, Hkv, S, D] (S = the live cache-len
 preallocated cache); lengths [B] int32; tree_mask [B, T, T] bool. Hq is a multiple of Hkv (GQA).
 Output [B, T, Hq, D] in q's dtype; softmax in float32.
 
-`tree_attention_reference` is plain jnp (used on CPU and as the test oracle). `tree_attention_pallas` is a
-flash-attention-style Pallas kernel for GPUs (Triton lowering; `interpret=True` runs it anywhere), and
-`tree_attention` is the jitted entry point that picks one of the two.
+`tree_attention_reference` is plain jnp (the test oracle, and what multi-device CPU runs use).
+`tree_attention_pallas` is a flash-attention-style Pallas kernel for GPUs (Triton lowering; `interpret=True`
+runs it anywhere). `tree_attention_cpu` is a C++ XLA FFI kernel for the CPU (`cpu/tree_attention.cc`: reads
+each row's K/V once per KV group up to its live length; XLA's own lowering of the reference is dominated by
+tiny batched dots and a copy of the V cache per layer). `tree_attention` is the jitted entry point that picks
+one.
 
 Kernel layout. One program handles one (batch row, KV head, block of query rows), where a query row is one
 (token t, query head g of this KV group) pair: all G query heads of a group share every K/V tile, so the
@@ -41,7 +44,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-IMPLS = ("auto", "reference", "pallas")
+from tlt_jax.kernels import cpu_ffi
+
+IMPLS = ("auto", "reference", "pallas", "cpu_ffi")
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 _NEG = -1e30  # finite "minus infinity" for masked logits: keeps exp2(m_prev - m_new) NaN-free
 _LOG2E = math.log2(math.e)
@@ -374,6 +379,38 @@ def tree_attention_pallas(
     return _pallas_with_grad(q, k, v, lengths, tree_mask, block_sizes or BlockSizes(), interpret)
 
 
+def _cpu_ffi_call(
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_mask: jax.Array
+) -> jax.Array:
+    cpu_ffi.require("attn_impl='cpu_ffi'")
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call("tlt_tree_attention", out, vmap_method="sequential")(
+        q, k, v, lengths.astype(jnp.int32), tree_mask.astype(bool)
+    )
+
+
+@jax.custom_vjp
+def tree_attention_cpu(
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_mask: jax.Array
+) -> jax.Array:
+    """Tree attention (module contract) by the CPU FFI kernel; float32 only. Differentiable: the backward
+    pass recomputes the reference and differentiates it (training forwards are rare on this path)."""
+    return _cpu_ffi_call(q, k, v, lengths, tree_mask)
+
+
+def _cpu_fwd(q, k, v, lengths, tree_mask):  # noqa: ANN001, ANN202
+    return _cpu_ffi_call(q, k, v, lengths, tree_mask), (q, k, v, lengths, tree_mask)
+
+
+def _cpu_bwd(res, g):  # noqa: ANN001, ANN202
+    q, k, v, lengths, tree_mask = res
+    _, vjp = jax.vjp(lambda q, k, v: tree_attention_reference(q, k, v, lengths, tree_mask), q, k, v)
+    return (*vjp(g), None, None)
+
+
+tree_attention_cpu.defvjp(_cpu_fwd, _cpu_bwd)
+
+
 def _on_gpu() -> bool:
     return jax.default_backend() in _GPU_BACKENDS
 
@@ -392,13 +429,21 @@ def tree_attention(
 ) -> jax.Array:
     """Tree attention (module contract) with a chosen implementation.
 
-    impl: "reference" (jnp), "pallas" (the kernel; `interpret` defaults to True off-GPU), or "auto" (the
-    kernel on GPU, the reference elsewhere: interpreted Pallas is slower than jnp on CPU).
+    impl: "reference" (jnp), "pallas" (the kernel; `interpret` defaults to True off-GPU), "cpu_ffi" (the CPU
+    kernel; float32 inputs, else the reference), or "auto": Pallas on GPU, the CPU kernel on a single CPU
+    device (`cpu_ffi.auto_enabled`), the reference otherwise.
     """
     if impl not in IMPLS:
         raise ValueError(f"tree_attention: impl must be one of {IMPLS}, got {impl!r}")
     _check_inputs(q, k, v, lengths, tree_mask)
-    if impl == "reference" or (impl == "auto" and not _on_gpu()):
+    f32 = all(x.dtype == jnp.float32 for x in (q, k, v))
+    if impl == "auto" and not _on_gpu():
+        impl = "cpu_ffi" if f32 and cpu_ffi.auto_enabled() else "reference"
+    if impl == "cpu_ffi":
+        if f32:
+            return tree_attention_cpu(q, k, v, lengths, tree_mask)
+        impl = "reference"
+    if impl == "reference":
         return tree_attention_reference(q, k, v, lengths, tree_mask)
     if interpret is None:
         interpret = not _on_gpu()

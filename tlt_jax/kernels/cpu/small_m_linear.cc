@@ -10,11 +10,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstdint>
-#include <memory>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -33,17 +31,6 @@ void BlockGeneric(const float* x, const float* w, float* y, int64_t m_rows, int6
       y[m * n_dim + n] = acc;
     }
   }
-}
-
-__attribute__((target("avx2,fma"))) inline float HSum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  s = _mm_add_ss(s, sh);
-  return _mm_cvtss_f32(s);
 }
 
 // AVX2 + FMA micro-kernel: 4 weight rows x MR activation rows (4 * MR accumulators in registers), K in
@@ -71,7 +58,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void Tile4(const float
   }
   for (int j = 0; j < 4; ++j) {
     for (int r = 0; r < MR; ++r) {
-      float s = HSum(acc[j][r]);
+      float s = tlt::HSum(acc[j][r]);
       for (int64_t k = k8; k < k_dim; ++k) s += x[r * k_dim + k] * wr[j][k];
       y[r * n_dim + j] = s;
     }
@@ -96,88 +83,7 @@ __attribute__((target("avx2,fma"))) void BlockAvx2(const float* x, const float* 
 
 using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
-BlockFn SelectBlock() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return BlockAvx2;
-  return BlockGeneric;
-}
-
-// One call's work, shared (by reference count) between the calling thread and the helpers: a helper that
-// arrives after the call has returned finds no chunk left and only drops its reference.
-struct Job {
-  const float* x;
-  const float* w;
-  float* y;
-  int64_t m_rows, k_dim, n_dim, chunk_rows, num_chunks;
-  BlockFn block;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Work() {
-    for (;;) {
-      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= num_chunks) return;
-      const int64_t n0 = c * chunk_rows;
-      block(x, w, y, m_rows, k_dim, n_dim, n0, std::min(n_dim, n0 + chunk_rows));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// Helpers stay warm between calls. Waking a sleeping pool thread costs tens of microseconds, about the time
-// one of a decode step's ~120 small matmuls takes; so a helper, once scheduled, spins for a short while
-// looking for the next published job before it gives its pool thread back.
-struct Board {
-  std::atomic<uint64_t> epoch{0};
-  std::atomic<int> spinning{0};
-  std::atomic_flag lock = ATOMIC_FLAG_INIT;
-  std::shared_ptr<Job> current;
-
-  std::shared_ptr<Job> Get() {
-    while (lock.test_and_set(std::memory_order_acquire)) _mm_pause();
-    std::shared_ptr<Job> j = current;
-    lock.clear(std::memory_order_release);
-    return j;
-  }
-  void Set(std::shared_ptr<Job> j) {
-    while (lock.test_and_set(std::memory_order_acquire)) _mm_pause();
-    current.swap(j);
-    lock.clear(std::memory_order_release);
-  }  // the old job (if any) is released here, outside the lock
-};
-
-Board& board() {
-  static Board* b = new Board();  // never destroyed: helpers may outlive static destruction
-  return *b;
-}
-
-int64_t SpinMicros() {
-  static const int64_t us = [] {
-    const char* env = std::getenv("TLT_SMALL_M_LINEAR_SPIN_US");
-    return env ? std::max<int64_t>(0, std::atoll(env)) : int64_t{50};
-  }();
-  return us;
-}
-
-void HelperLoop() {
-  Board& b = board();
-  using Clock = std::chrono::steady_clock;
-  const auto spin = std::chrono::microseconds(SpinMicros());
-  uint64_t seen = ~uint64_t{0};
-  auto idle_since = Clock::now();
-  for (int64_t i = 0;; ++i) {
-    const uint64_t e = b.epoch.load(std::memory_order_acquire);
-    if (e != seen) {
-      seen = e;
-      if (std::shared_ptr<Job> j = b.Get()) j->Work();
-      idle_since = Clock::now();
-      continue;
-    }
-    if ((i & 63) == 0 && Clock::now() - idle_since > spin) break;
-    _mm_pause();
-  }
-  b.spinning.fetch_sub(1, std::memory_order_acq_rel);
-}
+BlockFn SelectBlock() { return tlt::HasAvx2Fma() ? BlockAvx2 : BlockGeneric; }
 
 ffi::Error SmallMLinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                             ffi::ResultBuffer<ffi::F32> y) {
@@ -200,34 +106,14 @@ ffi::Error SmallMLinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   // About 8 chunks per thread for balance, each a multiple of 4 rows (the kernel's row block).
   int64_t chunk_rows = (n_dim + 8 * threads - 1) / (8 * threads);
   chunk_rows = std::max<int64_t>(16, (chunk_rows + 3) & ~int64_t{3});
-  auto job = std::make_shared<Job>();
-  job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->y = y->typed_data();
-  job->m_rows = m_rows;
-  job->k_dim = k_dim;
-  job->n_dim = n_dim;
-  job->chunk_rows = chunk_rows;
-  job->num_chunks = (n_dim + chunk_rows - 1) / chunk_rows;
-  job->block = block;
-
-  const int want = static_cast<int>(std::min(threads, job->num_chunks) - 1);
-  if (want > 0) {
-    Board& b = board();
-    b.Set(job);
-    b.epoch.fetch_add(1, std::memory_order_acq_rel);
-    int s = b.spinning.load(std::memory_order_acquire);
-    while (s < want) {
-      if (b.spinning.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) {
-        pool.Schedule([] { HelperLoop(); });
-        ++s;
-      }
-    }
-  }
-  job->Work();
-  // Only chunks already claimed by running helpers can be outstanding: this wait never depends on a task
-  // that has not started.
-  while (job->done.load(std::memory_order_acquire) < job->num_chunks) _mm_pause();
+  const int64_t num_chunks = (n_dim + chunk_rows - 1) / chunk_rows;
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  tlt::ParallelFor(pool, num_chunks, [=](int64_t c) {
+    const int64_t n0 = c * chunk_rows;
+    block(xp, wp, yp, m_rows, k_dim, n_dim, n0, std::min(n_dim, n0 + chunk_rows));
+  });
   return ffi::Error::Success();
 }
 
