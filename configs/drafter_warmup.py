@@ -87,6 +87,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.log_every = 10
     c.train.checkpoint_every = 50
 
+    # The drafter head's reduced vocabulary (tlt_jax.drafter.draft_vocab): the most frequent generated tokens,
+    # saved as drafter/draft_vocab.npy for bench_sd / the engine (0: none).
+    c.draft_vocab_size = 8192
+
     c.eval = ml_collections.ConfigDict()
     c.eval.before = False  # also evaluate the untrained drafter (a baseline of ~1.0; costs ~1-2 min here)
     c.eval.depth = 6

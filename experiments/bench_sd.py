@@ -34,9 +34,11 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from tlt_jax.drafter.draft_vocab import load_draft_vocab  # noqa: E402
 from tlt_jax.drafter.warmup import DRAFTER_DIR, init_drafter, load_drafter  # noqa: E402
 from tlt_jax.models.llama import from_hf_tensors  # noqa: E402
 from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
@@ -157,6 +159,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1, help="timed passes per configuration (best kept)")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --new tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--draft-vocab",
+        default="auto",
+        help="drafter head vocabulary: 'auto' (the warm-up's drafter/draft_vocab.npy if present, from "
+        "`python -m tlt_jax.drafter.draft_vocab`), 'none' (the full head), or a .npy file of token ids",
+    )
     args = ap.parse_args()
     t_start = time.perf_counter()
     batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,2,4,8,16,32")).split(",")]
@@ -184,6 +192,14 @@ def main() -> None:
         except FileNotFoundError as e:
             sys.exit(f"{missing}\n({e})")
 
+    if args.draft_vocab == "none" or args.random_drafter:
+        draft_vocab = None
+    elif args.draft_vocab == "auto":
+        draft_vocab = load_draft_vocab(drafter_path)
+    else:
+        draft_vocab = np.load(args.draft_vocab)
+    vocab_note = "full head" if draft_vocab is None else f"draft vocabulary {len(draft_vocab)} tokens"
+
     task = ReasoningGymTask(args.task, size=5000, seed=0, dataset_kwargs=TASK_KWARGS[args.task])
     problems, _ = task.batch(args.task_offset, n_prompts)
     prompts = [tok.encode_chat(task.messages(p)) for p in problems]
@@ -209,7 +225,7 @@ def main() -> None:
     ecfg = EngineConfig(max_new_tokens=new, max_cache_len=cache, min_cache_bucket=cache, chunk_steps=16)
     eos = [] if args.ignore_eos else list(tok.eos_token_ids)
     plain_engine = RolloutEngine(model, ecfg, eos_ids=eos)
-    sd_engine = RolloutEngine(model, ecfg, eos_ids=eos, drafter=drafter)
+    sd_engine = RolloutEngine(model, ecfg, eos_ids=eos, drafter=drafter, draft_vocab=draft_vocab)
     modes = {
         col: sd_engine.add_mode("eagle", s, rejection=False, label=v) if v else sd_engine.add_mode("eagle", s)
         for col, (s, v) in strategies.items()
@@ -217,7 +233,7 @@ def main() -> None:
 
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M fp32; "
-        f"drafter {dname}; task {args.task} ({n_prompts} prompts, {min(map(len, prompts))}.."
+        f"drafter {dname} ({vocab_note}); task {args.task} ({n_prompts} prompts, {min(map(len, prompts))}.."
         f"{max(map(len, prompts))} tokens); temperature {args.temperature}; <= {new} new tokens; "
         f"cache {cache}; eos {'ignored' if args.ignore_eos else 'stops'}"
     )

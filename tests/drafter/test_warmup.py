@@ -138,6 +138,8 @@ def test_warmup_end_to_end_and_resume(tmp_path):
         assert result[k]["depth"] == 3 and result[k]["num_positions"] > 0
         assert len(result[k]["per_position"]) == 3
     assert result["data"]["train_sequences"] == 8 and result["data"]["eval_sequences"] == 4
+    vocab = np.load(wd / "drafter" / "draft_vocab.npy")  # the tiny vocabulary is smaller than 8192: all of it
+    assert result["draft_vocab"] and vocab.tolist() == list(range(config.model.random.vocab_size))
     assert {"load_target", "generate_train", "forward_train", "eval_before", "train", "eval_after"} <= set(
         result["phase_seconds"]
     )

@@ -135,6 +135,27 @@ def test_greedy_speculative_equals_plain(greedy_engine, which):
     assert all(c.mode == mode for c in out.stats.chunks)
 
 
+def test_greedy_speculative_with_reduced_draft_vocabulary_equals_plain(target, greedy_engine):
+    """A drafter head over half of the vocabulary (drafts only from it): chain and tree SD equal plain."""
+    _, _, plain = greedy_engine
+    engine = RolloutEngine(
+        target,
+        EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=8, compact=False),
+        eos_ids=[EOS],
+        drafter=mirror_drafter(target, noise=0.03),
+        draft_vocab=np.arange(0, CFG.vocab_size, 2),
+    )
+    for kind, strat in MODES[:2]:
+        mode = engine.add_mode(kind, strat)
+        out = engine.generate(
+            PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r, m=mode: m
+        )
+        np.testing.assert_array_equal(out.tokens, plain.tokens)
+        np.testing.assert_array_equal(out.lengths, plain.lengths)
+    with pytest.raises(ValueError, match="draft_vocab: need token ids in"):
+        RolloutEngine(target, EngineConfig(), eos_ids=[EOS], draft_vocab=[0, CFG.vocab_size])
+
+
 def test_greedy_speculative_with_cpu_kernel_equals_plain(greedy_engine):
     """The CPU FFI kernels: every projection through the small-M matmul (verify passes run it at M = B x
     tokens to verify) and attention through the tree-attention kernel. Plain decoding gives XLA's tokens,
@@ -430,9 +451,10 @@ def _sample(engine, prompt: list[int], mode: str, seed: int):
 def test_speculative_sampling_is_lossless(sampling_setup):
     """65,536 samples of the first three response tokens per variant, chi-square against the target's exact
     joint (p > 1e-3): the chain with sampled drafts and rejection sampling, the chain with argmax drafts and
-    target-only verification, the tree (target-only), and the rejection chain and the tree again with a
-    confident random drafter. The biased rule is rejected at p < 1e-6, so the test can tell. (Target-only
-    acceptance never looks at draft probabilities, so n-gram drafts take the very same path.)"""
+    target-only verification, the tree (target-only), the rejection chain and the tree again with a
+    confident random drafter, and the rejection chain with a drafter head over 12 of the 32 tokens. The
+    biased rule is rejected at p < 1e-6, so the test can tell. (Target-only acceptance never looks at draft
+    probabilities, so n-gram drafts take the very same path.)"""
     engine, modes, good, prompt, joint = sampling_setup
     results = {}
     for name, seed in (("chain", 1), ("chain_argmax", 3), ("tree", 2)):
@@ -448,6 +470,18 @@ def test_speculative_sampling_is_lossless(sampling_setup):
     engine.set_drafter_params(nnx.state(good, nnx.Param))
     out = _sample(engine, prompt, modes["biased"], 5)
     biased_p = chi_square_pvalue(out.tokens, joint)
+
+    # a reduced draft vocabulary (the drafter's head over 12 of the 32 tokens): the rejection chain's q is
+    # zero elsewhere, so rejected mass must come back through the residual max(p - q, 0) exactly
+    sub = RolloutEngine(
+        engine.model(),
+        EngineConfig(max_new_tokens=3, max_cache_len=32, chunk_steps=4, min_cache_bucket=16, compact=False),
+        eos_ids=[],
+        drafter=good,
+        draft_vocab=np.arange(0, V, 8).tolist() + list(range(1, 9)),
+    )
+    out = _sample(sub, prompt, sub.add_mode("eagle", "2_1_3"), 7)
+    results["chain_draft_vocab"] = (chi_square_pvalue(out.tokens, joint), out.stats.mean_accept_length)
 
     for name, (pval, _) in results.items():
         assert pval > PASS_P, f"{name}: chi-square p={pval:.2e} ({results})"

@@ -39,6 +39,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from tlt_jax.drafter import train_step as ts
+from tlt_jax.drafter.draft_vocab import build_from_warmup
 from tlt_jax.drafter.evaluate import AcceptanceEvaluator, AcceptanceResult
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
@@ -668,6 +669,13 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
     )
     saver.close()
     tracker.close()
+    vocab_size = int(config.get("draft_vocab_size", 0))
+    vocab_path = None
+    if vocab_size > 0:  # the drafter head's reduced vocabulary, from the target's own generated tokens
+        vocab_path = build_from_warmup(
+            wd, min(vocab_size, target.cfg.vocab_size), target.cfg.vocab_size, tokenizer.eos_token_ids
+        )
+        _log(f"draft vocabulary ({vocab_size} most frequent generated tokens): {vocab_path}")
 
     summary = {
         "complete": True,
@@ -687,6 +695,7 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
             "step": int(config.train.steps),
             "blocking_ms": info.blocking_ms,
         },
+        "draft_vocab": str(vocab_path) if vocab_path else None,
     }
     _write_json(result_path, summary)
     _log(f"wrote {result_path}; phase seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.times.items()))

@@ -187,6 +187,7 @@ class RolloutEngine:
         mesh: Mesh | None = None,
         tokenizer: Any | None = None,
         drafter: Drafter | None = None,
+        draft_vocab: Sequence[int] | np.ndarray | None = None,
     ):
         if config.stop_strings and tokenizer is None:
             raise ValueError("stop_strings need a tokenizer to decode responses: pass tokenizer=")
@@ -206,6 +207,16 @@ class RolloutEngine:
             self.drafter_graphdef, dparams = nnx.split(drafter, nnx.Param)
             self._drafter_shardings = shd.param_shardings(dparams, self.mesh)
             self.drafter_params = jax.device_put(dparams, self._drafter_shardings)
+        # the learned drafter's reduced LM-head vocabulary (`speculative.eagle_draft`); None: the full head
+        self.draft_vocab = None
+        if draft_vocab is not None:
+            ids = np.unique(np.asarray(draft_vocab, np.int64))
+            if ids.size < 1 or ids[0] < 0 or ids[-1] >= model.cfg.vocab_size:
+                raise ValueError(
+                    f"draft_vocab: need token ids in [0, {model.cfg.vocab_size}), got {ids.size} ids in "
+                    f"[{ids.min() if ids.size else '-'}, {ids.max() if ids.size else '-'}]"
+                )
+            self.draft_vocab = ids.astype(np.int32)
         self.modes: dict[str, SpecMode] = {}
         self.extra_modes = self.modes  # the registry under its earlier name
         self.spec_mode: str | None = None  # the mode SpecConfig configured (if enabled)
@@ -362,9 +373,14 @@ class RolloutEngine:
         strat, scfg = mode.strategy, self.config.spec
         d = strat.max_depth
 
+        draft_vocab = self.draft_vocab
+
         def chunk(params, dparams, state, eos_ids, bank):  # noqa: ANN001, ANN202
             model = nnx.merge(graphdef, params)
             drafter = self._drafter(dparams)
+            # the draft vocabulary's rows of the shared head, gathered once per chunk (not per draft step)
+            vocab = None if draft_vocab is None else jnp.asarray(draft_vocab)
+            draft_head = None if vocab is None else jnp.take(model.head_weight(), vocab, axis=0)
 
             def draft(st: DecodeState, bank: NgramBank | None) -> tuple[Any, KVCache | None]:
                 if mode.drafter == "eagle":
@@ -384,6 +400,8 @@ class RolloutEngine:
                         if sampled
                         else None,
                         sp=sp if sampled else None,
+                        draft_vocab=vocab,
+                        draft_head=draft_head,
                     )
                 aux = st.aux
                 src, src_len, prio, query = ngram_lib.build_sources(

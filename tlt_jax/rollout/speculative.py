@@ -320,6 +320,8 @@ def eagle_draft(
     *,
     sample_keys: jax.Array | None = None,
     sp: SamplingParams | None = None,
+    draft_vocab: jax.Array | None = None,
+    draft_head: jax.Array | None = None,
 ) -> tuple[DraftTree, KVCache]:
     """EAGLE-2 dynamic tree: expand the top-k children of the frontier by cumulative draft log-probability.
 
@@ -328,6 +330,12 @@ def eagle_draft(
     applied to the drafter), and the tree carries the q's for rejection-sampling verification (Leviathan et
     al.): a draft is kept with probability min(1, p/q), so the expected acceptance per position is
     sum_x min(p(x), q(x)) = 1 - TV(p, q) instead of p(argmax q), the ceiling of target-only verification.
+
+    Reduced draft vocabulary (`draft_vocab` [Vd] token ids and `draft_head` = the target head's rows for them,
+    gathered once per chunk): the drafter's LM head, most of a draft step's cost at SmolLM2's 49k vocabulary,
+    runs over the Vd most frequent tokens only (FR-Spec / EAGLE-3's idea), so drafts are always in-vocabulary
+    tokens. Verification is unchanged and lossless: a draft is only a proposal, and a sampled chain's q is the
+    distribution it was really drawn from (zero outside the subset).
 
     Forward 0 feeds the pending pair (root token x_L, h_{L-1}); its output gives the root's top-k children
     (the depth-1 frontier). Forward j >= 1 feeds the frontier (k nodes, each paired with the drafter feature
@@ -377,17 +385,33 @@ def eagle_draft(
         x = x_new + jax.lax.dynamic_slice_in_dim(a, off, t, axis=1)
         return x + layer.mlp(layer.post_attn_norm(x)), {"x": x_buf, "vis": vis, "k": kc, "v": vc}
 
+    if (draft_vocab is None) != (draft_head is None):
+        raise ValueError("eagle_draft: pass draft_vocab and draft_head together")
+    vocab_size = target.cfg.vocab_size
+
+    def draft_logits(h: jax.Array) -> jax.Array:
+        """The drafter's LM head: the target's (shared), over the draft vocabulary if one is set."""
+        if draft_head is None:
+            return target.logits(h)
+        return linear(h, draft_head, target.cfg.linear_impl, preferred_element_type=jnp.float32)
+
+    def to_token(idx: jax.Array) -> jax.Array:
+        return (idx if draft_vocab is None else draft_vocab[idx]).astype(jnp.int32)
+
     def top_children(h_bth: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logp = jax.nn.log_softmax(target.logits(h_bth), axis=-1)
+        logp = jax.nn.log_softmax(draft_logits(h_bth), axis=-1)
         vals, idx = jax.lax.top_k(logp, k)
-        return vals, idx.astype(jnp.int32)
+        return vals, to_token(idx)
 
     def sampled_child(h_bh: jax.Array, depth: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """One draft per row drawn from q (keys: the row's key folded with the depth): (log q, token, q)."""
-        q = target_probs(target.logits(h_bh), sp)  # [B, V]
+        """One draft per row drawn from q (key: the row's key folded with the depth): (log q, token, q)."""
+        q = target_probs(draft_logits(h_bh), sp)  # [B, V] or [B, Vd]
         keys = jax.vmap(jax.random.fold_in, (0, None))(sample_keys, depth)
-        tok = jax.vmap(lambda kk, w: categorical(kk, w[None])[0])(keys, q).astype(jnp.int32)
-        return jnp.log(q[rows, tok]), tok, q
+        idx = jax.vmap(lambda kk, w: categorical(kk, w[None])[0])(keys, q).astype(jnp.int32)
+        lq = jnp.log(q[rows, idx])
+        if draft_vocab is not None:  # q over the whole vocabulary: zero outside the draft vocabulary
+            q = jnp.zeros((b, vocab_size), jnp.float32).at[:, draft_vocab].set(q)
+        return lq, to_token(idx), q
 
     buf = {
         "x": jnp.zeros((b, nd, cfg.hidden_size), fc.dtype),
