@@ -45,12 +45,12 @@ def get_config(arg: str | None = None):
     c.rollout.min_cache_bucket = 64
     c.rollout.prompt_bucket = 16
 
-    c.rl.prompts_per_step = 8
+    c.rl.prompts_per_step = 16  # 64 rollouts per step: 8 left the reward trend at the mercy of sampling noise
     c.rl.samples_per_prompt = 4
     c.rl.advantage = "grpo"
     c.rl.loss_agg = "seq_mean_token_mean"
     c.rl.kl_coef = 0.0
-    c.rl.lr = 5e-5
+    c.rl.lr = 1e-4
     c.rl.warmup_steps = 0
     c.rl.weight_decay = 0.0
     c.rl.grad_clip = 1.0
