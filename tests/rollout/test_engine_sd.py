@@ -135,6 +135,18 @@ def test_greedy_speculative_equals_plain(greedy_engine, which):
     assert all(c.mode == mode for c in out.stats.chunks)
 
 
+def assert_chain_and_tree_equal_plain(engine: RolloutEngine, plain) -> tuple:
+    """Greedy chain and tree EAGLE rollouts equal `plain`; returns the last (output, mode)."""
+    for kind, strat in MODES[:2]:
+        mode = engine.add_mode(kind, strat)
+        out = engine.generate(
+            PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r, m=mode: m
+        )
+        np.testing.assert_array_equal(out.tokens, plain.tokens)
+        np.testing.assert_array_equal(out.lengths, plain.lengths)
+    return out, mode
+
+
 def test_greedy_speculative_with_reduced_draft_vocabulary_equals_plain(target, greedy_engine):
     """A drafter head over half of the vocabulary (drafts only from it): chain and tree SD equal plain."""
     _, _, plain = greedy_engine
@@ -145,13 +157,7 @@ def test_greedy_speculative_with_reduced_draft_vocabulary_equals_plain(target, g
         drafter=mirror_drafter(target, noise=0.03),
         draft_vocab=np.arange(0, CFG.vocab_size, 2),
     )
-    for kind, strat in MODES[:2]:
-        mode = engine.add_mode(kind, strat)
-        out = engine.generate(
-            PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r, m=mode: m
-        )
-        np.testing.assert_array_equal(out.tokens, plain.tokens)
-        np.testing.assert_array_equal(out.lengths, plain.lengths)
+    assert_chain_and_tree_equal_plain(engine, plain)
     with pytest.raises(ValueError, match="draft_vocab: need token ids in"):
         RolloutEngine(target, EngineConfig(), eos_ids=[EOS], draft_vocab=[0, CFG.vocab_size])
 
@@ -173,13 +179,7 @@ def test_greedy_speculative_with_cpu_kernel_equals_plain(greedy_engine):
     )
     np.testing.assert_array_equal(plain.tokens, plain_xla.tokens)
     np.testing.assert_allclose(plain.logprobs, plain_xla.logprobs, atol=1e-5)
-    for kind, strat in MODES[:2]:
-        mode = engine.add_mode(kind, strat)
-        out = engine.generate(
-            PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r, m=mode: m
-        )
-        np.testing.assert_array_equal(out.tokens, plain.tokens)
-        np.testing.assert_array_equal(out.lengths, plain.lengths)
+    out, mode = assert_chain_and_tree_equal_plain(engine, plain)
     check_stats(out, engine.modes[mode].strategy.max_depth)
     assert out.stats.mean_accept_length > 1.2, (
         "drafts were rarely accepted: the test would not exercise commits"
