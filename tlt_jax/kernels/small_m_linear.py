@@ -51,8 +51,8 @@ def _small_m_matmul_jvp(primals: tuple, tangents: tuple) -> tuple[jax.Array, jax
     return small_m_matmul(x, w), _einsum(dx, w) + _einsum(x, dw)
 
 
-def _einsum(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("...k,nk->...n", x, w)
+def _einsum(x: jax.Array, w: jax.Array, preferred_element_type: jnp.dtype | None = None) -> jax.Array:
+    return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=preferred_element_type)
 
 
 def use_kernel(impl: str, x: jax.Array, w: jax.Array) -> bool:
@@ -80,4 +80,4 @@ def linear(
         raise ValueError(f"linear: x's last dimension {x.shape[-1]} != the weight's in-size {w.shape[-1]}.")
     if use_kernel(impl, x, w):
         return small_m_matmul(x, w)
-    return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=preferred_element_type)
+    return _einsum(x, w, preferred_element_type)

@@ -75,9 +75,8 @@ class EngineConfig:
     min_cache_bucket: int = 64  # cache-length buckets are powers of two from here up to max_cache_len
     prompt_bucket: int = 16  # prompt lengths are padded to powers of two >= this
     compact: bool = True  # compact live rows into smaller batch buckets as sequences finish
-    attn_impl: str = (
-        "auto"  # "auto" | "reference" | "pallas" | "cpu_ffi" (see tlt_jax.kernels.tree_attention)
-    )
+    # "auto" | "reference" | "pallas" | "cpu_ffi" (see tlt_jax.kernels.tree_attention)
+    attn_impl: str = "auto"
     stop_strings: tuple[str, ...] = ()
     spec: SpecConfig = SpecConfig()  # speculative rollouts (off by default)
 
