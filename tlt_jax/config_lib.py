@@ -132,9 +132,8 @@ def base_config() -> mlc.ConfigDict:
     c.rollout.min_cache_bucket = 64
     c.rollout.prompt_bucket = 16
     c.rollout.compact = True
-    c.rollout.attn_impl = (
-        "auto"  # Pallas on GPU, the CPU FFI kernel on one CPU device, else the jnp reference
-    )
+    # "auto": Pallas on GPU, the CPU FFI kernel on one CPU device, else the jnp reference
+    c.rollout.attn_impl = "auto"
     c.rollout.stop_strings = ()
 
     # Speculative rollouts (rollout.speculative.SpecConfig): off by default; "ngram" needs no drafter model.
