@@ -82,6 +82,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.max_loss_tokens = -1
     c.train.ce_tokens = 384
     c.train.feature_noise = 0.0  # EAGLE's uniform noise on the input features (width; 0 = off)
+    # Training-time test (EAGLE-3 / HASS): also train chain steps 2..ttt_steps + 1 on the drafter's own
+    # features, at ttt_positions random loss positions per row, step j's loss weighted ttt_weight^(j-1).
+    c.train.ttt_steps = 2
+    c.train.ttt_positions = 64
+    c.train.ttt_weight = 1.0
+    # Soft CE over the draft vocabulary (draft_vocab_size below) only: the head the engine drafts with.
+    c.train.ce_draft_vocab = True
     c.train.b1 = 0.9
     c.train.b2 = 0.95
     c.train.log_every = 10

@@ -1,4 +1,4 @@
-"""Acceptance-length evaluation of a drafter on held-out target generations (greedy chain drafting).
+"""Acceptance-length evaluation of a drafter on held-out target generations (greedy and sampled chains).
 
 For every response position of a held-out sequence the drafter drafts a chain of `depth` tokens greedily,
 exactly as EAGLE drafts during rollout:
@@ -20,6 +20,13 @@ g_{t+j} is the next token itself, so this is exactly the accepted length greedy 
 would get; with sampled data (the warm-up's default, the RL distribution) it is the usual teacher-forced
 estimate: every chain starts from a sampled prefix, later drafts are scored against the target's argmax.
 
+Sampled acceptance. Rollouts sample at the RL temperature, and the engine's learned-drafter chains draw their
+drafts from the drafter's q and verify them by rejection sampling: draft j is accepted with probability
+1 - TV(p, q) (both warped by the sampling settings). With `sampling` set, the evaluator also reports the
+expected tokens per round of such chains, 1 + sum_j prod_{l <= j} alpha_l, where alpha_l is step l's
+1 - TV computed exactly over the vocabulary along the true continuation (`sampled_acceptance`). On sampled
+data this, not the greedy check, is what decides the speed of speculative rollouts.
+
 All positions of a packed batch are drafted in parallel with static shapes: step 1 runs over whole rows (it
 is the drafter's context), the chain steps only at the evaluation positions gathered per row
 ([rows, positions_per_row, depth]), so the LM head is skipped at prompt and padding positions. The chain
@@ -40,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tlt_jax.drafter.chain import ChainContext, shift_by, shift_left, take_rows
 from tlt_jax.drafter.train_step import (
     DrafterSample,
     PackedBatch,
@@ -48,77 +56,16 @@ from tlt_jax.drafter.train_step import (
     first_fit,
     head_logits,
     pack_samples,
-    shift_left,
     to_device,
 )
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.models.llama import Attention, DecoderLayer, apply_rope, rope_cos_sin
-
-
-def _project(attn: Attention, x_bnh: jax.Array, positions_bn: jax.Array) -> tuple[jax.Array, ...]:
-    """The layer's fused QKV projection and RoPE: q [B, N, Hkv, G, D], k and v [B, N, Hkv, D].
-
-    Mirrors `Attention.__call__` (rows of the fused weight ordered per KV group: G query heads, key, value);
-    accepts the fused weight as [Hkv * (G + 2) * D, H] or [Hkv, G + 2, D, H]. The brute-force test against
-    the Drafter module keeps the two in step.
-    """
-    cfg = attn.cfg
-    kv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    b, n = x_bnh.shape[:2]
-    w = attn.qkv[...]
-    qkv = jnp.einsum("bth,oh->bto", x_bnh, w.reshape(-1, w.shape[-1]))
-    if attn.qkv_bias is not None:
-        qkv = qkv + attn.qkv_bias[...].reshape(-1)
-    qkv = qkv.reshape(b, n, kv, g + 2, d)
-    cos, sin = rope_cos_sin(positions_bn, cfg.head_dim, cfg.rope_theta)
-    return apply_rope(qkv[:, :, :, :g], cos, sin), apply_rope(qkv[:, :, :, g], cos, sin), qkv[:, :, :, g + 1]
-
-
-def _attend(
-    q: jax.Array,
-    k_ctx: jax.Array,
-    v_ctx: jax.Array,
-    mask_ctx: jax.Array,
-    k_chain: jax.Array | None,
-    v_chain: jax.Array | None,
-) -> jax.Array:
-    """Query (b, t) attends to context keys s with mask_ctx[b, t, s] and to its own chain keys [b, t, :J]."""
-    d = q.shape[-1]
-    scale = 1.0 / jnp.sqrt(jnp.float32(d))
-    s_ctx = jnp.einsum("btkgd,bskd->bkgts", q, k_ctx, preferred_element_type=jnp.float32) * scale
-    s_ctx = jnp.where(mask_ctx[:, None, None], s_ctx, jnp.finfo(jnp.float32).min)
-    n_ctx = s_ctx.shape[-1]
-    if k_chain is None:
-        p = jax.nn.softmax(s_ctx, axis=-1)
-        return jnp.einsum(
-            "bkgts,bskd->btkgd", p.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32
-        )
-    s_ch = jnp.einsum("btkgd,btjkd->bkgtj", q, k_chain, preferred_element_type=jnp.float32) * scale
-    p = jax.nn.softmax(jnp.concatenate([s_ctx, s_ch], axis=-1), axis=-1).astype(v_ctx.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", p[..., :n_ctx], v_ctx, preferred_element_type=jnp.float32)
-    return out + jnp.einsum("bkgtj,btjkd->btkgd", p[..., n_ctx:], v_chain, preferred_element_type=jnp.float32)
-
-
-def _finish_layer(layer: DecoderLayer, x_bth: jax.Array, attn_btkgd: jax.Array) -> jax.Array:
-    """Output projection, residual and MLP of the drafter's decoder layer (no input norm)."""
-    b, t = attn_btkgd.shape[:2]
-    w = layer.attn.o_proj[...]
-    a = jnp.einsum("bti,hi->bth", attn_btkgd.reshape(b, t, -1).astype(x_bth.dtype), w.reshape(w.shape[0], -1))
-    x = x_bth + a
-    return x + layer.mlp(layer.post_attn_norm(x))
-
-
-def _shift(x: jax.Array, n: int, fill: Any) -> jax.Array:
-    """x[:, i + n] at index i (fill past the row's end)."""
-    for _ in range(n):
-        x = shift_left(x, fill)
-    return x
+from tlt_jax.rollout.sampling import SamplingParams, target_probs
 
 
 def eval_positions(batch: PackedBatch, depth: int) -> jax.Array:
     """[R, S] bool: positions i whose x_{i+1} is a response token and x_{i+depth+1} exists in the segment."""
     seg = batch.segment_ids
-    return (_shift(seg, depth + 1, -1) == seg) & (seg > 0) & shift_left(batch.loss_mask, False)
+    return (shift_by(seg, depth + 1, -1) == seg) & (seg > 0) & shift_left(batch.loss_mask, False)
 
 
 def sample_eval_positions(sample: DrafterSample, depth: int, seq_len: int) -> int:
@@ -127,10 +74,16 @@ def sample_eval_positions(sample: DrafterSample, depth: int, seq_len: int) -> in
     return int(np.count_nonzero(sample.loss_mask[1 : max(n - depth, 1)]))
 
 
-def _take_rows(x: jax.Array, idx_rp: jax.Array) -> jax.Array:
-    """x[r, idx[r, p], ...] for x [R, S, ...] -> [R, P, ...]."""
-    idx = idx_rp.reshape(idx_rp.shape + (1,) * (x.ndim - 2))
-    return jnp.take_along_axis(x, idx, axis=1)
+def _eval_index(batch: PackedBatch, depth: int, positions_per_row: int | None) -> tuple[jax.Array, jax.Array]:
+    """(base index [R, P], selected [R, P]) of the evaluation positions: every index (P = S) or the first
+    P evaluation positions of each row."""
+    r, s = batch.tokens.shape
+    valid = eval_positions(batch, depth)
+    if positions_per_row is None:
+        return jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s)), valid
+    p = positions_per_row
+    idx = jax.vmap(lambda v: jnp.nonzero(v, size=p, fill_value=0)[0])(valid).astype(jnp.int32)
+    return idx, jnp.arange(p)[None, :] < jnp.sum(valid, axis=1, keepdims=True)
 
 
 def draft_chains(
@@ -151,39 +104,49 @@ def draft_chains(
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
     e = eagle_inputs(batch)
-    r, s = batch.tokens.shape
-    layer = drafter.layer
-    fc = drafter.fc[...]
+    ctx = ChainContext(drafter, embed_w, e.next_tokens, e.hidden_in, e.positions, e.mask)
+    idx, sel = _eval_index(batch, depth, positions_per_row)
 
-    def fuse(tokens: jax.Array, feats: jax.Array) -> jax.Array:
-        emb = jnp.take(embed_w, tokens, axis=0)
-        x = jnp.concatenate([emb, feats.astype(emb.dtype)], axis=-1)
-        return jnp.einsum("bti,hi->bth", x, fc)
+    def argmax_head(h: jax.Array) -> jax.Array:
+        return jnp.argmax(head_logits(h, head_w), axis=-1).astype(jnp.int32)
 
-    x = fuse(e.next_tokens, e.hidden_in)
-    q, k_ctx, v_ctx = _project(layer.attn, x, e.positions)
-    h = _finish_layer(layer, x, _attend(q, k_ctx, v_ctx, e.mask, None, None))
-    valid = eval_positions(batch, depth)
-    if positions_per_row is None:
-        idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s))
-        sel, pos, mask = valid, e.positions, e.mask
-    else:
-        p = positions_per_row
-        idx = jax.vmap(lambda v: jnp.nonzero(v, size=p, fill_value=0)[0])(valid).astype(jnp.int32)
-        sel = jnp.arange(p)[None, :] < jnp.sum(valid, axis=1, keepdims=True)
-        h, pos, mask = _take_rows(h, idx), _take_rows(e.positions, idx), _take_rows(e.mask, idx)
-    d = jnp.argmax(head_logits(h, head_w), axis=-1).astype(jnp.int32)
-    drafts, k_ch, v_ch = [d], [], []
-    for j in range(2, depth + 1):
-        x = fuse(d, h)
-        q, k, v = _project(layer.attn, x, pos + (j - 1))
-        k_ch.append(k)
-        v_ch.append(v)
-        out = _attend(q, k_ctx, v_ctx, mask, jnp.stack(k_ch, axis=2), jnp.stack(v_ch, axis=2))
-        h = _finish_layer(layer, x, out)
-        d = jnp.argmax(head_logits(h, head_w), axis=-1).astype(jnp.int32)
-        drafts.append(d)
-    return jnp.stack(drafts, axis=-1), idx, sel
+    feats = ctx.steps(idx, None, argmax_head, depth)
+    return jnp.stack([argmax_head(h) for h in feats], axis=-1), idx, sel
+
+
+def sampled_acceptance(
+    drafter: Drafter,
+    batch: PackedBatch,
+    embed_w: jax.Array,
+    head_w: jax.Array,
+    depth: int,
+    sp: SamplingParams,
+    positions_per_row: int | None = None,
+    draft_vocab: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-step acceptance probabilities of rejection-sampled chains: (alpha [R, P, depth], selected).
+
+    With drafts sampled from q and verified by rejection sampling against the target's p (both warped by
+    `sp`), a draft is accepted with probability sum_x min(p(x), q(x)) = 1 - TV(p, q). Step j's q comes from
+    the drafter chain fed with the TRUE tokens x_{i+2..i+j} (an accepted draft is a target sample; teacher
+    forcing is the usual estimate of the chain's later steps) and p = warp(head(h_{i+j})). With
+    `draft_vocab` q lives on those tokens only (the engine's reduced drafter head).
+    """
+    e = eagle_inputs(batch)
+    ctx = ChainContext(drafter, embed_w, e.next_tokens, e.hidden_in, e.positions, e.mask)
+    idx, sel = _eval_index(batch, depth, positions_per_row)
+    tokens = [take_rows(shift_by(e.next_tokens, j - 1, 0), idx) for j in range(2, depth + 1)]
+    feats = ctx.steps(idx, tokens, None, depth)
+    head_q = head_w if draft_vocab is None else head_w[draft_vocab]
+    hidden = batch.hidden.astype(jnp.float32)
+    alphas = []
+    for j, h in enumerate(feats, start=1):
+        p = target_probs(head_logits(take_rows(shift_by(hidden, j, 0.0), idx), head_w), sp)
+        if draft_vocab is not None:
+            p = p[..., draft_vocab]
+        q = target_probs(head_logits(h, head_q), sp)
+        alphas.append(jnp.sum(jnp.minimum(p, q), axis=-1))
+    return jnp.stack(alphas, axis=-1), sel
 
 
 def acceptance_counts(
@@ -193,21 +156,25 @@ def acceptance_counts(
     head_w: jax.Array,
     depth: int,
     positions_per_row: int | None = None,
+    sp: SamplingParams | None = None,
+    draft_vocab: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Sums over one packed batch (see the module docstring): positions, accepted drafts, per-depth
     acceptance counts [depth], histogram of accepted counts [depth + 1], target greedy consistency, and
-    positions dropped because a row had more than `positions_per_row` (0 when the caller sized it)."""
+    positions dropped because a row had more than `positions_per_row` (0 when the caller sized it). With
+    `sp` (not greedy) also the expected accepted drafts of rejection-sampled chains (float sums
+    `sampled_accepted`, `sampled_at_depth`: P(drafts 1..j all accepted) = the product of the alphas)."""
     r, s = batch.tokens.shape
     chex.assert_shape(batch.segment_ids, (r, s))
     drafts, idx, sel = draft_chains(drafter, batch, embed_w, head_w, depth, positions_per_row)
     greedy = jnp.argmax(head_logits(batch.hidden.astype(jnp.float32), head_w), axis=-1).astype(jnp.int32)
-    targets = jnp.stack([_take_rows(_shift(greedy, j, -1), idx) for j in range(1, depth + 1)], axis=-1)
+    targets = jnp.stack([take_rows(shift_by(greedy, j, -1), idx) for j in range(1, depth + 1)], axis=-1)
     run = jnp.cumprod((drafts == targets).astype(jnp.int32), axis=-1)  # all of 1..j accepted
     accepted = jnp.sum(run, axis=-1)
     vf = sel.astype(jnp.int32)
     seg = batch.segment_ids
     same_next = (shift_left(seg, -1) == seg) & (seg > 0) & shift_left(batch.loss_mask, False)
-    return {
+    out = {
         "num_positions": jnp.sum(vf),
         "accepted": jnp.sum(accepted * vf),
         "accepted_at_depth": jnp.sum(run * vf[..., None], axis=(0, 1)),
@@ -218,6 +185,14 @@ def acceptance_counts(
         "greedy_positions": jnp.sum(same_next),
         "dropped": jnp.sum(eval_positions(batch, depth)) - jnp.sum(vf),
     }
+    if sp is not None and not sp.greedy:
+        alpha, _ = sampled_acceptance(
+            drafter, batch, embed_w, head_w, depth, sp, positions_per_row, draft_vocab
+        )
+        reach = jnp.cumprod(alpha, axis=-1) * vf[..., None].astype(jnp.float32)
+        out["sampled_at_depth"] = jnp.sum(reach, axis=(0, 1))
+        out["sampled_accepted"] = jnp.sum(reach)
+    return out
 
 
 @dataclasses.dataclass
@@ -234,6 +209,11 @@ class AcceptanceResult:
     target_greedy_match: (
         float  # fraction of response tokens equal to the target's argmax (1.0 for greedy data)
     )
+    # Rejection-sampled chains at `sampled_temperature` (None when not evaluated): expected tokens per verify
+    # round and P(drafts 1..j all accepted), from the per-step 1 - TV(p, q) (see `sampled_acceptance`).
+    sampled_accept_length: float | None = None
+    sampled_per_position: list[float] | None = None
+    sampled_temperature: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -242,6 +222,11 @@ class AcceptanceResult:
         """Flat metrics for a tracker."""
         out = {f"{prefix}accept_length": self.accept_length, f"{prefix}positions": float(self.num_positions)}
         out.update({f"{prefix}accept_pos{j + 1}": p for j, p in enumerate(self.per_position)})
+        if self.sampled_accept_length is not None:
+            out[f"{prefix}sampled_accept_length"] = self.sampled_accept_length
+            out.update(
+                {f"{prefix}sampled_pos{j + 1}": p for j, p in enumerate(self.sampled_per_position or [])}
+            )
         return out
 
 
@@ -250,20 +235,32 @@ class AcceptanceEvaluator:
 
     Each call packs the samples in order and drafts only at evaluation positions, gathered per row up to the
     largest row count of the call (rounded up to 16, so calls on the same data share one compiled program).
+    With `sampling` (temperature > 0) it also estimates the acceptance of rejection-sampled chains at those
+    settings, optionally with the drafter head restricted to `draft_vocab`.
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, depth: int, seq_len: int, rows: int):
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        depth: int,
+        seq_len: int,
+        rows: int,
+        sampling: SamplingParams | None = None,
+        draft_vocab: np.ndarray | None = None,
+    ):
         self.graphdef = graphdef
         self.depth, self.seq_len, self.rows = int(depth), int(seq_len), int(rows)
+        self.sampling = sampling if sampling is not None and not sampling.greedy else None
+        self.draft_vocab = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
         self._fns: dict[int, Any] = {}
 
     def _fn(self, positions_per_row: int) -> Any:
         if positions_per_row not in self._fns:
-            graphdef, depth = self.graphdef, self.depth
+            graphdef, depth, sp = self.graphdef, self.depth, self.sampling
 
-            def fn(params, batch, embed_w, head_w):  # noqa: ANN001, ANN202
+            def fn(params, batch, embed_w, head_w, vocab):  # noqa: ANN001, ANN202
                 drafter = nnx.merge(graphdef, params)
-                return acceptance_counts(drafter, batch, embed_w, head_w, depth, positions_per_row)
+                return acceptance_counts(drafter, batch, embed_w, head_w, depth, positions_per_row, sp, vocab)
 
             self._fns[positions_per_row] = jax.jit(fn)
         return self._fns[positions_per_row]
@@ -287,14 +284,18 @@ class AcceptanceEvaluator:
         hidden_size = samples[0].hidden_size
         for idx in plan:
             batch, _ = pack_samples([samples[i] for i in idx], self.seq_len, self.rows, hidden_size)
-            out = jax.device_get(fn(params, to_device(batch), embed_w, head_w))
+            out = jax.device_get(fn(params, to_device(batch), embed_w, head_w, self.draft_vocab))
             for k, v in out.items():
-                totals[k] = totals.get(k, 0) + np.asarray(v, np.int64)
+                v = np.asarray(v)
+                totals[k] = totals.get(k, 0) + v.astype(np.float64 if v.dtype.kind == "f" else np.int64)
         if int(totals["dropped"]):
             raise AssertionError(
                 f"{int(totals['dropped'])} evaluation positions dropped: host/device mismatch"
             )
-        return summarize(totals, self.depth)
+        res = summarize(totals, self.depth)
+        if self.sampling is not None:
+            res.sampled_temperature = self.sampling.temperature
+        return res
 
 
 def summarize(totals: dict[str, Any], depth: int) -> AcceptanceResult:
@@ -314,6 +315,14 @@ def summarize(totals: dict[str, Any], depth: int) -> AcceptanceResult:
         conditional=cond,
         histogram=[int(x) for x in np.asarray(totals["histogram"])],
         target_greedy_match=float(totals["greedy_consistent"]) / max(int(totals["greedy_positions"]), 1),
+        sampled_accept_length=(
+            1.0 + float(totals["sampled_accepted"]) / max(n, 1) if "sampled_accepted" in totals else None
+        ),
+        sampled_per_position=(
+            (np.asarray(totals["sampled_at_depth"]) / max(n, 1)).tolist()
+            if "sampled_at_depth" in totals
+            else None
+        ),
     )
 
 

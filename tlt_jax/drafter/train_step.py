@@ -42,6 +42,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from tlt_jax.drafter.chain import ChainContext, shift_by, shift_left, take_rows
 from tlt_jax.models.drafter import Drafter
 
 
@@ -256,12 +257,6 @@ class EagleInputs:
     valid: jax.Array  # [R, S] bool: pair carries loss (x_{t+1} is a response token of the same sample)
 
 
-def shift_left(x: jax.Array, fill: Any) -> jax.Array:
-    """x[:, i + 1] at index i along axis 1; the last index gets `fill`."""
-    pad = jnp.full((x.shape[0], 1) + x.shape[2:], fill, x.dtype)
-    return jnp.concatenate([x[:, 1:], pad], axis=1)
-
-
 def eagle_inputs(batch: PackedBatch) -> EagleInputs:
     """Shift a packed batch into EAGLE pairs within each row (pairs never span two segments)."""
     r, s = batch.tokens.shape
@@ -293,6 +288,11 @@ class LossConfig:
     feature loss still covers all of them): an unbiased CE estimate at a fraction of the head cost.
     feature_noise: EAGLE's data augmentation: uniform noise of this width (U(-a/2, a/2)) added to the INPUT
     features h_t during training, so the drafter tolerates its own imperfect features at later chain steps.
+    ttt_steps: the "training-time test" (EAGLE-3, HASS): also train chain steps 2..ttt_steps + 1, where the
+    drafter's input feature is its OWN prediction from the previous step (as in rollout) and the token the
+    true next one (teacher forcing: an accepted draft is a target sample); see `chain_step_losses`. Without
+    it the drafter only ever sees target features and its acceptance falls off after the first draft. Each
+    step runs at `ttt_positions` random loss positions per row and its loss is weighted ttt_weight^(j-1).
     """
 
     w_feat: float = 0.5
@@ -301,6 +301,9 @@ class LossConfig:
     max_loss_tokens: int | None = None
     ce_tokens: int | None = None
     feature_noise: float = 0.0
+    ttt_steps: int = 0
+    ttt_positions: int = 64
+    ttt_weight: float = 1.0
 
 
 def head_logits(hidden: jax.Array, head_w: jax.Array) -> jax.Array:
@@ -318,6 +321,8 @@ def per_pair_losses(
     ce_tokens: int | None = None,
     rng: jax.Array | None = None,
     feature_noise: float = 0.0,
+    ttt_steps: int = 0,
+    ttt_positions: int = 64,
 ) -> dict[str, jax.Array]:
     """Per-pair losses of a packed batch.
 
@@ -325,19 +330,19 @@ def per_pair_losses(
     with valid=False) and ce / top1 / ce_valid (the same positions, or `ce_tokens` of the valid pairs drawn
     uniformly without replacement with `rng` when set: an unbiased estimate of the mean CE at a fraction of
     the LM-head cost). embed_w [V, H] and head_w [V, H] are the target's embedding and LM head; they are
-    stop-gradient here.
+    stop-gradient here. With `ttt_steps`, also `chain` (a list, one dict per chain step 2..ttt_steps + 1,
+    from `chain_step_losses`).
     """
     embed_w = jax.lax.stop_gradient(embed_w)
     head_w = jax.lax.stop_gradient(head_w)
     e = eagle_inputs(batch)
     key = rng if rng is not None else jax.random.key(0)
-    key_noise, key_ce = jax.random.split(key)
-    emb = jnp.take(embed_w, e.next_tokens, axis=0)
+    key_noise, key_ce, key_ttt = jax.random.split(key, 3)
     h_in = e.hidden_in
     if feature_noise > 0:
         h_in = h_in + feature_noise * (jax.random.uniform(key_noise, h_in.shape, h_in.dtype) - 0.5)
-    h_draft, _ = drafter(emb, h_in, e.positions, None, e.mask)
-    h_draft = h_draft.astype(jnp.float32)
+    ctx = ChainContext(drafter, embed_w, e.next_tokens, h_in, e.positions, e.mask)
+    h_draft = ctx.h.astype(jnp.float32)
     target, valid = e.hidden_target, e.valid
     dropped = jnp.zeros((), jnp.int32)
     if max_loss_tokens is not None:
@@ -348,7 +353,7 @@ def per_pair_losses(
         target = target.reshape(-1, target.shape[-1])[idx]
         valid = jnp.arange(max_loss_tokens) < n_valid
         dropped = jnp.maximum(n_valid - max_loss_tokens, 0)
-    feat = jnp.mean(optax.huber_loss(h_draft, target, delta=beta) / beta, axis=-1)
+    feat = _feature_loss(h_draft, target, beta)
     h_ce, t_ce, ce_valid = h_draft, target, valid
     if ce_tokens is not None:
         h_flat, t_flat, v_flat = (x.reshape(-1, *x.shape[valid.ndim :]) for x in (h_draft, target, valid))
@@ -357,12 +362,60 @@ def per_pair_losses(
         scores = jnp.where(v_flat, jax.random.uniform(key_ce, v_flat.shape), -1.0)
         pick = jax.lax.top_k(scores, ce_tokens)[1]
         h_ce, t_ce, ce_valid = h_flat[pick], t_flat[pick], v_flat[pick]
-    t_logits = jax.lax.stop_gradient(head_logits(t_ce, head_w))
-    d_logits = head_logits(h_ce, head_w)
+    ce, top1 = _soft_ce(h_ce, t_ce, head_w)
+    out = {"feat": feat, "valid": valid, "ce": ce, "top1": top1, "ce_valid": ce_valid, "dropped": dropped}
+    if ttt_steps > 0:
+        out["chain"] = chain_step_losses(ctx, e, head_w, ttt_steps, ttt_positions, key_ttt, beta)
+    return out
+
+
+def _feature_loss(h_draft: jax.Array, target: jax.Array, beta: float) -> jax.Array:
+    """SmoothL1 per position, averaged over the hidden axis (EAGLE)."""
+    return jnp.mean(optax.huber_loss(h_draft.astype(jnp.float32), target, delta=beta) / beta, axis=-1)
+
+
+def _soft_ce(h_draft: jax.Array, target: jax.Array, head_w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Soft cross-entropy of the drafter's distribution against the target's, and top-1 agreement."""
+    t_logits = jax.lax.stop_gradient(head_logits(target, head_w))
+    d_logits = head_logits(h_draft.astype(jnp.float32), head_w)
     p = jax.nn.softmax(t_logits, axis=-1)
     ce = -jnp.sum(p * jax.nn.log_softmax(d_logits, axis=-1), axis=-1)
-    top1 = jnp.argmax(d_logits, axis=-1) == jnp.argmax(t_logits, axis=-1)
-    return {"feat": feat, "valid": valid, "ce": ce, "top1": top1, "ce_valid": ce_valid, "dropped": dropped}
+    return ce, jnp.argmax(d_logits, axis=-1) == jnp.argmax(t_logits, axis=-1)
+
+
+def chain_step_losses(
+    ctx: ChainContext,
+    e: EagleInputs,
+    head_w: jax.Array,
+    steps: int,
+    positions_per_row: int,
+    key: jax.Array,
+    beta: float = 1.0,
+) -> list[dict[str, jax.Array]]:
+    """Losses of chain steps 2..steps + 1 (the training-time test) at random loss positions of each row.
+
+    Base index i (a valid pair) runs the chain of `tlt_jax.drafter.chain` with the true tokens x_{i+2}, ...
+    and the drafter's own features; step j predicts the target feature h_{i+j} and the distribution of
+    x_{i+j+1}, and carries loss while pair i + j - 1 is a valid pair of the same sample. Positions are drawn
+    uniformly per row (without replacement) among those whose step 2 is valid; gradients flow through the
+    chain (the drafter learns to produce features its own next step can use).
+    Returns per step: feat, ce, top1 and valid, each [R, P].
+    """
+    r, s = e.valid.shape
+    p = min(positions_per_row, s)
+    ok = e.valid & shift_left(e.valid, False)
+    scores = jnp.where(ok, jax.random.uniform(key, ok.shape), -1.0)
+    idx = jax.lax.top_k(scores, p)[1].astype(jnp.int32)  # [R, P]
+    sel = take_rows(ok, idx)
+    tokens = [take_rows(shift_by(e.next_tokens, j - 1, 0), idx) for j in range(2, steps + 2)]
+    feats = ctx.steps(idx, tokens, None, steps + 1)[1:]
+    out = []
+    for j, h in enumerate(feats, start=2):
+        target = take_rows(shift_by(e.hidden_target, j - 1, 0.0), idx)
+        valid = sel & take_rows(shift_by(e.valid, j - 1, False), idx)
+        ce, top1 = _soft_ce(h, target, head_w)
+        out.append({"feat": _feature_loss(h, target, beta), "ce": ce, "top1": top1, "valid": valid})
+    return out
 
 
 def loss_and_metrics(
@@ -386,18 +439,29 @@ def loss_and_metrics(
         loss_cfg.ce_tokens,
         rng,
         loss_cfg.feature_noise,
+        loss_cfg.ttt_steps,
+        loss_cfg.ttt_positions,
     )
     valid = t["valid"].astype(jnp.float32)
     n = jnp.sum(valid)
-    feat = jnp.sum(t["feat"] * valid) / jnp.maximum(n, 1.0)
-    ce_valid = t["ce_valid"].astype(jnp.float32)
-    n_ce = jnp.maximum(jnp.sum(ce_valid), 1.0)
-    ce = jnp.sum(t["ce"] * ce_valid) / n_ce
-    acc = jnp.sum(t["top1"] * ce_valid) / n_ce
+    feat = _masked_mean(t["feat"], valid)
+    ce = _masked_mean(t["ce"], t["ce_valid"])
+    acc = _masked_mean(t["top1"], t["ce_valid"])
     loss = loss_cfg.w_feat * feat + loss_cfg.w_ce * ce
-    metrics = {"loss": loss, "feat_loss": feat, "ce": ce, "top1_acc": acc, "num_tokens": n}
+    metrics = {"feat_loss": feat, "ce": ce, "top1_acc": acc, "num_tokens": n}
+    for j, c in enumerate(t.get("chain", []), start=2):
+        feat_j, ce_j = _masked_mean(c["feat"], c["valid"]), _masked_mean(c["ce"], c["valid"])
+        loss = loss + loss_cfg.ttt_weight ** (j - 1) * (loss_cfg.w_feat * feat_j + loss_cfg.w_ce * ce_j)
+        metrics.update({f"feat_loss_step{j}": feat_j, f"ce_step{j}": ce_j})
+        metrics[f"top1_acc_step{j}"] = _masked_mean(c["top1"], c["valid"])
+    metrics["loss"] = loss
     metrics["dropped_tokens"] = t["dropped"].astype(jnp.float32)
     return loss, metrics
+
+
+def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    m = mask.astype(jnp.float32)
+    return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------

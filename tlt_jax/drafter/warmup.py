@@ -439,8 +439,14 @@ def train(
     train_samples: Sequence[ts.DrafterSample],
     eval_samples: Sequence[ts.DrafterSample],
     tracker: JsonlTracker,
+    draft_vocab: np.ndarray | None = None,
 ) -> tuple[nnx.GraphDef, ts.TrainState, dict[str, float]]:
-    """Train (or resume training) the drafter for `train.steps` steps; returns (graphdef, state, stats)."""
+    """Train (or resume training) the drafter for `train.steps` steps; returns (graphdef, state, stats).
+
+    With `draft_vocab` (and `train.ce_draft_vocab`), the soft cross-entropy compares the target's and the
+    drafter's distributions over those tokens only: the drafter head the engine runs (FR-Spec style), and a
+    6x cheaper LM head in every training step.
+    """
     tc = config.train
     tx, sched = ts.optimizer_from_config(tc)
     drafter = init_drafter(target, int(config.seed))
@@ -457,6 +463,8 @@ def train(
         ckpt.close()
         return graphdef, state, stats
     embed_w, head_w = target_weights(target)
+    if draft_vocab is not None and bool(tc.get("ce_draft_vocab", False)):
+        head_w = head_w[jnp.asarray(draft_vocab, jnp.int32)]
     max_loss = loss_token_budget(train_samples, int(tc.seq_len), int(tc.rows), int(tc.max_loss_tokens))
     ce_tokens = int(tc.ce_tokens) if int(tc.ce_tokens) > 0 else None
     if ce_tokens is not None:
@@ -467,15 +475,24 @@ def train(
         max_loss_tokens=max_loss,
         ce_tokens=ce_tokens,
         feature_noise=float(tc.feature_noise),
+        ttt_steps=int(tc.get("ttt_steps", 0)),
+        ttt_positions=int(tc.get("ttt_positions", 64)),
+        ttt_weight=float(tc.get("ttt_weight", 1.0)),
     )
-    _log(f"training: max_loss_tokens={max_loss}, ce_tokens={ce_tokens} per step of {tc.rows}x{tc.seq_len}")
+    _log(
+        f"training: max_loss_tokens={max_loss}, ce_tokens={ce_tokens} per step of {tc.rows}x{tc.seq_len}, "
+        f"chain steps trained {1 + loss_cfg.ttt_steps}, CE over "
+        f"{head_w.shape[0] if head_w.shape[0] != target.cfg.vocab_size else 'the full'} vocabulary"
+    )
     step_fn = ts.make_train_step(graphdef, tx, loss_cfg)
     plan = _batch_plan(train_samples, int(tc.seq_len), int(tc.rows), int(config.seed), max_loss)
     ec = config.eval
     eval_budget = loss_token_budget(eval_samples, int(ec.seq_len), int(ec.rows), -1)
     eval_loss = ts.make_eval_loss(
         graphdef,
-        dataclasses.replace(loss_cfg, max_loss_tokens=eval_budget, ce_tokens=None, feature_noise=0.0),
+        dataclasses.replace(
+            loss_cfg, max_loss_tokens=eval_budget, ce_tokens=None, feature_noise=0.0, ttt_positions=512
+        ),
     )
     log_every = max(1, int(tc.log_every))
     acc: dict[str, float] = {}
@@ -528,7 +545,7 @@ def train(
     ]
     if held:
         w = np.asarray([float(h["num_tokens"]) for h in held])
-        for k in ("loss", "feat_loss", "ce", "top1_acc"):
+        for k in sorted(set(held[0]) - {"num_tokens", "dropped_tokens"}):
             vals = np.asarray([float(h[k]) for h in held])
             stats[f"heldout_{k}"] = float(np.sum(vals * w) / max(w.sum(), 1.0))
     return graphdef, state, stats
@@ -550,7 +567,12 @@ def _evaluate(
 
 def _fmt_eval(r: AcceptanceResult) -> str:
     pos = ", ".join(f"{100 * p:.0f}" for p in r.per_position)
-    return f"accept length {r.accept_length:.3f} over {r.num_positions} positions; per-position % [{pos}]"
+    n = r.num_positions
+    out = f"greedy accept length {r.accept_length:.3f} over {n} positions; per-position % [{pos}]"
+    if r.sampled_accept_length is not None:
+        sp = ", ".join(f"{100 * p:.0f}" for p in r.sampled_per_position or [])
+        out += f"; sampled (T={r.sampled_temperature}) {r.sampled_accept_length:.3f} [{sp}]"
+    return out
 
 
 def run(config: Any, workdir: str | os.PathLike) -> str:
@@ -626,11 +648,26 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
         f"{len(eval_samples)} held-out ({int(eval_data['response_tokens'])})"
     )
 
+    # ---- the drafter head's reduced vocabulary (tlt_jax.drafter.draft_vocab): the target's most frequent
+    # generated tokens; used by the training CE (train.ce_draft_vocab), the sampled evaluation and rollouts
+    vocab_size = int(config.get("draft_vocab_size", 0))
+    vocab_path, draft_vocab = None, None
+    if vocab_size > 0:
+        vocab_path = build_from_warmup(
+            wd, min(vocab_size, target.cfg.vocab_size), target.cfg.vocab_size, tokenizer.eos_token_ids
+        )
+        draft_vocab = np.load(vocab_path)
+        _log(f"draft vocabulary ({vocab_size} most frequent generated tokens): {vocab_path}")
+
     # ---- eval before
     drafter0 = init_drafter(target, int(config.seed))
     graphdef, params0 = nnx.split(drafter0, nnx.Param)
     ec = config.eval
-    evaluator = AcceptanceEvaluator(graphdef, int(ec.depth), int(ec.seq_len), int(ec.rows))
+    # sampled acceptance at the data's sampling settings (what rejection-sampled chains in rollouts get)
+    eval_sp = SamplingParams(temperature=float(ec.temperature), top_p=float(gen.top_p))
+    evaluator = AcceptanceEvaluator(
+        graphdef, int(ec.depth), int(ec.seq_len), int(ec.rows), sampling=eval_sp, draft_vocab=draft_vocab
+    )
     before_path = wd / EVAL_BEFORE_FILE
     before: AcceptanceResult | None = None
     if not bool(ec.get("before", True)):
@@ -648,7 +685,9 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
 
     # ---- train
     t0 = time.perf_counter()
-    graphdef, state, train_stats = train(config, wd, target, train_samples, eval_samples, tracker)
+    graphdef, state, train_stats = train(
+        config, wd, target, train_samples, eval_samples, tracker, draft_vocab=draft_vocab
+    )
     times.add("train", time.perf_counter() - t0)
 
     # ---- eval after + save
@@ -669,13 +708,6 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
     )
     saver.close()
     tracker.close()
-    vocab_size = int(config.get("draft_vocab_size", 0))
-    vocab_path = None
-    if vocab_size > 0:  # the drafter head's reduced vocabulary, from the target's own generated tokens
-        vocab_path = build_from_warmup(
-            wd, min(vocab_size, target.cfg.vocab_size), target.cfg.vocab_size, tokenizer.eos_token_ids
-        )
-        _log(f"draft vocabulary ({vocab_size} most frequent generated tokens): {vocab_path}")
 
     summary = {
         "complete": True,
