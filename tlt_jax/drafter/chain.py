@@ -17,6 +17,7 @@ re-expressed here from the module's own weights; a brute-force test against `Dra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -129,20 +130,19 @@ class ChainContext:
         self.h = finish_layer(layer, self.x, attend_with_chain(q, self.k, self.v, mask, None, None))
 
     def steps(
-        self, idx_rp: jax.Array, tokens: list[jax.Array] | None, head: Any, depth: int
+        self, idx_rp: jax.Array, depth: int, next_token: Callable[[int, jax.Array], jax.Array]
     ) -> list[jax.Array]:
         """Features of chain steps 1..depth at base indices idx [R, P]: a list of [R, P, H].
 
-        tokens: the input token of steps 2..depth ([R, P] each: teacher forcing) or None, in which case
-        `head(h)` gives the next step's token from the previous feature (greedy drafting).
+        `next_token(j, h_j)` gives step j + 1's input token ([R, P]) from step j's feature: the true token
+        x_{i+j+1} (teacher forcing) or the drafter's own choice (drafting).
         """
         layer = self.drafter.layer
         h = take_rows(self.h, idx_rp)
         pos, mask = take_rows(self.positions, idx_rp), take_rows(self.mask, idx_rp)
         feats, k_ch, v_ch = [h], [], []
         for j in range(2, depth + 1):
-            tok = tokens[j - 2] if tokens is not None else head(h)
-            x = fuse_inputs(self.drafter, self.embed_w, tok, h)
+            x = fuse_inputs(self.drafter, self.embed_w, next_token(j - 1, h), h)
             q, k, v = project_qkv(layer.attn, x, pos + (j - 1))
             k_ch.append(k)
             v_ch.append(v)
@@ -150,3 +150,7 @@ class ChainContext:
             h = finish_layer(layer, x, out)
             feats.append(h)
         return feats
+
+    def teacher_forced(self, next_tokens: jax.Array, idx_rp: jax.Array, depth: int) -> list[jax.Array]:
+        """`steps` fed with the true tokens: step j's input token is x_{i+j} = next_tokens[i + j - 1]."""
+        return self.steps(idx_rp, depth, lambda j, _: take_rows(shift_by(next_tokens, j, 0), idx_rp))

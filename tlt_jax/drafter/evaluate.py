@@ -50,6 +50,7 @@ from flax import nnx
 from tlt_jax.drafter.chain import ChainContext, shift_by, shift_left, take_rows
 from tlt_jax.drafter.train_step import (
     DrafterSample,
+    EagleInputs,
     PackedBatch,
     eagle_inputs,
     epoch_plan,
@@ -101,17 +102,9 @@ def draft_chains(
     the first P evaluation positions of each row are (step 1 still runs over the whole row: it is the
     drafter's context), which skips the LM head at prompt and padding positions.
     """
-    if depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth}")
-    e = eagle_inputs(batch)
-    ctx = ChainContext(drafter, embed_w, e.next_tokens, e.hidden_in, e.positions, e.mask)
+    ctx, _ = _context(drafter, batch, embed_w)
     idx, sel = _eval_index(batch, depth, positions_per_row)
-
-    def argmax_head(h: jax.Array) -> jax.Array:
-        return jnp.argmax(head_logits(h, head_w), axis=-1).astype(jnp.int32)
-
-    feats = ctx.steps(idx, None, argmax_head, depth)
-    return jnp.stack([argmax_head(h) for h in feats], axis=-1), idx, sel
+    return _greedy_drafts(ctx, idx, head_w, depth), idx, sel
 
 
 def sampled_acceptance(
@@ -132,11 +125,40 @@ def sampled_acceptance(
     forcing is the usual estimate of the chain's later steps) and p = warp(head(h_{i+j})). With
     `draft_vocab` q lives on those tokens only (the engine's reduced drafter head).
     """
-    e = eagle_inputs(batch)
-    ctx = ChainContext(drafter, embed_w, e.next_tokens, e.hidden_in, e.positions, e.mask)
+    ctx, e = _context(drafter, batch, embed_w)
     idx, sel = _eval_index(batch, depth, positions_per_row)
-    tokens = [take_rows(shift_by(e.next_tokens, j - 1, 0), idx) for j in range(2, depth + 1)]
-    feats = ctx.steps(idx, tokens, None, depth)
+    return _sampled_alphas(ctx, e, batch, idx, head_w, depth, sp, draft_vocab), sel
+
+
+def _context(drafter: Drafter, batch: PackedBatch, embed_w: jax.Array) -> tuple[ChainContext, EagleInputs]:
+    e = eagle_inputs(batch)
+    return ChainContext(drafter, embed_w, e.next_tokens, e.hidden_in, e.positions, e.mask), e
+
+
+def _greedy_drafts(ctx: ChainContext, idx: jax.Array, head_w: jax.Array, depth: int) -> jax.Array:
+    """[R, P, depth] argmax drafts; each draft is also the next step's input token (one head per step)."""
+    drafts: list[jax.Array] = []
+
+    def argmax_next(_: int, h: jax.Array) -> jax.Array:
+        drafts.append(jnp.argmax(head_logits(h, head_w), axis=-1).astype(jnp.int32))
+        return drafts[-1]
+
+    argmax_next(depth, ctx.steps(idx, depth, argmax_next)[-1])
+    return jnp.stack(drafts, axis=-1)
+
+
+def _sampled_alphas(
+    ctx: ChainContext,
+    e: EagleInputs,
+    batch: PackedBatch,
+    idx: jax.Array,
+    head_w: jax.Array,
+    depth: int,
+    sp: SamplingParams,
+    draft_vocab: jax.Array | None,
+) -> jax.Array:
+    """[R, P, depth] per-step 1 - TV(p, q) along the true continuation (see `sampled_acceptance`)."""
+    feats = ctx.teacher_forced(e.next_tokens, idx, depth)
     head_q = head_w if draft_vocab is None else head_w[draft_vocab]
     hidden = batch.hidden.astype(jnp.float32)
     alphas = []
@@ -146,7 +168,7 @@ def sampled_acceptance(
             p = p[..., draft_vocab]
         q = target_probs(head_logits(h, head_q), sp)
         alphas.append(jnp.sum(jnp.minimum(p, q), axis=-1))
-    return jnp.stack(alphas, axis=-1), sel
+    return jnp.stack(alphas, axis=-1)
 
 
 def acceptance_counts(
@@ -166,7 +188,11 @@ def acceptance_counts(
     `sampled_accepted`, `sampled_at_depth`: P(drafts 1..j all accepted) = the product of the alphas)."""
     r, s = batch.tokens.shape
     chex.assert_shape(batch.segment_ids, (r, s))
-    drafts, idx, sel = draft_chains(drafter, batch, embed_w, head_w, depth, positions_per_row)
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    ctx, e = _context(drafter, batch, embed_w)  # step 1 and the context keys, shared by both estimates
+    idx, sel = _eval_index(batch, depth, positions_per_row)
+    drafts = _greedy_drafts(ctx, idx, head_w, depth)
     greedy = jnp.argmax(head_logits(batch.hidden.astype(jnp.float32), head_w), axis=-1).astype(jnp.int32)
     targets = jnp.stack([take_rows(shift_by(greedy, j, -1), idx) for j in range(1, depth + 1)], axis=-1)
     run = jnp.cumprod((drafts == targets).astype(jnp.int32), axis=-1)  # all of 1..j accepted
@@ -186,9 +212,7 @@ def acceptance_counts(
         "dropped": jnp.sum(eval_positions(batch, depth)) - jnp.sum(vf),
     }
     if sp is not None and not sp.greedy:
-        alpha, _ = sampled_acceptance(
-            drafter, batch, embed_w, head_w, depth, sp, positions_per_row, draft_vocab
-        )
+        alpha = _sampled_alphas(ctx, e, batch, idx, head_w, depth, sp, draft_vocab)
         reach = jnp.cumprod(alpha, axis=-1) * vf[..., None].astype(jnp.float32)
         out["sampled_at_depth"] = jnp.sum(reach, axis=(0, 1))
         out["sampled_accepted"] = jnp.sum(reach)

@@ -407,8 +407,7 @@ def chain_step_losses(
     scores = jnp.where(ok, jax.random.uniform(key, ok.shape), -1.0)
     idx = jax.lax.top_k(scores, p)[1].astype(jnp.int32)  # [R, P]
     sel = take_rows(ok, idx)
-    tokens = [take_rows(shift_by(e.next_tokens, j - 1, 0), idx) for j in range(2, steps + 2)]
-    feats = ctx.steps(idx, tokens, None, steps + 1)[1:]
+    feats = ctx.teacher_forced(e.next_tokens, idx, steps + 1)[1:]
     out = []
     for j, h in enumerate(feats, start=2):
         target = take_rows(shift_by(e.hidden_target, j - 1, 0.0), idx)
