@@ -18,7 +18,7 @@ Strategy for a TV (documented mapping): depth = min(8, TV - 1) and topk = the sm
     TV=8 -> 7_1_8 (chain), 16 -> 8_2_16, 32 -> 8_3_32, 48 -> 8_3_48, 64 -> 8_3_64.
 The model-free n-gram drafter (default 4_1_5) runs at batch 1 against the same plain baseline.
 
-    python experiments/bench_sd.py --quick                   # batch 1, TV 4/8/16 + n-gram, 4 prompts x 64
+    python experiments/bench_sd.py --quick                   # batch 1, TV 4/8/16 + n-gram, 8 prompts x 64
     python experiments/bench_sd.py --quick --random-drafter  # smoke test without a warmed drafter
     python experiments/bench_sd.py                           # batches 1..32 x TV 4..64
 Final line: `RESULT accept_len_bs1=... sd_speedup_bs1=... ngram_speedup_bs1=... speedup_bs{B}_tv{TV}=...`.
@@ -170,7 +170,7 @@ def main() -> None:
     batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,2,4,8,16,32")).split(",")]
     tvs = [int(t) for t in (args.tv or ("4,8,16" if args.quick else "4,8,16,32,48,64")).split(",")]
     new = args.new or (64 if args.quick else 128)
-    n_prompts = max(args.prompts or (4 if args.quick else 4), max(batches))
+    n_prompts = max(args.prompts or (8 if args.quick else 4), max(batches))
 
     drafter_path = pathlib.Path(args.drafter)
     missing = (

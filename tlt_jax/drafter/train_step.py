@@ -25,7 +25,10 @@ Loss (EAGLE-1; the paper: 0.5/0.5 online, 1.0/0.1 for the offline warm-up; both 
 
 averaged over the response pairs of the batch (SmoothL1 averaged over the hidden axis, as EAGLE does). The
 embedding and LM head are the TARGET's, passed in as arrays under `stop_gradient`: only the drafter's own
-parameters (`fc` and its decoder layer) get gradients and optimizer state.
+parameters (`fc` and its decoder layer) get gradients and optimizer state. The drafter layer runs through
+`tlt_jax.drafter.chain` (its own weights; a brute-force test keeps it equal to the `Drafter` module), which
+also gives the training-time test (`LossConfig.ttt_steps`): the same loss at chain steps 2, 3, ... where
+the drafter's input is its own previous feature, weighted ttt_weight^(j-1) and added.
 """
 
 from __future__ import annotations
