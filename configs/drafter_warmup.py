@@ -48,7 +48,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task.dataset_kwargs = ml_collections.ConfigDict()
 
     c.generation = ml_collections.ConfigDict()
-    c.generation.num_prompts = 96  # training prompts
+    c.generation.num_prompts = 128  # training prompts (x n samples: the data; acceptance grows with it)
     c.generation.n = 4  # samples per prompt
     c.generation.batch_prompts = (
         16  # prompts per engine call (batch = batch_prompts * n); one cache file each
@@ -66,7 +66,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.forward.hidden_dtype = "float16"  # cache / host storage of the features (packed as float32)
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 300
+    c.train.steps = 400
     c.train.lr = 1e-3
     c.train.warmup = 20
     c.train.schedule = "cosine"
