@@ -9,6 +9,7 @@ MODEL_DIR := $(CACHE)/models
 GGUF := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 STAMP := $(VENV)/.installed
 WORKDIR ?= workdirs/default
+TEST_WORKERS ?= 2
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
@@ -42,9 +43,10 @@ setup: $(STAMP) $(GGUF) kernels
 run: setup
 	$(PY) -m tlt_jax.main --config configs/default.py --workdir $(WORKDIR) $(RUN_ARGS)
 
-# pytest exit code 5 means no test was collected: that is a broken suite, not a pass.
+# pytest exit code 5 means no test was collected: that is a broken suite, not a pass. Two xdist workers
+# (TEST_WORKERS): most test time is single-threaded XLA compilation, so two processes use both cores.
 test: setup
-	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q $(PYTEST_ARGS) tests; rc=$$?; \
+	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS) tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5); failing."; exit 1; fi; exit $$rc
 
 lint: setup

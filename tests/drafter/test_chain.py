@@ -125,13 +125,14 @@ def test_training_time_test_loss(setup):
     )
     np.testing.assert_allclose(float(loss), float(base["loss"]) + extra, rtol=1e-5)
     assert all(float(m[f"ce_step{j}"]) > 0 for j in (2, 3))
-    # gradients flow through the chain into every drafter weight
-    g = jax.grad(lambda p: ts.loss_and_metrics(p, graphdef, batch, emb, head, cfg)[0])(params)
-    g0 = jax.grad(lambda p: ts.loss_and_metrics(p, graphdef, batch, emb, head, ts.LossConfig(1.0, 0.1))[0])(
-        params
-    )
-    diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), g, g0)
-    assert all(d > 0 for d in jax.tree.leaves(diff))
+
+    # gradients of the chain-step losses alone reach every drafter weight (they flow through the chain)
+    def chain_loss(p):
+        t = ts.per_pair_losses(nnx.merge(graphdef, p), batch, emb, head, ttt_steps=2, ttt_positions=8)
+        return sum(jnp.sum(c["ce"] * c["valid"]) + jnp.sum(c["feat"] * c["valid"]) for c in t["chain"])
+
+    g = jax.jit(jax.grad(chain_loss))(params)
+    assert all(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(g))
 
     # the chain losses equal a direct computation at the chosen positions (selection is per row, valid only)
     e = ts.eagle_inputs(batch)
@@ -156,10 +157,10 @@ def test_sampled_acceptance_matches_brute_force(setup):
     alpha_v = np.asarray(fn(drafter, batch, emb, head, depth, sp, None, jnp.asarray(vocab))[0])
     assert ((alpha >= 0) & (alpha <= 1 + 1e-6)).all()
     head_np = np.asarray(head)
-    seen = 0
+    seen = 0  # brute force at the first 12 selected positions (rows 0 and 1, several samples)
     sample_ids = sorted({sid for _, _, sid, _ in _locate(batch)})
     for r, i, sid, t in _locate(batch):
-        if not sel[r, i]:
+        if not sel[r, i] or seen >= 12 or (r == 0 and seen >= 6):
             continue
         s = samples[sample_ids.index(sid)]
         feats = brute_chain(drafter, target, s, t, depth)
@@ -173,13 +174,13 @@ def test_sampled_acceptance_matches_brute_force(setup):
             want_v = float(jnp.minimum(p[vocab], q_v).sum())
             np.testing.assert_allclose(alpha_v[r, i, j - 1], want_v, rtol=1e-4, atol=1e-5)
         seen += 1
-    assert seen >= 10
+    assert seen == 12
 
     # the evaluator's sampled accept length is 1 + mean over positions of sum_j prod_{l<=j} alpha_l
     graphdef, params = nnx.split(drafter, nnx.Param)
     res = ev.AcceptanceEvaluator(graphdef, depth, 32, 2, sampling=sp)(params, samples, emb, head)
     reach = np.cumprod(alpha, axis=-1)[sel]
-    assert res.num_positions == seen
+    assert res.num_positions == int(sel.sum())
     np.testing.assert_allclose(res.sampled_accept_length, 1 + reach.sum(-1).mean(), rtol=1e-5)
     np.testing.assert_allclose(res.sampled_per_position, reach.mean(0), rtol=1e-5)
     # a draft vocabulary holding every token (in another order) changes nothing
