@@ -12,7 +12,6 @@ from tlt_jax.drafter import train_step as ts
 from tlt_jax.drafter.chain import ChainContext
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.sampling import SamplingParams, target_probs
 
 CFG = tiny_config(vocab_size=24)
@@ -20,18 +19,9 @@ PAD = 32
 
 
 @pytest.fixture(scope="module")
-def setup():
-    target = Transformer(CFG, nnx.Rngs(0))
+def setup(three_samples):
+    target, samples = three_samples(CFG, seed=1)
     drafter = Drafter(CFG, nnx.Rngs(7))
-    rng = np.random.default_rng(1)
-    lengths, prompts = [13, 11, 15], [4, 3, 5]
-    toks = rng.integers(0, CFG.vocab_size, size=(3, 16)).astype(np.int32)
-    fwd = nnx.jit(lambda m, x: m(x, jnp.broadcast_to(jnp.arange(16), x.shape), compute_logits=False).hidden)
-    hidden = np.asarray(fwd(target, jnp.asarray(toks)))
-    samples = [
-        ts.sample_from_sequence(toks[i, :p].tolist(), toks[i, p:n].tolist(), hidden[i, :n])
-        for i, (n, p) in enumerate(zip(lengths, prompts, strict=True))
-    ]
     batch, packed = ts.pack_samples(samples, seq_len=32, rows=2)  # several samples share a row
     assert packed == [0, 1, 2]
     return target, drafter, samples, ts.to_device(batch)

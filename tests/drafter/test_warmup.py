@@ -72,18 +72,9 @@ def brute_force_accepted(drafter, target, sample, depth):
     return out
 
 
-def test_acceptance_matches_brute_force():
-    target = Transformer(CFG, nnx.Rngs(0))
+def test_acceptance_matches_brute_force(three_samples):
+    target, samples = three_samples(CFG, seed=0)
     drafter = Drafter(CFG, nnx.Rngs(5))
-    rng = np.random.default_rng(0)
-    lengths, prompts = [13, 11, 15], [4, 3, 5]
-    toks = rng.integers(0, CFG.vocab_size, size=(3, 16)).astype(np.int32)
-    fwd = nnx.jit(lambda m, x: m(x, jnp.broadcast_to(jnp.arange(16), x.shape), compute_logits=False).hidden)
-    hidden = np.asarray(fwd(target, jnp.asarray(toks)))
-    samples = [
-        ts.sample_from_sequence(toks[i, :p].tolist(), toks[i, p:n].tolist(), hidden[i, :n])
-        for i, (n, p) in enumerate(zip(lengths, prompts, strict=True))
-    ]
     depth = 3
     want = [a for s in samples for a in brute_force_accepted(drafter, target, s, depth)]
     assert len(set(want)) >= 2, want  # the comparison covers different run lengths
