@@ -39,7 +39,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from tlt_jax.drafter import train_step as ts
-from tlt_jax.drafter.draft_vocab import build_from_warmup
+from tlt_jax.drafter.draft_vocab import build_from_warmup, load_draft_vocab
 from tlt_jax.drafter.evaluate import AcceptanceEvaluator, AcceptanceResult
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
@@ -656,7 +656,7 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
         vocab_path = build_from_warmup(
             wd, min(vocab_size, target.cfg.vocab_size), target.cfg.vocab_size, tokenizer.eos_token_ids
         )
-        draft_vocab = np.load(vocab_path)
+        draft_vocab = load_draft_vocab(wd)
         _log(f"draft vocabulary ({vocab_size} most frequent generated tokens): {vocab_path}")
 
     # ---- eval before
