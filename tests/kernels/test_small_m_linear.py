@@ -32,7 +32,8 @@ def test_library_builds_once_and_registers():
     assert cpu_ffi.available()
 
 
-# M: 1 (decode), 2..8 (verification) incl. odd counts for the 3-row tiles' tails, up to MAX_ROWS.
+# M: 1 (decode), 2..8 (verification): 4-row tiles up to M = 3, 2-row tiles with every row in one pass up to
+# M = 6, passes of 6 rows above (7, 17, 32 leave a partial pass), up to MAX_ROWS.
 # K: multiples of 8 and not (the scalar K tail). N: below and above the 4-row tile, and chunk tails.
 @pytest.mark.parametrize(
     "m,k,n",
@@ -43,6 +44,8 @@ def test_library_builds_once_and_registers():
         (3, 13, 37),
         (4, 576, 960),
         (5, 100, 1),
+        (6, 576, 102),
+        (7, 64, 10),
         (8, 1536, 576),
         (17, 40, 301),
         (32, 64, 130),
@@ -57,11 +60,12 @@ def test_kernel_matches_float64_reference(m, k, n):
 def test_rows_are_independent_of_how_many_rows_share_the_call():
     """Row i of a 7-row call equals the 1-row call on row i, bit for bit: the summation order does not depend
     on M, so a verify pass (M = tokens to verify) and a decode step (M = 1) compute the same numbers."""
-    x, w = _data(7, 576, 300, seed=1)
+    x, w = _data(7, 576, 303, seed=1)  # N % 4 = 3: the scalar tail rows must not depend on M either
     f = jax.jit(sml.small_m_matmul)
     full = np.asarray(f(jnp.asarray(x), jnp.asarray(w)))
     for i in range(7):
         np.testing.assert_array_equal(full[i], np.asarray(f(jnp.asarray(x[i : i + 1]), jnp.asarray(w)))[0])
+        np.testing.assert_array_equal(full[i], np.asarray(f(jnp.asarray(x[i : i + 4]), jnp.asarray(w)))[0])
 
 
 def test_leading_dims_and_vmap_over_x():

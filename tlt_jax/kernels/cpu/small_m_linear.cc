@@ -33,37 +33,40 @@ void BlockGeneric(const float* x, const float* w, float* y, int64_t m_rows, int6
   }
 }
 
-// AVX2 + FMA micro-kernel: 4 weight rows x MR activation rows (4 * MR accumulators in registers), K in
-// steps of 8, the K % 8 tail in scalar code.
-template <int MR>
-__attribute__((target("avx2,fma"), always_inline)) inline void Tile4(const float* x, const float* w, float* y,
-                                                                      int64_t k_dim, int64_t n_dim,
-                                                                      const float* next) {
+// AVX2 + FMA micro-kernel: NR weight rows x MR activation rows (NR * MR accumulators in registers), K in
+// steps of 8, the K % 8 tail in scalar code. `next` (or null) is the next tile's first weight row: its rows
+// are prefetched at the same offset while this tile streams.
+template <int NR, int MR>
+__attribute__((target("avx2,fma"), always_inline)) inline void Tile(const float* x, const float* w, float* y,
+                                                                     int64_t k_dim, int64_t n_dim,
+                                                                     const float* next) {
   const int64_t k8 = k_dim & ~int64_t{7};
-  const float* wr[4] = {w, w + k_dim, w + 2 * k_dim, w + 3 * k_dim};
-  __m256 acc[4][MR];
+  const float* wr[NR];
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j)
+  for (int j = 0; j < NR; ++j) wr[j] = w + j * k_dim;
+  __m256 acc[NR][MR];
 #pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) acc[j][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < k8; k += 8) {
     if (next != nullptr && (k & 15) == 0) {
-      // Software prefetch of the next tile's rows at the same offset (4 * K floats ahead): decoding is
-      // bound by DRAM latency as much as bandwidth, and the hardware prefetcher alone leaves it idle.
+      // Software prefetch of the next tile's rows at the same offset: decoding is bound by DRAM latency as
+      // much as bandwidth, and the hardware prefetcher alone leaves it idle.
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * k_dim + k), _MM_HINT_T0);
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * k_dim + k), _MM_HINT_T0);
     }
     __m256 xv[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) xv[r] = _mm256_loadu_ps(x + r * k_dim + k);
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < NR; ++j) {
       const __m256 v = _mm256_loadu_ps(wr[j] + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) acc[j][r] = _mm256_fmadd_ps(xv[r], v, acc[j][r]);
     }
   }
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < NR; ++j) {
     for (int r = 0; r < MR; ++r) {
       float s = tlt::HSum(acc[j][r]);
       for (int64_t k = k8; k < k_dim; ++k) s += x[r * k_dim + k] * wr[j][k];
@@ -72,23 +75,47 @@ __attribute__((target("avx2,fma"), always_inline)) inline void Tile4(const float
   }
 }
 
-// Rows n0..n1 of the output for every activation row. The 4 weight rows of a tile (4 * K * 4 bytes,
-// <= 24 KiB for K <= 1536) stay in L1 while the activation rows pass over them in groups of 3, so each
-// weight byte comes from memory once.
+// Rows [n, n1) in tiles of NR weight rows, every activation row in ONE pass per tile when M <= MR_MAX
+// (passes of MR_MAX rows otherwise). One pass matters: the next tile is prefetched while this one streams,
+// so a second pass over a tile (from L1) would leave the memory system idle; at M = 4 a 3 + 1 split cost
+// 20-25% of the matmul chain's bandwidth. NR * MR accumulators + MR activations + 1 weight vector fit the
+// 16 AVX2 registers for (NR, MR) = (4, <= 3) and (2, <= 6).
+template <int NR>
+__attribute__((target("avx2,fma"), always_inline)) inline void Rows(const float* x, const float* w, float* y,
+                                                                       int64_t m_rows, int64_t k_dim,
+                                                                       int64_t n_dim, int64_t n, int64_t n1) {
+  constexpr int kMaxMr = NR == 4 ? 3 : 6;
+  for (; n + NR <= n1; n += NR) {
+    const float* wn = w + n * k_dim;
+    const float* next = n + 2 * NR <= n1 ? wn + NR * k_dim : nullptr;
+    for (int64_t m = 0; m < m_rows; m += kMaxMr) {
+      const float* xm = x + m * k_dim;
+      float* ym = y + m * n_dim + n;
+      const float* pf = m == 0 ? next : nullptr;  // prefetched during the first pass only
+      switch (std::min<int64_t>(kMaxMr, m_rows - m)) {
+        case 1: Tile<NR, 1>(xm, wn, ym, k_dim, n_dim, pf); break;
+        case 2: Tile<NR, 2>(xm, wn, ym, k_dim, n_dim, pf); break;
+        case 3: Tile<NR, 3>(xm, wn, ym, k_dim, n_dim, pf); break;
+        case 4: Tile<NR, (kMaxMr >= 4 ? 4 : 1)>(xm, wn, ym, k_dim, n_dim, pf); break;
+        case 5: Tile<NR, (kMaxMr >= 5 ? 5 : 1)>(xm, wn, ym, k_dim, n_dim, pf); break;
+        default: Tile<NR, (kMaxMr >= 6 ? 6 : 1)>(xm, wn, ym, k_dim, n_dim, pf); break;
+      }
+    }
+  }
+}
+
+// Rows n0..n1 of the output for every activation row: each weight byte comes from memory once.
 __attribute__((target("avx2,fma"))) void BlockAvx2(const float* x, const float* w, float* y, int64_t m_rows,
                                                    int64_t k_dim, int64_t n_dim, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const float* wn = w + n * k_dim;
-    int64_t m = 0;
-    const float* next = n + 8 <= n1 ? wn + 4 * k_dim : nullptr;  // prefetched during the first pass only
-    for (; m + 3 <= m_rows; m += 3) {
-      Tile4<3>(x + m * k_dim, wn, y + m * n_dim + n, k_dim, n_dim, m == 0 ? next : nullptr);
-    }
-    if (m_rows - m == 2) Tile4<2>(x + m * k_dim, wn, y + m * n_dim + n, k_dim, n_dim, m == 0 ? next : nullptr);
-    if (m_rows - m == 1) Tile4<1>(x + m * k_dim, wn, y + m * n_dim + n, k_dim, n_dim, m == 0 ? next : nullptr);
+  // The vector tiles cover whole blocks of 4 rows whatever NR is, so the rows left to the scalar tail (whose
+  // summation order differs) do not depend on M: a row's result is the same bit for bit at any M.
+  const int64_t n4 = n0 + ((n1 - n0) & ~int64_t{3});
+  if (m_rows <= 3) {
+    Rows<4>(x, w, y, m_rows, k_dim, n_dim, n0, n4);
+  } else {
+    Rows<2>(x, w, y, m_rows, k_dim, n_dim, n0, n4);
   }
-  if (n < n1) BlockGeneric(x, w, y, m_rows, k_dim, n_dim, n, n1);  // N tail (< 4 rows)
+  if (n4 < n1) BlockGeneric(x, w, y, m_rows, k_dim, n_dim, n4, n1);  // N tail (< 4 rows)
 }
 
 using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
