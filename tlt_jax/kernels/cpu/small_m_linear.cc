@@ -75,11 +75,12 @@ __attribute__((target("avx2,fma"), always_inline)) inline void Tile(const float*
   }
 }
 
-// Rows [n, n1) in tiles of NR weight rows, every activation row in ONE pass per tile when M <= MR_MAX
-// (passes of MR_MAX rows otherwise). One pass matters: the next tile is prefetched while this one streams,
-// so a second pass over a tile (from L1) would leave the memory system idle; at M = 4 a 3 + 1 split cost
-// 20-25% of the matmul chain's bandwidth. NR * MR accumulators + MR activations + 1 weight vector fit the
-// 16 AVX2 registers for (NR, MR) = (4, <= 3) and (2, <= 6).
+// Rows [n, n1) in tiles of NR weight rows, every activation row in ONE pass per tile when M <= kMaxMr
+// (passes of kMaxMr rows otherwise). One pass matters: the next tile is prefetched while this one streams,
+// and a second pass over a tile (from L1) leaves the memory system idle; the former 3 + 1 and 3 + 3 splits
+// made the model's matmul chain 5% (M = 4) to 13% (M = 6) slower (docs/benchmarks.md). The NR * MR
+// accumulators and the weight vector stay in the 16 AVX2 registers (at most 13); activation vectors beyond
+// that are L1 loads.
 template <int NR>
 __attribute__((target("avx2,fma"), always_inline)) inline void Rows(const float* x, const float* w, float* y,
                                                                        int64_t m_rows, int64_t k_dim,
