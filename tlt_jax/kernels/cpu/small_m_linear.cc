@@ -93,6 +93,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void Rows(const float*
       const float* xm = x + m * k_dim;
       float* ym = y + m * n_dim + n;
       const float* pf = m == 0 ? next : nullptr;  // prefetched during the first pass only
+      // cases above kMaxMr never run for this NR; their `: 1` only keeps them from instantiating big tiles
       switch (std::min<int64_t>(kMaxMr, m_rows - m)) {
         case 1: Tile<NR, 1>(xm, wn, ym, k_dim, n_dim, pf); break;
         case 2: Tile<NR, 2>(xm, wn, ym, k_dim, n_dim, pf); break;
