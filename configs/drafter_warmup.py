@@ -58,8 +58,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.generation.top_p = 1.0
     c.generation.max_cache_len = 1024
     c.generation.chunk_steps = 16
+    # the features are the engine's own target states, recorded as it generates (no second forward; the
+    # newest token of a response has none, so a sample is prompt + response[:-1]); False: a packed target
+    # forward over prompt + response afterwards (`config.forward`)
+    c.generation.record_hidden = True
 
-    # Target forward for the hidden states: sequences packed into [rows, seq_len] with a block mask.
+    # Target forward for the hidden states when generation.record_hidden=False: sequences packed into
+    # [rows, seq_len] with a block mask (seq_len also caps a sample's length either way).
     c.forward = ml_collections.ConfigDict()
     c.forward.rows = 4
     c.forward.seq_len = 512

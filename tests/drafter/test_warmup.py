@@ -118,6 +118,43 @@ def test_shared_prompt_forward_equals_separate_forwards():
             np.testing.assert_allclose(got[g][k], want, rtol=1e-5, atol=1e-5)
 
 
+def test_recorded_features_equal_the_forward_path(tmp_path):
+    """generation.record_hidden (the default): the features the engine records while generating equal the
+    packed target forward's over the same sequences; a sample is prompt + response[:-1] (the newest token
+    was never fed), so it has one pair fewer than the forward path's."""
+    from tlt_jax.rl.tasks import make_task
+
+    config = load_config("tiny")
+    target, tokenizer = warmup.build_target(config)
+    task = make_task(config.task)
+    got = {}
+    for record in (True, False):
+        config.generation.record_hidden = record
+        (tmp_path / f"data_{record}").mkdir()
+        got[record], _ = warmup.build_split(
+            "train",
+            config=config,
+            task=task,
+            tokenizer=tokenizer,
+            engine=warmup.build_engine(config, target, tokenizer),
+            hidden_fn=warmup.make_hidden_fn(target),
+            start=0,
+            num_prompts=3,
+            n=2,
+            temperature=1.0,
+            data_dir=tmp_path / f"data_{record}",
+            times=warmup.PhaseTimes(tmp_path / f"times_{record}.json"),
+        )
+    assert len(got[True]) == len(got[False]) == 6
+    for rec, fwd in zip(got[True], got[False], strict=True):
+        assert rec.length == fwd.length - 1 and rec.length > int(np.argmax(rec.loss_mask))
+        np.testing.assert_array_equal(rec.tokens, fwd.tokens[:-1])
+        np.testing.assert_array_equal(rec.loss_mask, fwd.loss_mask[:-1])
+        np.testing.assert_allclose(
+            rec.hidden.astype(np.float32), fwd.hidden[:-1].astype(np.float32), rtol=2e-3, atol=2e-3
+        )
+
+
 def test_warmup_end_to_end_and_resume(tmp_path):
     config = load_config("tiny")
     wd = tmp_path / "wd"

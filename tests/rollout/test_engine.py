@@ -101,6 +101,43 @@ def test_n_samples_grouped_by_prompt(model):
     assert len({tuple(out.response(i)) for i in range(3)}) > 1, "samples of one prompt should differ"
 
 
+def full_forward_hidden(model, width: int = 40):
+    """seq -> the target's final hidden states [len(seq), H] from one causal forward (no cache)."""
+    fwd = jax.jit(lambda toks: model(toks, jnp.arange(width)[None]).hidden[0])
+
+    def hidden(seq: list[int]) -> np.ndarray:
+        return np.asarray(fwd(jnp.asarray([seq + [0] * (width - len(seq))])))[: len(seq)]
+
+    return hidden
+
+
+def test_recorded_hidden_states_equal_a_full_forward(model):
+    """EngineConfig.record_hidden: every position's final hidden state (prompt from the prefill, response
+    tokens from the decode steps that fed them), through compaction into smaller buckets and sampled rows
+    of different lengths, equals a plain forward over prompt + response[:-1]; the newest token has none."""
+    sp, key = SamplingParams(1.0), jax.random.key(6)
+    first = _engine(model).generate(PROMPTS, n=3, key=key, sampling=sp)
+    # end rows early at tokens this key samples (per-row PRNG streams: the prefixes do not change), so the
+    # rows finish at different steps and the live ones are compacted into smaller buckets
+    eos = [EOS] + [first.response(i)[2 + 2 * i] for i in range(0, 12, 3)]
+    cfg = EngineConfig(
+        max_new_tokens=24, max_cache_len=96, chunk_steps=3, min_cache_bucket=16, record_hidden=True
+    )
+    out = RolloutEngine(model, cfg, eos_ids=eos).generate(PROMPTS, n=3, key=key, sampling=sp)
+    assert len(set(out.lengths.tolist())) > 3 and len({c.batch_bucket for c in out.stats.chunks}) > 1
+    ref = full_forward_hidden(model)
+    for i in range(len(out.lengths)):
+        seq = out.prompt_tokens[i] + out.response(i)
+        feats = out.features(i)
+        assert feats.shape == (len(seq) - 1, model.cfg.hidden_size)
+        np.testing.assert_allclose(feats, ref(seq[:-1]), atol=1e-4, rtol=1e-4)
+    # off by default: nothing recorded, and asking for features says how to turn it on
+    plain = _engine(model).generate(PROMPTS[:1], n=1, key=jax.random.key(6), sampling=SamplingParams(1.0))
+    assert plain.hidden is None
+    with pytest.raises(ValueError, match="record_hidden=True"):
+        plain.features(0)
+
+
 def test_prompt_longer_than_cache_is_a_clear_error(model):
     eng = _engine(model)
     with pytest.raises(ValueError, match=r"prompt 1 has 80 tokens.*max_cache_len=96"):

@@ -301,21 +301,46 @@ class AlternatingSelector:
     """Plain above 2 running rows; then EAGLE at batch bucket 2 and, at bucket 1, n-gram and EAGLE chunks in
     turn (a bandit-like choice per bucket). Records what it observed."""
 
-    def __init__(self) -> None:
+    def __init__(self, tree: str = "3_2_6", chain: str = "ngram_3_1_4") -> None:
         self.i = 0
+        self.tree, self.chain = tree, chain
         self.records: list[ChunkRecord] = []
 
     def select(self, running: int, batch_bucket: int) -> str:
         if running > 2:
             return "plain"
         if batch_bucket > 1:
-            return "3_2_6"
+            return self.tree
         self.i += 1
-        return "ngram_3_1_4" if self.i % 2 else "3_2_6"
+        return self.chain if self.i % 2 else self.tree
 
     def observe(self, record: ChunkRecord, running_steps) -> None:
         assert record.steps == len(running_steps)
         self.records.append(record)
+
+
+def test_recorded_hidden_states_through_speculative_rounds(target, switch_reference):
+    """EngineConfig.record_hidden with speculative rounds: the target states of each round's committed path
+    (root + accepted drafts) land at their response positions. Plain chunks, then EAGLE tree / n-gram chain
+    rounds with compaction: every position's state equals a full causal forward over the final sequence."""
+    engine = RolloutEngine(
+        target,
+        EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=4, compact=True, record_hidden=True),
+        eos_ids=[EOS],
+        drafter=mirror_drafter(target, noise=0.03),
+    )
+    tree, chain = engine.add_mode("eagle", "3_2_6"), engine.add_mode("ngram", "3_1_4")
+    sel = AlternatingSelector(tree, chain)
+    out = engine.generate(SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, mode_selector=sel)
+    np.testing.assert_array_equal(out.tokens, switch_reference.tokens)
+    assert {c.mode for c in out.stats.chunks} == {"plain", tree, chain}
+    assert max(c.accept_length for c in out.stats.chunks) > 2, "rounds should commit several tokens"
+    width = 64
+    fwd = jax.jit(lambda toks: target(toks, jnp.arange(width)[None]).hidden[0])
+    for i in range(len(out.lengths)):
+        seq = out.prompt_tokens[i] + out.response(i)
+        want = np.asarray(fwd(jnp.asarray([seq[:-1] + [0] * (width - len(seq) + 1)])))[: len(seq) - 1]
+        np.testing.assert_allclose(out.features(i), want, atol=1e-4, rtol=1e-4)
 
 
 def test_mode_selector_alternates_drafters_and_nothing_recompiles(compact_engine, switch_reference):

@@ -79,6 +79,9 @@ class EngineConfig:
     attn_impl: str = "auto"
     stop_strings: tuple[str, ...] = ()
     spec: SpecConfig = SpecConfig()  # speculative rollouts (off by default)
+    # also return the target's final hidden states of every prompt and response position (`Rollout.features`):
+    # drafter training data straight from the rollout, with no second target forward (plain and SD modes)
+    record_hidden: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.chunk_steps < 1:
@@ -155,6 +158,7 @@ def plain_decode_step(
     )
     cache = out.cache.advance(live.astype(jnp.int32))
     tok, lp = sample_rows(row_keys(state), out.logits[:, 0], sp)
+    state = spec.record_hidden(state, out.hidden, live.astype(jnp.int32))
     if drafter is not None:
         aux = state.aux
         dcache = spec.drafter_advance(
@@ -299,6 +303,7 @@ class RolloutEngine:
     ) -> Callable:
         cfg, attn_impl, graphdef = self.model_config, self.config.attn_impl, self.graphdef
         use_drafter, use_prompt = needs
+        record = self.config.record_hidden
 
         def prefill(params, dparams, tokens_pt, lens_p, rows_b, keys_b, budget_b, pad_b, seq_b):  # noqa: ANN001, ANN202
             model = nnx.merge(graphdef, params)
@@ -338,10 +343,12 @@ class RolloutEngine:
                 seq_keys=keys_b,
                 max_new=budget_b,
                 aux=aux,
+                out_hidden=jnp.zeros((b, max_new, cfg.hidden_size), out.hidden.dtype) if record else None,
             )
             tok, lp = sample_rows(row_keys(state), out.logits[rows_b, 0], sp)
             state = record_tokens(state, tok, lp, ~pad_b, self.eos_ids)
-            return jax.lax.with_sharding_constraint(state, self._state_shardings(state))
+            state = jax.lax.with_sharding_constraint(state, self._state_shardings(state))
+            return state, (out.hidden if record else None)
 
         return prefill
 
@@ -534,6 +541,18 @@ class RolloutEngine:
         rows.
         With a drafter configured the drafter cache is prefilled too (pairs over the prompt).
         """
+        return self._prefill(prompts, n=n, key=key, sampling=sampling, max_new_tokens=max_new_tokens)[0]
+
+    def _prefill(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int,
+        key: jax.Array,
+        sampling: SamplingParams,
+        max_new_tokens: int,
+    ) -> tuple[DecodeState, jax.Array | None]:
+        """`prefill`, plus the prompts' hidden states [P_bucket, T_bucket, H] with `record_hidden`."""
         cfg = self.config
         max_new = max_new_tokens
         self.validate_prompts(prompts, max_new)
@@ -662,8 +681,17 @@ class RolloutEngine:
         selector = self._selector(mode_selector)
 
         t0 = time.perf_counter()
-        state = self.prefill(prompts, n=n, key=key, sampling=sampling, max_new_tokens=max_new)
+        state, prompt_h = self._prefill(prompts, n=n, key=key, sampling=sampling, max_new_tokens=max_new)
         jax.block_until_ready(state)
+        prompt_hidden = None
+        if prompt_h is not None:
+            ph = np.asarray(jax.device_get(prompt_h))
+            prompt_hidden = [ph[i, : len(p)] for i, p in enumerate(prompts)]
+        out_hidden = (
+            None
+            if state.out_hidden is None
+            else np.zeros((total, max_new, state.out_hidden.shape[-1]), state.out_hidden.dtype)
+        )
         b = state.done.shape[0]
         seq_ids = np.where(np.arange(b) >= total, -1, np.arange(b))
         bank = self.new_bank(total, n, max_new) if self._aux_needs()[1] else None
@@ -680,6 +708,7 @@ class RolloutEngine:
         def harvest(st: DecodeState, which: np.ndarray) -> None:
             """Copy finished rows' outputs to the host before their rows are dropped."""
             toks, lps, num = jax.device_get((st.out_tokens, st.out_logp, st.num_generated))
+            hid = None if out_hidden is None else np.asarray(jax.device_get(st.out_hidden))
             for r in np.nonzero(which)[0]:
                 sid = seq_ids[r]
                 if sid < 0 or harvested[sid]:
@@ -688,6 +717,8 @@ class RolloutEngine:
                 out_tokens[sid, :ln] = toks[r, :ln]
                 out_logp[sid, :ln] = lps[r, :ln]
                 out_len[sid] = ln
+                if hid is not None:
+                    out_hidden[sid, :ln] = hid[r, :ln]
                 if sid in stop_cut:
                     reason[sid] = "stop"
                 elif ln > 0 and int(toks[r, ln - 1]) in eos_set:
@@ -778,6 +809,8 @@ class RolloutEngine:
             lengths=out_len,
             finish_reason=reason,
             stats=stats,
+            prompt_hidden=prompt_hidden,
+            hidden=out_hidden,
         )
 
     def _selector(self, mode_selector: spec.ModeSelector | Callable[[int], str] | None) -> spec.ModeSelector:

@@ -533,6 +533,23 @@ def record_many(
     )
 
 
+def record_hidden(state: DecodeState, hidden_bkh: jax.Array, n_fed_b: jax.Array) -> DecodeState:
+    """Store the target's final hidden states of the tokens a step or round fed (before recording the
+    tokens it emits): hidden_bkh[:, j] belongs to response token num_generated - 1 + j (j = 0 is the row's
+    last token), for j < n_fed[b]. No-op unless the state records hidden states (`state.out_hidden`)."""
+    if state.out_hidden is None:
+        return state
+    b, n, h = state.out_hidden.shape
+    kk = hidden_bkh.shape[1]
+    chex.assert_shape(hidden_bkh, (b, kk, h))
+    i = jnp.arange(kk, dtype=jnp.int32)[None, :]
+    idx = jnp.where(i < n_fed_b[:, None], state.num_generated[:, None] - 1 + i, n)  # n: dropped
+    out = state.out_hidden.at[jnp.arange(b)[:, None], idx].set(
+        hidden_bkh.astype(state.out_hidden.dtype), mode="drop"
+    )
+    return state.replace(out_hidden=out)
+
+
 @flax.struct.dataclass
 class RoundStats:
     """Per-round counts summed over rows (device scalars / a histogram)."""
@@ -620,6 +637,8 @@ def verify_round(
     budget = state.max_new - state.num_generated
     n_emit = jnp.where(live, jnp.minimum(jnp.minimum(n_out, first_eos), budget), 0).astype(jnp.int32)
 
+    # the fed tokens of the committed path (root = the row's last token, then the accepted drafts)
+    state = record_hidden(state, out.hidden[rows[:, None], path], n_emit)
     new_state = record_many(state, tok, logp, n_emit, eos_ids)
     new_state = new_state.replace(cache=commit_path(out.cache, path, n_emit))
     aux = state.aux

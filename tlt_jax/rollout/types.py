@@ -45,6 +45,9 @@ class DecodeState:
     seq_keys: jax.Array  # [B, 2] uint32 raw key data of each sequence's PRNG stream
     max_new: jax.Array  # [B] per-row token budget (<= N)
     aux: SpecAux | None = None  # speculative-decoding state (None: plain decoding only)
+    # [B, N, H] the target's final hidden state of response token i, written when the token is fed back
+    # (so the newest token has none yet); only with EngineConfig.record_hidden (`record_hidden`)
+    out_hidden: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -168,6 +171,10 @@ class Rollout:
     lengths: np.ndarray  # [B] response lengths (EOS included)
     finish_reason: list[str]  # "eos" | "stop" | "length"
     stats: RolloutStats
+    # with EngineConfig.record_hidden: the target's final hidden states, per unique prompt [Lp, H] and per
+    # response [B, N, H] (response token i's state at [:, i]; a response's last token has none)
+    prompt_hidden: list[np.ndarray] | None = None
+    hidden: np.ndarray | None = None
 
     @property
     def mask(self) -> np.ndarray:
@@ -175,3 +182,14 @@ class Rollout:
 
     def response(self, i: int) -> list[int]:
         return self.tokens[i, : self.lengths[i]].tolist()
+
+    def features(self, i: int) -> np.ndarray:
+        """[len(prompt) + len(response) - 1, H]: the target's final hidden state h_t at every position of
+        sequence i but the last (the newest token was never fed to the target). This is a drafter
+        training sample's `hidden` for `prompt + response[:-1]`, with no second target forward."""
+        if self.hidden is None or self.prompt_hidden is None:
+            raise ValueError(
+                "this rollout has no hidden states: generate with EngineConfig(record_hidden=True)"
+            )
+        n = max(int(self.lengths[i]) - 1, 0)
+        return np.concatenate([self.prompt_hidden[int(self.prompt_index[i])], self.hidden[i, :n]])
