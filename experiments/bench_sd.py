@@ -29,6 +29,7 @@ Final line: `RESULT accept_len_bs1=... sd_speedup_bs1=... ngram_speedup_bs1=... 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import pathlib
@@ -152,7 +153,9 @@ def main() -> None:
         "--strategies",
         default=None,
         help="comma-separated strategies depth_topk_tv (e.g. 3_1_4,3_1_4:argmax,5_2_8), replacing the TV "
-        "mapping; chains sample drafts + rejection sampling, NAME:argmax verifies argmax drafts target-only",
+        "mapping; chains sample drafts + rejection sampling, NAME:argmax verifies argmax drafts target-only, "
+        "NAME:fp32 keeps the drafter's weights in float32 (default: SpecConfig.drafter_weight_dtype='auto', "
+        "bfloat16 with the CPU kernel)",
     )
     ap.add_argument("--prompts", type=int, default=None, help="prompts per configuration (>= batch)")
     ap.add_argument("--new", type=int, default=None, help="max new tokens per response")
@@ -187,7 +190,7 @@ def main() -> None:
     cfg, tok = loaded.config, loaded.tokenizer
     model = from_hf_tensors(cfg, loaded.tensors)
     if args.random_drafter:
-        drafter, dname = init_drafter(model, "random", args.seed), "random (smoke test)"
+        drafter, dname = init_drafter(model, args.seed), "random (smoke test)"
     else:
         try:
             drafter, dname = load_drafter(drafter_path, cfg), str(drafter_path)
@@ -205,14 +208,16 @@ def main() -> None:
     task = ReasoningGymTask(args.task, size=5000, seed=0, dataset_kwargs=TASK_KWARGS[args.task])
     problems, _ = task.batch(args.task_offset, n_prompts)
     prompts = [tok.encode_chat(task.messages(p)) for p in problems]
-    # column -> (strategy, variant); variant "argmax": a chain verified target-only (no rejection sampling)
+    # column -> (strategy, variant); variant "argmax": a chain verified target-only (no rejection sampling);
+    # "fp32": the drafter's weights in float32 (a second SD engine), to compare with the default side by side
     if args.strategies:  # explicit strategies: columns are named after them
         strategies = {}
         for item in args.strategies.split(","):
             name, _, variant = item.partition(":")
-            if variant not in ("", "argmax"):
+            if variant not in ("", "argmax", "fp32"):
                 raise SystemExit(
-                    f"--strategies: unknown variant {variant!r} in {item!r} (use NAME or NAME:argmax)"
+                    f"--strategies: unknown variant {variant!r} in {item!r} "
+                    "(use NAME, NAME:argmax or NAME:fp32)"
                 )
             name = Strategy.parse(name).name
             strategies[f"s{name}" + (f"_{variant}" if variant else "")] = (name, variant)
@@ -228,14 +233,24 @@ def main() -> None:
     eos = [] if args.ignore_eos else list(tok.eos_token_ids)
     plain_engine = RolloutEngine(model, ecfg, eos_ids=eos)
     sd_engine = RolloutEngine(model, ecfg, eos_ids=eos, drafter=drafter, draft_vocab=draft_vocab)
-    modes = {
-        col: sd_engine.add_mode("eagle", s, rejection=False, label=v) if v else sd_engine.add_mode("eagle", s)
-        for col, (s, v) in strategies.items()
-    }
+    engines = {col: sd_engine for col in strategies}
+    modes = {}
+    for col, (s, v) in strategies.items():
+        if v == "argmax":
+            modes[col] = sd_engine.add_mode("eagle", s, rejection=False, label=v)
+        elif v == "fp32":
+            f32_spec = dataclasses.replace(ecfg.spec, drafter_weight_dtype="float32")
+            f32 = dataclasses.replace(ecfg, spec=f32_spec)
+            engines[col] = RolloutEngine(model, f32, eos_ids=eos, drafter=drafter, draft_vocab=draft_vocab)
+            modes[col] = engines[col].add_mode("eagle", s)
+        else:
+            modes[col] = sd_engine.add_mode("eagle", s)
+    wdt = sd_engine.drafter_weight_dtype or "float32"
 
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M fp32; "
-        f"drafter {dname} ({vocab_note}); task {args.task} ({n_prompts} prompts, {min(map(len, prompts))}.."
+        f"drafter {dname} ({vocab_note}, {wdt} weights); task {args.task} ({n_prompts} prompts, "
+        f"{min(map(len, prompts))}.."
         f"{max(map(len, prompts))} tokens); temperature {args.temperature}; <= {new} new tokens; "
         f"cache {cache}; eos {'ignored' if args.ignore_eos else 'stops'}"
     )
@@ -266,7 +281,7 @@ def main() -> None:
             f"{time.perf_counter() - t0:>5.0f}",
             flush=True,
         )
-        rows = [(col, modes[col], sd_engine) for col in strategies]
+        rows = [(col, modes[col], engines[col]) for col in strategies]
         if b == 1 and args.ngram:
             ng_engine = RolloutEngine(model, ecfg, eos_ids=eos)
             rows.append((None, ng_engine.add_mode("ngram", args.ngram), ng_engine))

@@ -57,6 +57,25 @@ def test_kernel_matches_float64_reference(m, k, n):
     _check(np.asarray(y), x, w)
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 576, 3072), (3, 13, 37), (4, 576, 962), (6, 100, 9), (9, 64, 130)])
+def test_bfloat16_weights_widen_exactly(m, k, n):
+    """bfloat16 weights (the engine's drafter on CPU): the kernel computes in fp32 on the exactly widened
+    weights, so it matches the float64 product with the bfloat16 values to fp32 rounding; through `linear`
+    the einsum path agrees too. Rows stay independent of M."""
+    x, w = _data(m, k, n, seed=5)
+    wb = jnp.asarray(w).astype(jnp.bfloat16)
+    w_wide = np.asarray(wb.astype(jnp.float32))
+    assert sml.use_kernel("cpu_ffi", jnp.asarray(x), wb)
+    y = np.asarray(jax.jit(sml.small_m_matmul)(jnp.asarray(x), wb))
+    assert y.dtype == np.float32
+    _check(y, x, w_wide)
+    y_lin = np.asarray(sml.linear(jnp.asarray(x), wb, "cpu_ffi"))
+    np.testing.assert_array_equal(y_lin, y)
+    np.testing.assert_allclose(np.asarray(sml.linear(jnp.asarray(x), wb, "xla")), y, rtol=1e-5, atol=1e-4)
+    one = np.asarray(jax.jit(sml.small_m_matmul)(jnp.asarray(x[-1:]), wb))
+    np.testing.assert_array_equal(one[0], y[-1])
+
+
 def test_rows_are_independent_of_how_many_rows_share_the_call():
     """Row i of a 7-row call equals the 1-row call on row i, bit for bit: the summation order does not depend
     on M, so a verify pass (M = tokens to verify) and a decode step (M = 1) compute the same numbers."""
@@ -96,6 +115,8 @@ def test_dispatch_rules():
     assert sml.use_kernel("cpu_ffi", small, w)
     assert not sml.use_kernel("cpu_ffi", big, w)  # large M: XLA's GEMM
     assert not sml.use_kernel("cpu_ffi", small.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    assert sml.use_kernel("cpu_ffi", small, w.astype(jnp.bfloat16))  # fp32 x, bf16 weights: the kernel
+    assert not sml.use_kernel("cpu_ffi", small, w.astype(jnp.float16))
     assert not sml.use_kernel("xla", small, w)
     # the test session has 8 (fake) devices: "auto" keeps XLA, whose dots the SPMD partitioner understands
     assert jax.device_count() > 1 and not sml.use_kernel("auto", small, w)

@@ -179,11 +179,16 @@ def test_greedy_speculative_with_cpu_kernel_equals_plain(greedy_engine):
     )
     np.testing.assert_array_equal(plain.tokens, plain_xla.tokens)
     np.testing.assert_allclose(plain.logprobs, plain_xla.logprobs, atol=1e-5)
+    # with the kernel, the drafter's weight matrices are kept in bfloat16 ("auto"), its norms in fp32
+    dtypes = {(a.ndim, a.dtype) for a in jax.tree.leaves(engine.drafter_params)}
+    assert dtypes == {(2, jnp.dtype(jnp.bfloat16)), (1, jnp.dtype(jnp.float32))}
     out, mode = assert_chain_and_tree_equal_plain(engine, plain)
     check_stats(out, engine.modes[mode].strategy.max_depth)
     assert out.stats.mean_accept_length > 1.2, (
         "drafts were rarely accepted: the test would not exercise commits"
     )
+    with pytest.raises(ValueError, match="drafter_weight_dtype must be one of"):
+        SpecConfig(drafter_weight_dtype="float16")
 
 
 # ---- caches after speculative rounds ----------------------------------------------------------------------

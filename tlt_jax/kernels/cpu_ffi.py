@@ -29,7 +29,11 @@ import jaxlib
 SOURCE_DIR = pathlib.Path(__file__).parent / "cpu"
 SOURCES = ("small_m_linear.cc", "tree_attention.cc")
 HEADERS = ("parallel.h",)
-TARGETS = {"tlt_small_m_linear": "TltSmallMLinear", "tlt_tree_attention": "TltTreeAttention"}
+TARGETS = {
+    "tlt_small_m_linear": "TltSmallMLinear",
+    "tlt_small_m_linear_bf16": "TltSmallMLinearBf16",
+    "tlt_tree_attention": "TltTreeAttention",
+}
 _CXXFLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-w")
 
 

@@ -9,8 +9,11 @@ M = 1.
 
 `linear(x, w, impl)` is what the models call:
 - "xla": `jnp.einsum` (any backend, any dtype, any sharding).
-- "cpu_ffi": the kernel for float32 with M <= MAX_ROWS rows (einsum above that, where XLA's GEMM is good);
-  differentiable (a custom JVP whose tangent uses einsum, so training works unchanged).
+- "cpu_ffi": the kernel for float32 activations with M <= MAX_ROWS rows and float32 or bfloat16 weights
+  (einsum above that, where XLA's GEMM is good); differentiable (a custom JVP whose tangent uses einsum, so
+  training works unchanged). bfloat16 weights widen exactly inside the kernel (fp32 arithmetic) and halve
+  the bytes a step streams: the engine keeps the drafter's weights that way
+  (`SpecConfig.drafter_weight_dtype`).
 - "auto": "cpu_ffi" when JAX runs on one CPU device and the kernel library is available, else "xla". The
   kernel is opaque to the SPMD partitioner (it would replicate its operands), so multi-device runs keep XLA.
 
@@ -27,19 +30,25 @@ from tlt_jax.kernels import cpu_ffi
 from tlt_jax.models.config import LINEAR_IMPLS
 
 MAX_ROWS = 32  # above this XLA's GEMM is as fast (measured: 1.0x at M = 32 and 64)
-_TARGET = "tlt_small_m_linear"
+_TARGETS = {jnp.dtype(jnp.float32): "tlt_small_m_linear", jnp.dtype(jnp.bfloat16): "tlt_small_m_linear_bf16"}
+WEIGHT_DTYPES = tuple(_TARGETS)
 
 
 def _ffi_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     cpu_ffi.require("small_m_matmul")
+    if x.dtype != jnp.float32 or w.dtype not in _TARGETS:
+        raise TypeError(
+            f"small_m_matmul: needs float32 x and float32/bfloat16 w, got {x.dtype} and {w.dtype}"
+        )
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), jnp.float32)
     # vmap over x only: the unbatched weight gets a unit leading dimension, which the kernel accepts.
-    return jax.ffi.ffi_call(_TARGET, out, vmap_method="expand_dims")(x, w)
+    return jax.ffi.ffi_call(_TARGETS[jnp.dtype(w.dtype)], out, vmap_method="expand_dims")(x, w)
 
 
 @jax.custom_jvp
 def small_m_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x @ w.T` for float32 x [..., K] and w [N, K] by the CPU kernel (registered by `cpu_ffi`)."""
+    """`x @ w.T` for float32 x [..., K] and float32 or bfloat16 w [N, K] by the CPU kernel (registered by
+    `cpu_ffi`); the result is float32 (bfloat16 weights are widened exactly)."""
     return _ffi_matmul(x, w)
 
 
@@ -55,6 +64,11 @@ def _einsum(x: jax.Array, w: jax.Array, preferred_element_type: jnp.dtype | None
     return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=preferred_element_type)
 
 
+def kernel_enabled(impl: str) -> bool:
+    """Whether `linear_impl=impl` runs the CPU kernel at all here ("auto": one CPU device + the library)."""
+    return impl == "cpu_ffi" or (impl == "auto" and cpu_ffi.auto_enabled())
+
+
 def use_kernel(impl: str, x: jax.Array, w: jax.Array) -> bool:
     """Whether `linear(x, w, impl)` runs the CPU kernel (decided at trace time from static shapes)."""
     if impl not in LINEAR_IMPLS:
@@ -66,7 +80,7 @@ def use_kernel(impl: str, x: jax.Array, w: jax.Array) -> bool:
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
-    fits = x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2 and rows <= MAX_ROWS
+    fits = x.dtype == jnp.float32 and w.dtype in _TARGETS and w.ndim == 2 and rows <= MAX_ROWS
     if fits and impl == "cpu_ffi":
         cpu_ffi.require("linear_impl='cpu_ffi'")
     return fits

@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tlt_jax import sharding as shd
+from tlt_jax.kernels import small_m_linear
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer
@@ -206,8 +207,10 @@ class RolloutEngine:
         self.compile_count = 0
         self._compiled: dict[Any, Callable] = {}
         self.drafter_graphdef, self.drafter_params = None, None
+        self.drafter_weight_dtype = _drafter_weight_dtype(config.spec.drafter_weight_dtype, model)
         if drafter is not None:
             self.drafter_graphdef, dparams = nnx.split(drafter, nnx.Param)
+            dparams = self._cast_drafter(dparams)
             self._drafter_shardings = shd.param_shardings(dparams, self.mesh)
             self.drafter_params = jax.device_put(dparams, self._drafter_shardings)
         # the learned drafter's reduced LM-head vocabulary (`speculative.eagle_draft`); None: the full head
@@ -235,7 +238,14 @@ class RolloutEngine:
         """Swap in new drafter weights (same shapes/shardings: no recompilation)."""
         if self.drafter_graphdef is None:
             raise ValueError("this engine has no drafter: pass RolloutEngine(..., drafter=Drafter(...))")
-        self.drafter_params = jax.device_put(params, self._drafter_shardings)
+        self.drafter_params = jax.device_put(self._cast_drafter(params), self._drafter_shardings)
+
+    def _cast_drafter(self, params: Any) -> Any:
+        """The drafter's weight matrices in `drafter_weight_dtype` (norm scales and biases stay as is)."""
+        dt = self.drafter_weight_dtype
+        if dt is None:
+            return params
+        return jax.tree.map(lambda a: a.astype(dt) if a.ndim == 2 and a.dtype != dt else a, params)
 
     def model(self, params: Any | None = None) -> Transformer:
         return nnx.merge(self.graphdef, self.params if params is None else params)
@@ -387,6 +397,8 @@ class RolloutEngine:
             # the draft vocabulary's rows of the shared head, gathered once per chunk (not per draft step)
             vocab = None if draft_vocab is None else jnp.asarray(draft_vocab)
             draft_head = None if vocab is None else jnp.take(model.head_weight(), vocab, axis=0)
+            if draft_head is not None and self.drafter_weight_dtype is not None:
+                draft_head = draft_head.astype(self.drafter_weight_dtype)
 
             def draft(st: DecodeState, bank: NgramBank | None) -> tuple[Any, KVCache | None]:
                 if mode.drafter == "eagle":
@@ -843,6 +855,13 @@ class RolloutEngine:
                     newly[r] = True
                     break
         return newly
+
+
+def _drafter_weight_dtype(name: str, model: Transformer) -> jnp.dtype | None:
+    """SpecConfig.drafter_weight_dtype -> the dtype to cast the drafter's matrices to (None: leave them)."""
+    if name == "auto":
+        return jnp.dtype(jnp.bfloat16) if small_m_linear.kernel_enabled(model.cfg.linear_impl) else None
+    return jnp.dtype(name)
 
 
 def _bank_update(bank: NgramBank, state: DecodeState) -> NgramBank:

@@ -131,6 +131,9 @@ class Strategy:
         return max(self.tokens_to_verify, self.draft_slots, self.max_depth + 1)
 
 
+DRAFTER_WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """Speculative rollouts. `threshold`: SD turns on once at most this many rows are running and have been
@@ -140,6 +143,11 @@ class SpecConfig:
     prompt, the row's response and up to `ngram_siblings` sibling responses of the same prompt.
     `chain_rejection`: learned-drafter chains (topk = 1) sample their drafts and verify them by rejection
     sampling at temperature > 0 (higher acceptance when the drafter's distribution is close to the target's).
+    `drafter_weight_dtype`: the dtype the engine keeps the drafter's weight matrices (and its reduced LM head)
+    in: "float32", "bfloat16", or "auto" = bfloat16 where the target's matmuls run the CPU kernel (which
+    widens bfloat16 exactly and computes in fp32, so a draft step streams half the bytes), else the drafter's
+    own dtype. Drafts are proposals and a sampled chain's q is the distribution actually sampled, so any
+    dtype keeps SD lossless; it only moves the acceptance rate (measured: unchanged, docs/benchmarks.md).
     """
 
     enabled: bool = False
@@ -151,6 +159,7 @@ class SpecConfig:
     ngram_min: int = 1
     ngram_siblings: int = 16
     chain_rejection: bool = True
+    drafter_weight_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -160,6 +169,11 @@ class SpecConfig:
             raise ValueError("SpecConfig: need 1 <= ngram_min <= ngram_max")
         if self.threshold < 0 or self.min_steps_below < 0 or self.ngram_siblings < 0:
             raise ValueError("SpecConfig: threshold, min_steps_below and ngram_siblings must be >= 0")
+        if self.drafter_weight_dtype not in DRAFTER_WEIGHT_DTYPES:
+            raise ValueError(
+                f"SpecConfig.drafter_weight_dtype must be one of {DRAFTER_WEIGHT_DTYPES}, "
+                f"got {self.drafter_weight_dtype!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +390,7 @@ def eagle_draft(
         t = tok_bt.shape[1]
         emb = target.embed_tokens(tok_bt)
         x_new = linear(jnp.concatenate([emb, feat_bth.astype(emb.dtype)], -1), fc, cfg.linear_impl)
-        x_buf = jax.lax.dynamic_update_slice_in_dim(buf["x"], x_new.astype(fc.dtype), off, axis=1)
+        x_buf = jax.lax.dynamic_update_slice_in_dim(buf["x"], x_new.astype(buf["x"].dtype), off, axis=1)
         own = jax.nn.one_hot(off + jnp.arange(t), nd, dtype=bool)[None]
         rows_vis = jnp.take_along_axis(buf["vis"], parent_slot_bt[:, :, None], axis=1) | own
         vis = jax.lax.dynamic_update_slice_in_dim(buf["vis"], rows_vis, off, axis=1)
@@ -414,7 +428,7 @@ def eagle_draft(
         return lq, to_token(idx), q
 
     buf = {
-        "x": jnp.zeros((b, nd, cfg.hidden_size), fc.dtype),
+        "x": jnp.zeros((b, nd, cfg.hidden_size), jnp.dtype(cfg.dtype)),  # activations (weights may be bf16)
         "vis": jnp.broadcast_to(jnp.eye(nd, dtype=bool), (b, nd, nd)),
         "k": dcache.k[0],
         "v": dcache.v[0],
