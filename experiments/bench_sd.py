@@ -3,7 +3,9 @@
 SmolLM2-135M (GGUF) samples responses to reasoning-gym prompts (chain_sum by default, or gsm_symbolic; the
 default step-by-step system prompt and instruction, through the chat template, as the drafter warm-up uses)
 at temperature 0.9. For every batch size B and tokens_to_verify TV, the same prompts and the same PRNG keys
-run twice (after one untimed warm-up run each, so compilation is excluded):
+run in interleaved pairs, plain then SD, `--reps` times (3 with --quick) after one untimed warm-up run each
+(so compilation is excluded); speedup and round cost are the medians of the per-pair ratios, so a drift of
+the machine's speed during the run (+-15% on this VM) cancels within a pair:
   * plain: an engine without a drafter (pure plain decoding, no drafter-cache upkeep);
   * SD:    an engine with the warmed EAGLE drafter, speculative for the whole rollout
            (ThresholdSelector(threshold=B, min_steps_below=0): SD from the first chunk).
@@ -35,6 +37,7 @@ import os
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -98,40 +101,77 @@ class Totals:
         return self.accepted / self.rounds if self.rounds else float("nan")
 
 
-def measure(
+def one_pass(
+    engine: RolloutEngine, groups: list[list[list[int]]], mode: str | None, new: int, temp: float, seed: int
+) -> Totals:
+    """One rollout of every prompt group: plain (mode None) or speculative from the first chunk."""
+    sp = SamplingParams(temperature=temp)
+    tot = Totals()
+    c0 = engine.compile_count
+    for i, prompts in enumerate(groups):
+        if mode is None:
+            sel = lambda running: "plain"  # noqa: E731
+        else:  # SD for the whole rollout: on from the first chunk
+            sel = ThresholdSelector(mode, threshold=len(prompts), min_steps_below=0)
+        out = engine.generate(
+            prompts, n=1, key=jax.random.key(seed + i), sampling=sp, max_new_tokens=new, mode_selector=sel
+        )
+        tot.add(out.stats, spec=mode is not None)
+    tot.compiles = engine.compile_count - c0
+    return tot
+
+
+@dataclasses.dataclass
+class Pairs:
+    """`reps` interleaved (plain, SD) passes over the same prompts and keys: medians of the per-pair ratios,
+    so a drift of the machine's speed during the run cancels within each pair."""
+
+    plain: list[Totals]
+    sd: list[Totals]
+
+    def _median_ratio(self, f: Callable[[Totals], float]) -> float:
+        pairs = zip(self.plain, self.sd, strict=True)
+        return float(np.median([f(s) / max(f(p), 1e-9) for p, s in pairs]))
+
+    @property
+    def speedup(self) -> float:
+        return self._median_ratio(lambda t: t.tok_s)
+
+    @property
+    def round_cost(self) -> float:
+        return self._median_ratio(lambda t: t.step_seconds)
+
+    @property
+    def plain_tok_s(self) -> float:
+        return float(np.median([p.tok_s for p in self.plain]))
+
+    @property
+    def sd_tok_s(self) -> float:
+        return float(np.median([s.tok_s for s in self.sd]))
+
+
+def measure_pairs(
+    plain_engine: RolloutEngine,
     engine: RolloutEngine,
     groups: list[list[list[int]]],
-    mode: str | None,
+    mode: str,
     new: int,
     temp: float,
     seed: int,
     reps: int,
-) -> Totals:
-    """Warm-up pass (compiles every program the trajectory needs), then `reps` timed passes; best tok/s."""
-    sp = SamplingParams(temperature=temp)
-
-    def one_pass() -> Totals:
-        tot = Totals()
-        for i, prompts in enumerate(groups):
-            if mode is None:
-                sel = lambda running: "plain"  # noqa: E731
-            else:  # SD for the whole rollout: on from the first chunk
-                sel = ThresholdSelector(mode, threshold=len(prompts), min_steps_below=0)
-            out = engine.generate(
-                prompts, n=1, key=jax.random.key(seed + i), sampling=sp, max_new_tokens=new, mode_selector=sel
-            )
-            tot.add(out.stats, spec=mode is not None)
-        return tot
-
-    one_pass()
-    best = None
+    warm: set,
+) -> Pairs:
+    """Untimed warm-up passes (they compile every program the trajectories need; the plain one once per
+    batch), then `reps` timed pairs: a plain pass, then an SD pass."""
+    if id(plain_engine) not in warm:
+        one_pass(plain_engine, groups, None, new, temp, seed)
+        warm.add(id(plain_engine))
+    one_pass(engine, groups, mode, new, temp, seed)
+    out = Pairs([], [])
     for _ in range(reps):
-        c0 = engine.compile_count
-        tot = one_pass()
-        tot.compiles = engine.compile_count - c0
-        if best is None or tot.tok_s > best.tok_s:
-            best = tot
-    return best
+        out.plain.append(one_pass(plain_engine, groups, None, new, temp, seed))
+        out.sd.append(one_pass(engine, groups, mode, new, temp, seed))
+    return out
 
 
 def main() -> None:
@@ -161,7 +201,13 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=None, help="max new tokens per response")
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--ngram", default="4_1_5", help="n-gram drafter strategy at batch 1 ('' to skip)")
-    ap.add_argument("--reps", type=int, default=1, help="timed passes per configuration (best kept)")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="interleaved (plain, SD) timed pairs per configuration; the median ratio is reported "
+        "(default 3 with --quick, else 1)",
+    )
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --new tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -269,27 +315,26 @@ def main() -> None:
         f"\n{'batch':>5} {'column':>8} {'strategy':>11} {'plain tok/s':>11} {'SD tok/s':>9} {'speedup':>7} "
         f"{'accept':>6} {'round/step':>10} {'tokens':>7} {'s':>5}"
     )
-    print("(round/step: device time of one verify round, drafting included, in plain decode steps)")
+    print(
+        "(round/step: device time of one verify round, drafting included, in plain decode steps; speedup and"
+        f" round/step: medians over {args.reps or (3 if args.quick else 1)} interleaved plain/SD pairs)"
+    )
+    reps = args.reps or (3 if args.quick else 1)
+    warm: set = set()
     for b in batches:
         groups = groups_for(b)
-        t0 = time.perf_counter()
-        base = measure(plain_engine, groups, None, new, args.temperature, args.seed, args.reps)
-        results[f"plain_tok_s_bs{b}"] = base.tok_s
-        print(
-            f"{b:>5} {'-':>8} {'plain':>11} {base.tok_s:>11.1f} {'':>9} {'':>7} {'':>6} {'':>10} "
-            f"{base.tokens:>7} "
-            f"{time.perf_counter() - t0:>5.0f}",
-            flush=True,
-        )
         rows = [(col, modes[col], engines[col]) for col in strategies]
         if b == 1 and args.ngram:
             ng_engine = RolloutEngine(model, ecfg, eos_ids=eos)
             rows.append((None, ng_engine.add_mode("ngram", args.ngram), ng_engine))
+        plain_rates = []
         for col, mode, eng in rows:
             t0 = time.perf_counter()
-            sd = measure(eng, groups, mode, new, args.temperature, args.seed, args.reps)
-            speed = sd.tok_s / max(base.tok_s, 1e-9)
-            round_cost = sd.step_seconds / max(base.step_seconds, 1e-9)
+            pairs = measure_pairs(
+                plain_engine, eng, groups, mode, new, args.temperature, args.seed, reps, warm
+            )
+            speed, round_cost, sd = pairs.speedup, pairs.round_cost, pairs.sd[0]
+            plain_rates.extend(p.tok_s for p in pairs.plain)
             if col is None:
                 results["ngram_speedup_bs1"], results["ngram_accept_len_bs1"] = speed, sd.accept_len
                 results["ngram_round_cost_bs1"] = round_cost
@@ -297,13 +342,15 @@ def main() -> None:
                 cells[(b, col)] = (speed, sd.accept_len)
                 results[f"speedup_bs{b}_{col}"], results[f"accept_bs{b}_{col}"] = speed, sd.accept_len
                 results[f"round_cost_bs{b}_{col}"] = round_cost
-            warn = f"  ({sd.compiles} compiles while timed!)" if sd.compiles else ""
+            compiles = sum(t.compiles for t in pairs.plain + pairs.sd)
+            warn = f"  ({compiles} compiles while timed!)" if compiles else ""
             print(
-                f"{b:>5} {col or '-':>8} {mode:>11} {base.tok_s:>11.1f} {sd.tok_s:>9.1f} {speed:>6.2f}x "
-                f"{sd.accept_len:>6.2f} {round_cost:>10.2f} {sd.tokens:>7} {time.perf_counter() - t0:>5.0f}"
-                f"{warn}",
+                f"{b:>5} {col or '-':>8} {mode:>11} {pairs.plain_tok_s:>11.1f} {pairs.sd_tok_s:>9.1f} "
+                f"{speed:>6.2f}x {sd.accept_len:>6.2f} {round_cost:>10.2f} {sd.tokens:>7} "
+                f"{time.perf_counter() - t0:>5.0f}{warn}",
                 flush=True,
             )
+        results[f"plain_tok_s_bs{b}"] = float(np.median(plain_rates))
 
     print("\nTable 4 shape: speedup (accept length); rows batch size, columns tokens_to_verify / strategy")
     print(f"{'batch':>5} " + " ".join(f"{col:>14}" for col in strategies))
