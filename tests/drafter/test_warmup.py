@@ -216,3 +216,13 @@ def test_warmup_end_to_end_and_resume(tmp_path):
     from tlt_jax import main
 
     assert main.run(config, str(wd)) == "done"
+    assert read_metrics(wd / "metrics.jsonl") == rows2
+
+    # a longer schedule for the finished workdir trains on from step 6 (no new data) and saves step 8
+    config.train.steps = 8
+    assert warmup.run(config, wd) == "done"
+    longer = json.loads((wd / warmup.RESULT_FILE).read_text())
+    assert longer["complete"] and longer["drafter_checkpoint"]["step"] == 8
+    rows3 = read_metrics(wd / "metrics.jsonl")
+    assert [r["step"] for r in rows3 if "train/loss" in r] == [2, 4, 6, 8]
+    assert json.loads((wd / warmup.PHASE_TIMES_FILE).read_text())["generate_train"] == gen_time

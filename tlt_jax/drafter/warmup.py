@@ -3,7 +3,8 @@
     python -m tlt_jax.main --config configs/drafter_warmup.py --workdir DIR
     python -m tlt_jax.drafter.warmup --config configs/drafter_warmup.py --workdir DIR   (equivalent)
 
-Phases (each resumable; a rerun with the same workdir skips what is done):
+Phases (each resumable; a rerun with the same workdir skips what is done, and a rerun of a finished workdir
+with a larger `train.steps` trains on from its last state, the schedule warm-restarted for the new length):
 1. load the target (GGUF / HF dir, or a tiny random model) and its tokenizer;
 2. data: the target answers task prompts (chat template; `config.generation`) with the RolloutEngine, which
    records the target's final hidden states as it goes (`EngineConfig.record_hidden`: the prefill's for the
@@ -608,8 +609,13 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
     times = PhaseTimes(wd / PHASE_TIMES_FILE)
     result_path = wd / RESULT_FILE
     if result_path.exists() and json.loads(result_path.read_text()).get("complete"):
-        _log(f"already complete: {result_path}")
-        return "done"
+        trained = int(json.loads(result_path.read_text()).get("drafter_checkpoint", {}).get("step", 0))
+        if trained >= int(config.train.steps):
+            _log(f"already complete: {result_path}")
+            return "done"
+        # a longer schedule for a finished workdir: training resumes from its last state (the cosine
+        # schedule is recomputed for the new length: a warm restart), on the cached data plus any new prompts
+        _log(f"extending the finished warm-up from {trained} to {int(config.train.steps)} training steps")
     tracker = JsonlTracker(wd)
     tracker.log_config(config)
     t_run = time.perf_counter()
