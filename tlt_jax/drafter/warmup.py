@@ -10,8 +10,8 @@ with a larger `train.steps` trains on from its last state, the schedule warm-res
    records the target's final hidden states as it goes (`EngineConfig.record_hidden`: the prefill's for the
    prompt, each decode step's for the token it fed), so the features cost no second pass; with
    `generation.record_hidden=False` a target forward over prompt + response (packed rows with a block
-   mask, fixed shapes; the n responses of a prompt share one copy of it) computes them instead (40% of
-   the data time on CPU). Each engine batch is cached as
+   mask, fixed shapes; the n responses of a prompt share one copy of it) computes them instead (a third
+   of the data time on CPU). Each engine batch is cached as
    `DIR/data/{train,eval}_NNN.npz` (tokens, features in float16, timings), so a rerun reuses it. Held-out
    eval prompts come after the training prompts in the task's order (different problems); by default they
    are sampled like the training data (`eval.temperature=0` gives exact greedy-SD numbers, see
@@ -608,8 +608,9 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
     data_dir.mkdir(exist_ok=True)
     times = PhaseTimes(wd / PHASE_TIMES_FILE)
     result_path = wd / RESULT_FILE
-    if result_path.exists() and json.loads(result_path.read_text()).get("complete"):
-        trained = int(json.loads(result_path.read_text()).get("drafter_checkpoint", {}).get("step", 0))
+    finished = json.loads(result_path.read_text()) if result_path.exists() else {}
+    if finished.get("complete"):
+        trained = int(finished.get("drafter_checkpoint", {}).get("step", 0))
         if trained >= int(config.train.steps):
             _log(f"already complete: {result_path}")
             return "done"
