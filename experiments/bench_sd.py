@@ -159,13 +159,9 @@ def measure_pairs(
     temp: float,
     seed: int,
     reps: int,
-    warm: set,
 ) -> Pairs:
-    """Untimed warm-up passes (they compile every program the trajectories need; the plain one once per
-    batch), then `reps` timed pairs: a plain pass, then an SD pass."""
-    if id(plain_engine) not in warm:
-        one_pass(plain_engine, groups, None, new, temp, seed)
-        warm.add(id(plain_engine))
+    """An untimed SD warm-up pass (it compiles every program the trajectory needs; the caller warms the plain
+    engine up once per batch size), then `reps` timed pairs: a plain pass, then an SD pass."""
     one_pass(engine, groups, mode, new, temp, seed)
     out = Pairs([], [])
     for _ in range(reps):
@@ -320,9 +316,9 @@ def main() -> None:
         f" round/step: medians over {args.reps or (3 if args.quick else 1)} interleaved plain/SD pairs)"
     )
     reps = args.reps or (3 if args.quick else 1)
-    warm: set = set()
     for b in batches:
         groups = groups_for(b)
+        one_pass(plain_engine, groups, None, new, args.temperature, args.seed)  # untimed: compiles
         rows = [(col, modes[col], engines[col]) for col in strategies]
         if b == 1 and args.ngram:
             ng_engine = RolloutEngine(model, ecfg, eos_ids=eos)
@@ -330,9 +326,7 @@ def main() -> None:
         plain_rates = []
         for col, mode, eng in rows:
             t0 = time.perf_counter()
-            pairs = measure_pairs(
-                plain_engine, eng, groups, mode, new, args.temperature, args.seed, reps, warm
-            )
+            pairs = measure_pairs(plain_engine, eng, groups, mode, new, args.temperature, args.seed, reps)
             speed, round_cost, sd = pairs.speedup, pairs.round_cost, pairs.sd[0]
             plain_rates.extend(p.tok_s for p in pairs.plain)
             if col is None:

@@ -31,7 +31,6 @@ from tlt_jax.models.config import LINEAR_IMPLS
 
 MAX_ROWS = 32  # above this XLA's GEMM is as fast (measured: 1.0x at M = 32 and 64)
 _TARGETS = {jnp.dtype(jnp.float32): "tlt_small_m_linear", jnp.dtype(jnp.bfloat16): "tlt_small_m_linear_bf16"}
-WEIGHT_DTYPES = tuple(_TARGETS)
 
 
 def _ffi_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
