@@ -48,8 +48,13 @@ def test_bench_sd_smoke(smollm_gguf_path):
         "--reps",
         "1",
     )
-    assert res["best_bs1"] == "2_1_3"
-    for col in ("s2_1_3", "s2_1_3_fp32"):
+    speedups = {}
+    for name, col in (("2_1_3", "s2_1_3"), ("2_1_3:fp32", "s2_1_3_fp32")):
         assert float(res[f"accept_bs1_{col}"]) >= 1.0  # accepted drafts + the bonus token
-        assert float(res[f"speedup_bs1_{col}"]) > 0 and float(res[f"round_cost_bs1_{col}"]) > 0
+        assert float(res[f"round_cost_bs1_{col}"]) > 0
+        speedups[name] = float(res[f"speedup_bs1_{col}"])
+        assert speedups[name] > 0
+    # The headline is the faster of the two (which one wins is timing, so it is not asserted here).
+    assert speedups[res["best_bs1"]] == max(speedups.values())
+    assert float(res["sd_speedup_bs1"]) == speedups[res["best_bs1"]]
     assert float(res["plain_tok_s_bs1"]) > 0
