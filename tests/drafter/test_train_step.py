@@ -114,6 +114,46 @@ def test_packed_loss_equals_separate_losses(target):
     assert np.abs(np.asarray(t_leak["feat"])[later] - np.asarray(t_ok["feat"])[later]).max() > 1e-4
 
 
+def test_loss_is_smooth_l1_plus_soft_ce_against_a_numpy_reference(target):
+    """The EAGLE loss written out in NumPy from the drafter's outputs on each sample alone: w_feat * SmoothL1
+    (beta) of the predicted vs true next feature, averaged over the hidden axis, plus w_ce * the soft
+    cross-entropy of the drafter's next-token distribution against the target's, both averaged over the
+    response pairs of all samples. Non-default weights and beta, so each one has to be used as stated."""
+    samples = make_samples(target, [10, 14, 7], [3, 5, 2], seed=5)
+    drafter = Drafter(CFG, nnx.Rngs(4))
+    graphdef, params = nnx.split(drafter, nnx.Param)
+    emb, head = weights(target)
+    w_feat, w_ce, beta = 0.7, 0.3, 0.5
+    feats, ces = [], []
+    for s in samples:
+        tok, hid, n = np.asarray(s.tokens), np.asarray(s.hidden, np.float32), len(s.tokens)
+        # pair t = (x_{t+1}, h_t) at position t + 1 predicts h_{t+1}; it carries loss iff x_{t+1} is a
+        # response token
+        h_draft, _ = drafter(
+            jnp.asarray(np.asarray(emb)[tok[1:]])[None], jnp.asarray(hid[:-1])[None], jnp.arange(1, n)[None]
+        )
+        h_draft, h_true = np.asarray(h_draft[0], np.float64), hid[1:].astype(np.float64)
+        keep = np.asarray(s.loss_mask[1:], bool)
+        d = np.abs(h_draft - h_true)
+        feats.append(np.where(d < beta, 0.5 * d**2 / beta, d - 0.5 * beta).mean(-1)[keep])
+        w = np.asarray(head, np.float64)
+        t_logits, d_logits = h_true @ w.T, h_draft @ w.T
+        p = np.exp(t_logits - t_logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        log_q = d_logits - d_logits.max(-1, keepdims=True)
+        log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
+        ces.append(-(p * log_q).sum(-1)[keep])
+    feat, ce = np.concatenate(feats).mean(), np.concatenate(ces).mean()
+    assert len(np.concatenate(feats)) == sum(s.num_response for s in samples)
+
+    packed = ts.to_device(ts.pack_samples(samples, seq_len=32, rows=1)[0])  # all three in one row
+    cfg = ts.LossConfig(w_feat=w_feat, w_ce=w_ce, smooth_l1_beta=beta)
+    loss, m = loss_and_metrics(params, graphdef, packed, emb, head, cfg)
+    np.testing.assert_allclose(float(m["feat_loss"]), feat, rtol=1e-4)
+    np.testing.assert_allclose(float(m["ce"]), ce, rtol=1e-4)
+    np.testing.assert_allclose(float(loss), w_feat * feat + w_ce * ce, rtol=1e-4)
+
+
 def test_loss_position_gather_and_ce_subset(target):
     samples = make_samples(target, [10, 14, 7, 12, 9], [3, 5, 2, 4, 3], seed=4)
     params_graph = nnx.split(Drafter(CFG, nnx.Rngs(2)), nnx.Param)

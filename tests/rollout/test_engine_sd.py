@@ -97,7 +97,8 @@ def check_stats(out, max_depth: int) -> None:
 # ---- greedy: speculative == plain, token for token ------------------------------------------------------
 
 PROMPTS = [[9, 9, 2], [81, 65, 35, 40, 6, 10, 3, 23, 104, 83]]  # different lengths in one batch
-MODES = [("eagle", "3_1_4"), ("eagle", "3_2_6"), ("ngram", "2_2_5")]  # the n-gram chain: see below
+# learned chain and tree, n-gram tree and chain
+MODES = [("eagle", "3_1_4"), ("eagle", "3_2_6"), ("ngram", "2_2_5"), ("ngram", "3_1_4")]
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +134,8 @@ def test_greedy_speculative_equals_plain(greedy_engine, which):
     assert out.finish_reason == plain.finish_reason
     np.testing.assert_allclose(out.logprobs, plain.logprobs, atol=1e-5)
     assert all(c.mode == mode for c in out.stats.chunks)
+    # drafts were accepted (identity with plain would hold trivially if every round emitted the bonus only)
+    assert out.stats.mean_accept_length > 1.2, (mode, out.stats.mean_accept_length)
 
 
 def assert_chain_and_tree_equal_plain(engine: RolloutEngine, plain) -> tuple:
@@ -236,23 +239,37 @@ def _check_caches(engine: RolloutEngine, state, prompts: list[list[int]], n: int
 
 
 def test_caches_after_speculative_rounds_equal_a_fresh_pass(greedy_engine):
-    """Prefill, plain steps (the drafter kept in step), EAGLE tree rounds and n-gram rounds on rows at
+    """Prefill, plain steps (the drafter kept in step), EAGLE chain, EAGLE tree and n-gram rounds on rows at
     different lengths: after each chunk the target cache equals a fresh target pass over the committed
     tokens, the drafter cache a fresh drafter pass over the same (token, target feature) pairs, and the
-    carried hidden state is the target's last committed one. Uses the warm programs of the greedy engine."""
+    carried hidden state is the target's last committed one."""
     engine, names, _ = greedy_engine
-    prompts = [[62, 54, 52, 4], PROMPTS[1]]  # no EOS within 40 tokens: every row stays live
-    state = engine.prefill(prompts, n=2, key=jax.random.key(0), sampling=GREEDY, max_new_tokens=40)
+    prompts = [[62, 54, 52, 4], PROMPTS[1]]  # no EOS within 64 tokens: rows stay live until the budget
+    state = engine.prefill(prompts, n=2, key=jax.random.key(0), sampling=GREEDY, max_new_tokens=64)
     assert _check_caches(engine, state, prompts, 2) == 4
-    bank = engine.new_bank(4, 2, 40)
+    bank = engine.new_bank(4, 2, 64)
     accepted = 0
-    for mode in ("plain", names[1], names[2]):
-        state, _, extra, bank = engine.decode_chunk(state, mode, GREEDY, 40, bank)
+    for mode in ("plain", names[0], names[1], names[2]):  # plain, EAGLE chain, EAGLE tree, n-gram tree
+        state, _, extra, bank = engine.decode_chunk(state, mode, GREEDY, 64, bank)
         if mode != "plain":
             accepted += extra["accepted_tokens"] - extra["verify_rounds"]  # drafts accepted
         assert _check_caches(engine, state, prompts, 2) >= (4 if mode != names[2] else 1)
     assert accepted > 0, "no draft was accepted: commits of tree paths went untested"
     assert len(set(np.asarray(state.cache.lengths)[:4].tolist())) > 1, "rows should be at different lengths"
+
+
+def test_caches_after_sampled_chain_rounds_equal_a_fresh_pass(greedy_engine):
+    """Temperature 0.9: learned chains sample their drafts and verify them by rejection sampling; the
+    committed tokens (whatever was accepted) leave both caches and the carried hidden state as a fresh pass
+    over them would."""
+    engine, names, _ = greedy_engine
+    sp = SamplingParams(temperature=0.9)
+    assert engine.modes[names[0]].rejection
+    prompts = [[62, 54, 52, 4], PROMPTS[1]]
+    state = engine.prefill(prompts, n=2, key=jax.random.key(3), sampling=sp, max_new_tokens=40)
+    state, _, extra, _ = engine.decode_chunk(state, names[0], sp, 40, None)
+    assert extra["accepted_tokens"] > extra["verify_rounds"], "no sampled draft was accepted"
+    assert _check_caches(engine, state, prompts, 2) >= 1
 
 
 # ---- switching at a threshold, compaction, mode alternation, no recompiles -------------------------------
