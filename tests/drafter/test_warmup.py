@@ -16,7 +16,7 @@ from tlt_jax.drafter import warmup
 from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
-from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.checkpoint import Checkpointer, DrafterCheckpointer
 from tlt_jax.utils.tracking import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -198,6 +198,15 @@ def test_warmup_end_to_end_and_resume(tmp_path):
         not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(init), strict=True)
     )
     assert loaded.cfg.num_layers == 1
+    # the stored checkpoint holds the drafter's own weights only: fc and its one layer, no target-sized
+    # embedding or LM head [V, H] and no optimizer state
+    dckpt = DrafterCheckpointer(wd / warmup.DRAFTER_DIR, async_save=False)
+    stored = dckpt.restore()
+    dckpt.close()
+    assert set(stored) == {"fc", "layer"}
+    n_stored = sum(np.asarray(x).size for x in jax.tree.leaves(stored))
+    assert n_stored == sum(x.size for x in jax.tree.leaves(got))
+    assert all(config.model.random.vocab_size not in np.shape(x) for x in jax.tree.leaves(stored))
 
     # a rerun of a finished workdir does nothing; after losing the final outputs it resumes: cached data,
     # no new training steps, the same trained drafter
