@@ -235,3 +235,13 @@ def test_warmup_end_to_end_and_resume(tmp_path):
     rows3 = read_metrics(wd / "metrics.jsonl")
     assert [r["step"] for r in rows3 if "train/loss" in r] == [2, 4, 6, 8]
     assert json.loads((wd / warmup.PHASE_TIMES_FILE).read_text())["generate_train"] == gen_time
+
+
+def test_config_args():
+    """`:long` is the default SmolLM2 warm-up with more data and steps, nothing else; unknown args fail."""
+    default, long = load_config(), load_config("long")
+    assert (long.generation.num_prompts, long.train.steps) == (768, 3600)
+    long.generation.num_prompts, long.train.steps = default.generation.num_prompts, default.train.steps
+    assert long.to_dict() == default.to_dict()
+    with pytest.raises(ValueError, match="unknown config arg 'longer'"):
+        load_config("longer")
