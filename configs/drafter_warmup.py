@@ -146,7 +146,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.eval.seq_len = 128
     elif arg == "long":
         # acceptance is bound by data and then by steps (docs/benchmarks.md: 512 -> 3072 sequences and 400 ->
-        # 3600 steps take a 3-draft chain's held-out accept length from 1.93 to 2.6)
+        # 3600 steps take a 3-draft chain's held-out accept length from 1.93 to 2.68)
         c.generation.num_prompts = 768
         c.train.steps = 3600
     elif arg:
