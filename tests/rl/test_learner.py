@@ -150,6 +150,7 @@ def test_shared_prompt_logprobs_match_a_full_forward(chunk: int) -> None:
         np.testing.assert_allclose(out.logp[row, :length], want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_micro_batching_and_fsdp_do_not_change_the_update() -> None:
     """Gradient accumulation over micro-batches (and sharding params over data) = one full-batch step."""
     batch = random_batch(1)  # 4 groups x 2 samples
