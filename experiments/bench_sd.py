@@ -311,11 +311,11 @@ def main() -> None:
         f"\n{'batch':>5} {'column':>8} {'strategy':>11} {'plain tok/s':>11} {'SD tok/s':>9} {'speedup':>7} "
         f"{'accept':>6} {'round/step':>10} {'tokens':>7} {'s':>5}"
     )
+    reps = args.reps or (3 if args.quick else 1)
     print(
         "(round/step: device time of one verify round, drafting included, in plain decode steps; speedup and"
-        f" round/step: medians over {args.reps or (3 if args.quick else 1)} interleaved plain/SD pairs)"
+        f" round/step: medians over {reps} interleaved plain/SD pairs)"
     )
-    reps = args.reps or (3 if args.quick else 1)
     for b in batches:
         groups = groups_for(b)
         one_pass(plain_engine, groups, None, new, args.temperature, args.seed)  # untimed: compiles

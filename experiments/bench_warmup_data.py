@@ -19,7 +19,6 @@ generate_s_forward=... forward_s=... max_feature_diff=...`.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import pathlib
 import statistics
 import sys
@@ -31,17 +30,9 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tlt_jax.config_lib import load_config_file  # noqa: E402
 from tlt_jax.drafter import warmup  # noqa: E402
 from tlt_jax.rl.tasks import make_task  # noqa: E402
-
-
-def load_config():  # noqa: ANN201
-    spec = importlib.util.spec_from_file_location(
-        "drafter_warmup_cfg", ROOT / "configs" / "drafter_warmup.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config(None)
 
 
 def main() -> None:
@@ -50,7 +41,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None, help="prompts per build (multiple of 16)")
     ap.add_argument("--reps", type=int, default=None, help="alternating rounds (recorded, forward)")
     args = ap.parse_args()
-    config = load_config()
+    config = load_config_file(ROOT / "configs" / "drafter_warmup.py")
     model_path = pathlib.Path(config.model.path)
     if not model_path.exists():
         sys.exit(f"missing {model_path}: run `make setup` (it fetches the SmolLM2 GGUF)")

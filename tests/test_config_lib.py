@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import jax
@@ -18,10 +17,7 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
 def load_config(name: str, arg: str | None = None):
-    spec = importlib.util.spec_from_file_location(f"cfg_{name}", CONFIGS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return config_lib.load_config_file(CONFIGS / f"{name}.py", arg)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ every inconsistent field and the fix. The builders turn a validated config into 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,6 +60,18 @@ def _convert(name: str, raw: str, default: Any) -> Any:
         return type(default)(raw)
     except ValueError as e:
         raise ValueError(f"config arg {name}={raw!r}: expected {type(default).__name__} ({e}).") from e
+
+
+def load_config_file(path: str | os.PathLike, arg: str | None = None) -> mlc.ConfigDict:
+    """`get_config(arg)` of a config file (`configs/*.py`), for scripts and tests that build a config without
+    the command-line flags of `tlt_jax.main`."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"tlt_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
 
 
 def parse_arg(arg: str | None, **defaults: Any) -> mlc.ConfigDict:

@@ -1,6 +1,5 @@
 """Acceptance evaluation vs a brute-force chain drafter, and the warm-up job end to end (tiny config)."""
 
-import importlib.util
 import json
 import pathlib
 
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tlt_jax.config_lib import load_config_file
 from tlt_jax.drafter import evaluate as ev
 from tlt_jax.drafter import train_step as ts
 from tlt_jax.drafter import warmup
@@ -24,12 +24,7 @@ CFG = tiny_config(vocab_size=6)  # a small vocabulary: random drafts often match
 
 
 def load_config(arg=None):
-    spec = importlib.util.spec_from_file_location(
-        "drafter_warmup_cfg", ROOT / "configs" / "drafter_warmup.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config(arg)
+    return load_config_file(ROOT / "configs" / "drafter_warmup.py", arg)
 
 
 PAD = 32

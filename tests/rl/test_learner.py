@@ -3,7 +3,6 @@ one GRPO step improving its surrogate, no recompilation, and a Learner step's me
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import jax
@@ -35,10 +34,7 @@ CFG = tiny_config("llama")
 
 
 def smoke_config(arg: str | None = None):
-    spec = importlib.util.spec_from_file_location("cfg_smoke", CONFIGS / "smoke.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return config_lib.load_config_file(CONFIGS / "smoke.py", arg)
 
 
 def mesh(data: int):
