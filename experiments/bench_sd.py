@@ -48,7 +48,7 @@ from tlt_jax.drafter.draft_vocab import load_draft_vocab  # noqa: E402
 from tlt_jax.drafter.warmup import DRAFTER_DIR, init_drafter, load_drafter  # noqa: E402
 from tlt_jax.models.llama import from_hf_tensors  # noqa: E402
 from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
-from tlt_jax.rl.tasks import ReasoningGymTask  # noqa: E402
+from tlt_jax.tasks.datasets import ReasoningGymTask  # noqa: E402
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 from tlt_jax.rollout.speculative import Strategy, ThresholdSelector  # noqa: E402

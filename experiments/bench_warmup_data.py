@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from tlt_jax.config_lib import load_config_file  # noqa: E402
 from tlt_jax.drafter import warmup  # noqa: E402
-from tlt_jax.rl.tasks import make_task  # noqa: E402
+from tlt_jax.tasks import make_task  # noqa: E402
 
 
 def main() -> None:

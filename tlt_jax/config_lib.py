@@ -110,7 +110,7 @@ def parse_arg(arg: str | None, **defaults: Any) -> mlc.ConfigDict:
 def base_config() -> mlc.ConfigDict:
     """Every field the GRPO learner reads, with neutral defaults; config files override what they need.
 
-    Sections: model (what to load), mesh, task (kwargs of `rl.tasks.make_task`), rollout (engine + sampling),
+    Sections: model (what to load), mesh, task (kwargs of `tlt_jax.tasks.make_task`), rollout (engine + sampling),
     rl (GRPO algorithm + optimizer), trainer (shapes/batching of the learner's forward and backward), wandb.
     """
     c = mlc.ConfigDict()

@@ -117,7 +117,7 @@ def test_recorded_features_equal_the_forward_path(tmp_path):
     """generation.record_hidden (the default): the features the engine records while generating equal the
     packed target forward's over the same sequences; a sample is prompt + response[:-1] (the newest token
     was never fed), so it has one pair fewer than the forward path's."""
-    from tlt_jax.rl.tasks import make_task
+    from tlt_jax.tasks import make_task
 
     config = load_config("tiny")
     target, tokenizer = warmup.build_target(config)

@@ -600,7 +600,7 @@ def _fmt_eval(r: AcceptanceResult) -> str:
 
 def run(config: Any, workdir: str | os.PathLike) -> str:
     """Run (or resume) the drafter warm-up in `workdir`; returns "done". See the module docstring."""
-    from tlt_jax.rl.tasks import make_task
+    from tlt_jax.tasks import make_task
 
     wd = pathlib.Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)

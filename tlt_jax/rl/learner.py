@@ -26,7 +26,7 @@ from absl import logging
 
 from tlt_jax import config_lib
 from tlt_jax.rl import grpo
-from tlt_jax.rl.tasks import Problem, make_task
+from tlt_jax.tasks import Problem, make_task
 from tlt_jax.rl.trainer import (
     LossConfig,
     OptimConfig,

@@ -7,19 +7,9 @@ import json
 import ml_collections
 import pytest
 
-from tlt_jax.rl.tasks import (
-    CountingTask,
-    JsonlTask,
-    Problem,
-    ReasoningGymTask,
-    RewardResult,
-    answers_match,
-    build_messages,
-    extract_answer,
-    make_task,
-    normalize_number,
-    score_batch,
-)
+from tlt_jax.tasks.answers import answers_match, extract_answer, normalize_number
+from tlt_jax.tasks.base import Problem, RewardResult, build_messages
+from tlt_jax.tasks.datasets import CountingTask, JsonlTask, ReasoningGymTask, make_task, score_batch
 
 # ---------------------------------------------------------------------------------------------------------
 # extract_answer / normalize_number
