@@ -51,7 +51,8 @@ from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
 from tlt_jax.tasks.datasets import ReasoningGymTask  # noqa: E402
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
-from tlt_jax.rollout.speculative import Strategy, ThresholdSelector  # noqa: E402
+from tlt_jax.rollout.hooks import FixedMode  # noqa: E402
+from tlt_jax.rollout.strategy import Strategy  # noqa: E402
 
 WARMUP_CMD = "python -m tlt_jax.main --config configs/drafter_warmup.py --workdir workdirs/drafter_warmup"
 TASK_KWARGS = {
@@ -109,12 +110,9 @@ def one_pass(
     tot = Totals()
     c0 = engine.compile_count
     for i, prompts in enumerate(groups):
-        if mode is None:
-            sel = lambda running: "plain"  # noqa: E731
-        else:  # SD for the whole rollout: on from the first chunk
-            sel = ThresholdSelector(mode, threshold=len(prompts), min_steps_below=0)
+        sel = FixedMode(mode or "plain")  # SD for the whole rollout: on from the first chunk
         out = engine.generate(
-            prompts, n=1, key=jax.random.key(seed + i), sampling=sp, max_new_tokens=new, mode_selector=sel
+            prompts, n=1, key=jax.random.key(seed + i), sampling=sp, max_new_tokens=new, hooks=sel
         )
         tot.add(out.stats, spec=mode is not None)
     tot.compiles = engine.compile_count - c0
@@ -188,8 +186,9 @@ def main() -> None:
     ap.add_argument(
         "--strategies",
         default=None,
-        help="comma-separated strategies depth_topk_tv (e.g. 3_1_4,3_1_4:argmax,5_2_8), replacing the TV "
-        "mapping; chains sample drafts + rejection sampling, NAME:argmax verifies argmax drafts target-only, "
+        help="comma-separated strategies depth_topk_tv (e.g. 3_1_4,3_1_4:rej,5_2_8), replacing the TV "
+        "mapping; verification is coupled to plain sampling (the default: identical samples), NAME:rej "
+        "samples a chain's drafts and verifies by rejection sampling (exact in distribution only), "
         "NAME:fp32 keeps the drafter's weights in float32 (default: SpecConfig.drafter_weight_dtype='auto', "
         "bfloat16 with the CPU kernel)",
     )
@@ -250,16 +249,15 @@ def main() -> None:
     task = ReasoningGymTask(args.task, size=5000, seed=0, dataset_kwargs=TASK_KWARGS[args.task])
     problems, _ = task.batch(args.task_offset, n_prompts)
     prompts = [tok.encode_chat(task.messages(p)) for p in problems]
-    # column -> (strategy, variant); variant "argmax": a chain verified target-only (no rejection sampling);
+    # column -> (strategy, variant); variant "rej": a chain with sampled drafts and rejection sampling;
     # "fp32": the drafter's weights in float32 (a second SD engine), to compare with the default side by side
     if args.strategies:  # explicit strategies: columns are named after them
         strategies = {}
         for item in args.strategies.split(","):
             name, _, variant = item.partition(":")
-            if variant not in ("", "argmax", "fp32"):
+            if variant not in ("", "rej", "fp32"):
                 raise SystemExit(
-                    f"--strategies: unknown variant {variant!r} in {item!r} "
-                    "(use NAME, NAME:argmax or NAME:fp32)"
+                    f"--strategies: unknown variant {variant!r} in {item!r} (use NAME, NAME:rej or NAME:fp32)"
                 )
             name = Strategy.parse(name).name
             strategies[f"s{name}" + (f"_{variant}" if variant else "")] = (name, variant)
@@ -278,8 +276,8 @@ def main() -> None:
     engines = {col: sd_engine for col in strategies}
     modes = {}
     for col, (s, v) in strategies.items():
-        if v == "argmax":
-            modes[col] = sd_engine.add_mode("eagle", s, rejection=False, label=v)
+        if v == "rej":
+            modes[col] = sd_engine.add_mode("eagle", s, acceptance="rejection", label=v)
         elif v == "fp32":
             f32_spec = dataclasses.replace(ecfg.spec, drafter_weight_dtype="float32")
             f32 = dataclasses.replace(ecfg, spec=f32_spec)
@@ -297,7 +295,7 @@ def main() -> None:
         f"cache {cache}; eos {'ignored' if args.ignore_eos else 'stops'}"
     )
     print(
-        "strategies (depth_topk_tv; chains sample drafts + rejection sampling unless ':argmax'): "
+        "strategies (depth_topk_tv; coupled verification unless ':rej' = sampled drafts + rejection): "
         + ", ".join(f"{col}: {s}{':' + v if v else ''}" for col, (s, v) in strategies.items())
     )
 

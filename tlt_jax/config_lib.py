@@ -27,14 +27,16 @@ from jax.sharding import Mesh
 from ml_collections import config_dict
 
 from tlt_jax import sharding as shd
-from tlt_jax.models.config import LINEAR_IMPLS, ModelConfig, tiny_config
+from tlt_jax.kernels.small_m_linear import LINEAR_IMPLS
+from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rl import grpo
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.strategy import SpecConfig
 
 JOBS = ("grpo", "drafter_warmup")
+DRAFTER_KINDS = ("none", "ngram", "eagle", "auto")
+SPEC_FROM_DRAFTER = ("enabled", "drafter")  # SpecConfig fields that config.drafter.kind decides
 DTYPES = ("float32", "bfloat16")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -110,8 +112,9 @@ def parse_arg(arg: str | None, **defaults: Any) -> mlc.ConfigDict:
 def base_config() -> mlc.ConfigDict:
     """Every field the GRPO learner reads, with neutral defaults; config files override what they need.
 
-    Sections: model (what to load), mesh, task (kwargs of `tlt_jax.tasks.make_task`), rollout (engine + sampling),
-    rl (GRPO algorithm + optimizer), trainer (shapes/batching of the learner's forward and backward), wandb.
+    Sections: model (what to load), mesh, task (kwargs of `tlt_jax.tasks.make_task`), rollout (engine +
+    sampling), drafter (what drafts for speculative rollouts), spec (how: strategy, threshold, acceptance), rl
+    (GRPO algorithm + optimizer), trainer (shapes/batching of the learner's forward and backward), wandb.
     """
     c = mlc.ConfigDict()
     c.job = "grpo"  # "grpo" | "drafter_warmup"
@@ -150,8 +153,14 @@ def base_config() -> mlc.ConfigDict:
     c.rollout.attn_impl = "auto"
     c.rollout.stop_strings = ()
 
-    # Speculative rollouts (rollout.speculative.SpecConfig): off by default; "ngram" needs no drafter model.
-    c.spec = mlc.ConfigDict(dataclasses.asdict(SpecConfig()))
+    # What drafts for the rollouts (tlt_jax.rl.speculation): "none" (plain decoding), "ngram" (model-free,
+    # TLT-Base), "eagle" (a warmed drafter from `path`: a warm-up workdir or its drafter/ folder), or "auto"
+    # (eagle when `path` holds one, else ngram). min_accept_len: the acceptance-collapse alarm's floor.
+    c.drafter = mlc.ConfigDict(dict(kind="none", path="", min_accept_len=1.05))
+    # How speculative rollouts run (rollout.strategy.SpecConfig minus what `drafter` decides)
+    c.spec = mlc.ConfigDict(
+        {k: v for k, v in dataclasses.asdict(SpecConfig()).items() if k not in SPEC_FROM_DRAFTER}
+    )
 
     c.rl = mlc.ConfigDict()
     c.rl.prompts_per_step = 8
@@ -274,7 +283,8 @@ def shrink_for_cpu(c: mlc.ConfigDict, architecture: str = "llama") -> mlc.Config
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _fail(problems: list[str]) -> None:
+def fail(problems: list[str]) -> None:
+    """Raise one ValueError listing every problem (no-op when there is none)."""
     if problems:
         raise ValueError("invalid config:\n  - " + "\n  - ".join(problems))
 
@@ -311,30 +321,10 @@ def _model_problems(config: Any, check_paths: bool) -> list[str]:
     return out
 
 
-def _rl_problems(config: Any) -> list[str]:
+def rollout_problems(config: Any, check_paths: bool = True) -> list[str]:
+    """Problems of the rollout, drafter and spec sections (shared by every job that samples)."""
     out = []
-    ro, rl, tr = config.rollout, config.rl, config.trainer
-    if config.num_steps < 1:
-        out.append(f"config.num_steps={config.num_steps}: must be >= 1.")
-    if config.checkpoint_every < 0:
-        out.append(f"config.checkpoint_every={config.checkpoint_every}: must be >= 0 (0 = only at the end).")
-    if not config.task.get("kind"):
-        out.append("config.task.kind is empty: set it to one of reasoning_gym | jsonl | counting.")
-    if config.task.get("kind") == "jsonl" and not config.task.get("path"):
-        out.append(
-            "config.task.path is empty: pass --config.task.path=/path/to/train.jsonl (question/answer)."
-        )
-    if tr.master_dtype not in DTYPES:
-        out.append(f"config.trainer.master_dtype={tr.master_dtype!r}: use one of {DTYPES}.")
-    if tr.train_layers < 0:
-        out.append(f"config.trainer.train_layers={tr.train_layers}: must be >= 0 (0 = all parameters).")
-    if tr.logits_chunk < 0:
-        out.append(f"config.trainer.logits_chunk={tr.logits_chunk}: must be >= 0 (0 = no chunking).")
-    if ro.temperature <= 0:
-        out.append(
-            f"config.rollout.temperature={ro.temperature}: GRPO needs sampling (> 0; the paper uses 0.9), "
-            "greedy samples of a group are identical and carry no advantage."
-        )
+    ro = config.rollout
     if not 0 < ro.top_p <= 1 or ro.top_k < 0:
         out.append(f"config.rollout.top_p={ro.top_p} / top_k={ro.top_k}: need 0 < top_p <= 1, top_k >= 0.")
     if ro.max_new_tokens < 1 or ro.max_cache_len <= ro.max_new_tokens:
@@ -342,59 +332,35 @@ def _rl_problems(config: Any) -> list[str]:
             f"config.rollout.max_new_tokens={ro.max_new_tokens} / max_cache_len={ro.max_cache_len}: need "
             "max_new_tokens >= 1 and max_cache_len > max_new_tokens + the longest prompt."
         )
-    if rl.samples_per_prompt < 2:
-        out.append(
-            f"config.rl.samples_per_prompt={rl.samples_per_prompt}: GRPO compares samples within a group, "
-            "use >= 2 (the paper uses 8)."
-        )
-    if rl.prompts_per_step < 1:
-        out.append(f"config.rl.prompts_per_step={rl.prompts_per_step}: must be >= 1.")
-    if rl.advantage not in grpo.ADVANTAGE_METHODS:
-        out.append(f"config.rl.advantage={rl.advantage!r}: use one of {sorted(grpo.ADVANTAGE_METHODS)}.")
-    if rl.loss_agg not in grpo.LOSS_AGGREGATIONS:
-        out.append(f"config.rl.loss_agg={rl.loss_agg!r}: use one of {sorted(grpo.LOSS_AGGREGATIONS)}.")
-    if rl.clip_low < 0 or rl.clip_high < 0 or rl.clip_low >= 1:
-        out.append(
-            f"config.rl.clip_low={rl.clip_low} / clip_high={rl.clip_high}: need 0 <= clip_low < 1, "
-            "clip_high >= 0."
-        )
-    if rl.kl_coef < 0:
-        out.append(f"config.rl.kl_coef={rl.kl_coef}: must be >= 0 (0 disables the KL term).")
-    if rl.lr <= 0 or rl.warmup_steps < 0 or rl.grad_clip < 0 or rl.weight_decay < 0:
-        out.append(
-            f"config.rl: lr={rl.lr}, warmup_steps={rl.warmup_steps}, grad_clip={rl.grad_clip}, weight_decay="
-            f"{rl.weight_decay}: need lr > 0 and the others >= 0."
-        )
-    rows = rl.prompts_per_step * rl.samples_per_prompt
-    if rl.mini_batches < 1 or rows % rl.mini_batches:
-        out.append(
-            f"config.rl.mini_batches={rl.mini_batches} must divide the {rows} rows of a step "
-            f"(prompts_per_step * samples_per_prompt)."
-        )
-    elif (
-        tr.micro_batch_size < 1
-        or (rows // rl.mini_batches) % tr.micro_batch_size
-        or tr.micro_batch_size % rl.samples_per_prompt
-    ):
-        mini = rows // rl.mini_batches
-        n = rl.samples_per_prompt
-        options = [d for d in range(n, mini + 1, n) if mini % d == 0]
-        out.append(
-            f"config.trainer.micro_batch_size={tr.micro_batch_size} must be a multiple of "
-            f"samples_per_prompt={n} (micro-batches hold whole groups) that divides the mini-batch of {mini} "
-            f"rows (prompts_per_step * samples_per_prompt / mini_batches); valid: {options}."
-        )
+    dr = config.get("drafter")
+    if dr is not None:
+        if dr.kind not in DRAFTER_KINDS:
+            out.append(f"config.drafter.kind={dr.kind!r}: use one of {DRAFTER_KINDS}.")
+        if dr.kind == "eagle" and not dr.path:
+            out.append(
+                "config.drafter.kind=eagle needs config.drafter.path: a drafter warm-up workdir (create one "
+                "with `python -m tlt_jax.main --config configs/drafter_warmup.py:tlt --workdir DIR`)."
+            )
+        elif dr.kind == "eagle" and check_paths and not os.path.exists(dr.path):
+            out.append(
+                f"config.drafter.path={dr.path!r} does not exist: create it with `python -m tlt_jax.main "
+                f"--config configs/drafter_warmup.py:tlt --workdir {dr.path}`, or use drafter.kind=ngram."
+            )
+        if dr.min_accept_len < 0:
+            out.append(
+                f"config.drafter.min_accept_len={dr.min_accept_len}: must be >= 0 (0 disables the alarm)."
+            )
     try:
         spec_config_from(config)
     except ValueError as e:
         out.append(str(e))
-    if tr.seq_bucket < 1:
-        out.append(f"config.trainer.seq_bucket={tr.seq_bucket}: must be >= 1.")
     return out
 
 
 def validate(config: Any, check_paths: bool = True) -> None:
-    """Raise one ValueError listing every problem in `config` (with the field and the fix).
+    """Raise one ValueError listing every problem of the shared sections of `config` (with the field and
+    the fix): job, model, mesh, and rollout / drafter / spec when present. A job validates its own sections
+    on top (`tlt_jax.rl.config.validate` for GRPO).
 
     `check_paths=False` skips filesystem checks (cluster configs validated on a laptop).
     """
@@ -407,9 +373,9 @@ def validate(config: Any, check_paths: bool = True) -> None:
             f"config.mesh data={config.mesh.data}, model={config.mesh.model}: need model >= 1 and data >= 1 "
             "(or -1 for all remaining devices)."
         )
-    if config.job == "grpo":
-        problems += _rl_problems(config)
-    _fail(problems)
+    if "rollout" in config:
+        problems += rollout_problems(config, check_paths)
+    fail(problems)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -427,7 +393,7 @@ def build_model_and_tokenizer(config: Any) -> tuple[Transformer, Any]:
     from tlt_jax.models.loading import load_model
     from tlt_jax.models.tokenizer import ByteTokenizer
 
-    _fail(_model_problems(config, check_paths=True))
+    fail(_model_problems(config, check_paths=True))
     if config.model.path:
         loaded = load_model(config.model.path, dtype=config.model.dtype)
         cfg = loaded.config.replace(linear_impl=_linear_impl(config))
@@ -449,8 +415,9 @@ def build_mesh(config: Any) -> Mesh:
     return shd.make_mesh(data=config.mesh.data, model=config.mesh.model, devices=jax.devices())
 
 
-def engine_config_from(config: Any) -> EngineConfig:
-    """`EngineConfig` from `config.rollout` (buckets, chunking, lengths, stop strings)."""
+def engine_config_from(config: Any, drafter_kind: str | None = None) -> EngineConfig:
+    """`EngineConfig` from `config.rollout` (buckets, chunking, lengths, stop strings) and the speculative
+    sections (`spec_config_from`)."""
     ro = config.rollout
     return EngineConfig(
         max_new_tokens=ro.max_new_tokens,
@@ -461,14 +428,24 @@ def engine_config_from(config: Any) -> EngineConfig:
         compact=ro.compact,
         attn_impl=ro.attn_impl,
         stop_strings=tuple(ro.stop_strings),
-        spec=spec_config_from(config),
+        spec=spec_config_from(config, drafter_kind),
+        record_hidden=bool(ro.get("record_hidden", False)),
+        hidden_window=int(ro.get("hidden_window", 512)),
     )
 
 
-def spec_config_from(config: Any) -> SpecConfig:
-    """`SpecConfig` (speculative rollouts: drafter, strategy, SD threshold) from `config.spec`."""
+def spec_config_from(config: Any, drafter_kind: str | None = None) -> SpecConfig:
+    """`SpecConfig` from `config.spec` (strategy, threshold, acceptance, n-gram settings) and the drafter kind
+    (default `config.drafter.kind`; "auto" must be resolved first: `tlt_jax.rl.speculation`): SD is on for
+    "ngram" and "eagle", off for "none"."""
+    kind = drafter_kind or (config.drafter.kind if "drafter" in config else "none")
+    if kind == "auto":
+        kind = "ngram"  # validation only: the learner resolves "auto" against the drafter path
+    fields = dict(config.spec)
     try:
-        return SpecConfig(**dict(config.spec))
+        return SpecConfig(
+            **fields, enabled=kind in ("ngram", "eagle"), drafter="eagle" if kind == "eagle" else "ngram"
+        )
     except (TypeError, ValueError) as e:
         raise ValueError(f"config.spec is invalid: {e}") from e
 
@@ -480,18 +457,31 @@ def sampling_from(config: Any) -> SamplingParams:
 
 
 def build_engine(
-    config: Any, model: Transformer, tokenizer: Any, mesh: Mesh | None = None, drafter: Any | None = None
+    config: Any,
+    model: Transformer,
+    tokenizer: Any,
+    mesh: Mesh | None = None,
+    *,
+    drafter_kind: str | None = None,
+    drafter: Any | None = None,
+    draft_vocab: Any | None = None,
 ) -> RolloutEngine:
-    """A `RolloutEngine` for `model` that stops at the tokenizer's EOS / end-of-turn ids; speculative when
-    `config.spec.enabled` (an "eagle" drafter needs the `drafter` model, an "ngram" one needs nothing)."""
-    ec = engine_config_from(config)
+    """A `RolloutEngine` for `model` that stops at the tokenizer's EOS / end-of-turn ids; speculative for
+    drafter kinds "ngram" and "eagle" (which needs the EAGLE `drafter` model and its `draft_vocab`)."""
+    ec = engine_config_from(config, drafter_kind)
     if ec.spec.enabled and ec.spec.drafter == "eagle" and drafter is None:
         raise ValueError(
-            "config.spec.drafter='eagle' needs an EAGLE drafter model, and none was given: use "
-            "--config.spec.drafter=ngram (model-free), or pass build_engine(..., drafter=Drafter(...))."
+            "config.drafter.kind=eagle needs an EAGLE drafter model, and none was given: load it with "
+            "tlt_jax.rl.speculation.resolve_drafter, or use --config.drafter.kind=ngram (model-free)."
         )
     return RolloutEngine(
-        model, ec, eos_ids=list(tokenizer.eos_token_ids), mesh=mesh, tokenizer=tokenizer, drafter=drafter
+        model,
+        ec,
+        eos_ids=list(tokenizer.eos_token_ids),
+        mesh=mesh,
+        tokenizer=tokenizer,
+        drafter=drafter,
+        draft_vocab=draft_vocab,
     )
 
 

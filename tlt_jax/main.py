@@ -65,11 +65,23 @@ def setup_jax(config: Any) -> None:
         logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 
 
+def validate(config: Any) -> None:
+    """The job's validation: every problem of the config in one ValueError (GRPO checks its own sections)."""
+    if config.job == "grpo":
+        from tlt_jax.rl import config as rl_config
+
+        rl_config.validate(config)
+    else:
+        from tlt_jax import config_lib
+
+        config_lib.validate(config)
+
+
 def run(config: Any, workdir: str) -> str:
     """Validate, record and run `config` in `workdir`; returns the job's status ("done" / "preempted")."""
     from tlt_jax import config_lib
 
-    config_lib.validate(config)
+    validate(config)
     setup_jax(config)
     import jax
 
@@ -95,11 +107,9 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--config is required, e.g. --config configs/default.py")
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required, e.g. --workdir workdirs/default")
-    from tlt_jax import config_lib
-
     quiet_libraries()
     try:
-        config_lib.validate(_CONFIG.value)
+        validate(_CONFIG.value)
     except ValueError as e:  # a config mistake: say what and how to fix it, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

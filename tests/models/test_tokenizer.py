@@ -10,7 +10,7 @@ import jinja2
 import numpy as np
 import pytest
 
-from tlt_jax.models.loading import read_gguf
+from tlt_jax.models.gguf import read_gguf
 from tlt_jax.models.tokenizer import (
     BYTE_SPECIAL_TOKENS,
     ByteTokenizer,

@@ -30,11 +30,13 @@ from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rollout import speculative as spec
 from tlt_jax.rollout.acceptance import tree_accept
+from tlt_jax.rollout.eagle_draft import drafter_prefill
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.hooks import ChunkView, FixedMode, RolloutHooks
+from tlt_jax.rollout.ngram import NgramBank
 from tlt_jax.rollout.sampling import SamplingParams, target_probs
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.strategy import SpecConfig
 from tlt_jax.rollout.types import ChunkRecord
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -115,9 +117,7 @@ def greedy_engine(target):
         drafter=mirror_drafter(target, noise=0.03),
     )
     names = [engine.add_mode(kind, strat) for kind, strat in MODES]
-    plain = engine.generate(
-        PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r: "plain"
-    )
+    plain = engine.generate(PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, hooks=FixedMode("plain"))
     assert plain.finish_reason == ["eos", "eos", "length", "length"], "EOS no longer splits the batch"
     return engine, names, plain
 
@@ -128,7 +128,7 @@ def test_greedy_speculative_equals_plain(greedy_engine, which):
     the 40-token budget cutting the last round): identical tokens, lengths, finish reasons; same log-probs."""
     engine, names, plain = greedy_engine
     mode = names[which]
-    out = engine.generate(PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r: mode)
+    out = engine.generate(PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, hooks=FixedMode(mode))
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     np.testing.assert_array_equal(out.lengths, plain.lengths)
     assert out.finish_reason == plain.finish_reason
@@ -142,9 +142,7 @@ def assert_chain_and_tree_equal_plain(engine: RolloutEngine, plain) -> tuple:
     """Greedy chain and tree EAGLE rollouts equal `plain`; returns the last (output, mode)."""
     for kind, strat in MODES[:2]:
         mode = engine.add_mode(kind, strat)
-        out = engine.generate(
-            PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r, m=mode: m
-        )
+        out = engine.generate(PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, hooks=FixedMode(mode))
         np.testing.assert_array_equal(out.tokens, plain.tokens)
         np.testing.assert_array_equal(out.lengths, plain.lengths)
     return out, mode
@@ -177,9 +175,7 @@ def test_greedy_speculative_with_cpu_kernel_equals_plain(greedy_engine):
         eos_ids=[EOS],
         drafter=mirror_drafter(target, noise=0.03),
     )
-    plain = engine.generate(
-        PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r: "plain"
-    )
+    plain = engine.generate(PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, hooks=FixedMode("plain"))
     np.testing.assert_array_equal(plain.tokens, plain_xla.tokens)
     np.testing.assert_allclose(plain.logprobs, plain_xla.logprobs, atol=1e-5)
     # with the kernel, the drafter's weight matrices are kept in bfloat16 ("auto"), its norms in fp32
@@ -206,7 +202,7 @@ def test_greedy_speculative_with_pallas_kernel_equals_plain(target, greedy_engin
         drafter=mirror_drafter(target, noise=0.03),
     )
     mode = engine.add_mode("eagle", "3_2_6")
-    out = engine.generate(PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r: mode)
+    out = engine.generate(PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, hooks=FixedMode(mode))
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     np.testing.assert_array_equal(out.lengths, plain.lengths)
     np.testing.assert_allclose(out.logprobs, plain.logprobs, atol=1e-5)
@@ -222,7 +218,7 @@ def _reference_caches(tgraph, dgraph, tparams, dparams, tokens_bt):
     target, drafter = nnx.merge(tgraph, tparams), nnx.merge(dgraph, dparams)
     b, t = tokens_bt.shape
     out = target(tokens_bt, jnp.broadcast_to(jnp.arange(t), (b, t)), KVCache.init(CFG, b, t))
-    dcache = spec.drafter_prefill(
+    dcache = drafter_prefill(
         drafter, target, drafter.init_cache(b, t), tokens_bt, out.hidden, jnp.full((b,), t), "reference"
     )
     return out.cache, dcache, out.hidden
@@ -264,14 +260,14 @@ def test_caches_after_speculative_rounds_equal_a_fresh_pass(greedy_engine):
     carried hidden state is the target's last committed one."""
     engine, names, _ = greedy_engine
     prompts = [[62, 54, 52, 4], PROMPTS[1]]  # no EOS within 64 tokens: rows stay live until the budget
-    state = engine.prefill(prompts, n=2, key=jax.random.key(0), sampling=GREEDY, max_new_tokens=64)
+    state, _ = engine.prefill(prompts, n=2, key=jax.random.key(0), sampling=GREEDY, max_new_tokens=64)
     assert _check_caches(engine, state, prompts, 2) == 4
-    bank = engine.new_bank(4, 2, 64)
+    bank = NgramBank.empty(4, 2, 64)
     accepted = 0
     for mode in ("plain", names[0], names[1], names[2]):  # plain, EAGLE chain, EAGLE tree, n-gram tree
-        state, _, extra, bank = engine.decode_chunk(state, mode, GREEDY, 64, bank)
+        state, rec, bank = engine.decode_chunk(state, mode, GREEDY, bank)
         if mode != "plain":
-            accepted += extra["accepted_tokens"] - extra["verify_rounds"]  # drafts accepted
+            accepted += rec.accepted_tokens - rec.verify_rounds  # drafts accepted
         assert _check_caches(engine, state, prompts, 2) >= (4 if mode != names[2] else 1)
     assert accepted > 0, "no draft was accepted: commits of tree paths went untested"
     assert len(set(np.asarray(state.cache.lengths)[:4].tolist())) > 1, "rows should be at different lengths"
@@ -281,13 +277,14 @@ def test_caches_after_sampled_chain_rounds_equal_a_fresh_pass(greedy_engine):
     """Temperature 0.9: learned chains sample their drafts and verify them by rejection sampling; the
     committed tokens (whatever was accepted) leave both caches and the carried hidden state as a fresh pass
     over them would."""
-    engine, names, _ = greedy_engine
+    engine, _, _ = greedy_engine
     sp = SamplingParams(temperature=0.9)
-    assert engine.modes[names[0]].rejection
+    mode = engine.add_mode("eagle", "3_1_4", acceptance="rejection", label="rej")
+    assert engine.modes[mode].rejection
     prompts = [[62, 54, 52, 4], PROMPTS[1]]
-    state = engine.prefill(prompts, n=2, key=jax.random.key(3), sampling=sp, max_new_tokens=40)
-    state, _, extra, _ = engine.decode_chunk(state, names[0], sp, 40, None)
-    assert extra["accepted_tokens"] > extra["verify_rounds"], "no sampled draft was accepted"
+    state, _ = engine.prefill(prompts, n=2, key=jax.random.key(3), sampling=sp, max_new_tokens=40)
+    state, rec, _ = engine.decode_chunk(state, mode, sp)
+    assert rec.accepted_tokens > rec.verify_rounds, "no sampled draft was accepted"
     assert _check_caches(engine, state, prompts, 2) >= 1
 
 
@@ -313,7 +310,7 @@ def compact_engine(target):
 def switch_reference(greedy_engine):
     engine, _, _ = greedy_engine
     out = engine.generate(
-        SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, mode_selector=lambda r: "plain"
+        SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, hooks=FixedMode("plain")
     )
     assert len(set(out.lengths.tolist())) == 3, "rows should finish at different steps (compaction)"
     return out
@@ -338,7 +335,7 @@ def test_threshold_switch_with_compaction_greedy(compact_engine, switch_referenc
     check_stats(out, 3)
 
 
-class AlternatingSelector:
+class AlternatingSelector(RolloutHooks):
     """Plain above 2 running rows; then EAGLE at batch bucket 2 and, at bucket 1, n-gram and EAGLE chunks in
     turn (a bandit-like choice per bucket). Records what it observed."""
 
@@ -347,7 +344,7 @@ class AlternatingSelector:
         self.tree, self.chain = tree, chain
         self.records: list[ChunkRecord] = []
 
-    def select(self, running: int, batch_bucket: int) -> str:
+    def choose_mode(self, running: int, batch_bucket: int) -> str:
         if running > 2:
             return "plain"
         if batch_bucket > 1:
@@ -355,9 +352,9 @@ class AlternatingSelector:
         self.i += 1
         return self.chain if self.i % 2 else self.tree
 
-    def observe(self, record: ChunkRecord, running_steps) -> None:
-        assert record.steps == len(running_steps)
-        self.records.append(record)
+    def on_chunk(self, view: ChunkView) -> None:
+        assert view.record.steps == len(view.record.running)
+        self.records.append(view.record)
 
 
 def test_recorded_hidden_states_through_speculative_rounds(target, switch_reference):
@@ -372,7 +369,7 @@ def test_recorded_hidden_states_through_speculative_rounds(target, switch_refere
     )
     tree, chain = engine.add_mode("eagle", "3_2_6"), engine.add_mode("ngram", "3_1_4")
     sel = AlternatingSelector(tree, chain)
-    out = engine.generate(SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, mode_selector=sel)
+    out = engine.generate(SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, hooks=sel)
     np.testing.assert_array_equal(out.tokens, switch_reference.tokens)
     assert {c.mode for c in out.stats.chunks} == {"plain", tree, chain}
     assert max(c.accept_length for c in out.stats.chunks) > 2, "rounds should commit several tokens"
@@ -389,9 +386,7 @@ def test_mode_selector_alternates_drafters_and_nothing_recompiles(compact_engine
     kept through n-gram rounds), with compaction: output identical to plain. Then a second rollout after
     swapping in other drafter weights: zero new XLA compilations, and still the same greedy output."""
     sel = AlternatingSelector()
-    out = compact_engine.generate(
-        SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, mode_selector=sel
-    )
+    out = compact_engine.generate(SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, hooks=sel)
     np.testing.assert_array_equal(out.tokens, switch_reference.tokens)
     np.testing.assert_allclose(out.logprobs, switch_reference.logprobs, atol=1e-5)
     combos = {(r.mode, r.batch_bucket) for r in sel.records}
@@ -403,7 +398,7 @@ def test_mode_selector_alternates_drafters_and_nothing_recompiles(compact_engine
     other = mirror_drafter(compact_engine.model(), noise=0.3, seed=7)  # much worse drafts, same shapes
     compact_engine.set_drafter_params(nnx.state(other, nnx.Param))
     again = compact_engine.generate(
-        SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, mode_selector=AlternatingSelector()
+        SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, hooks=AlternatingSelector()
     )
     assert {(r.mode, r.batch_bucket) for r in again.stats.chunks} <= combos
     assert compact_engine.compile_count == programs
@@ -470,9 +465,11 @@ def sampling_setup():
         drafter=good,
     )
     modes = {
-        "chain": engine.add_mode("eagle", "2_1_3"),  # sampled drafts + rejection sampling (the default)
-        "chain_argmax": engine.add_mode("eagle", "2_1_3", rejection=False, label="argmax"),  # target-only
-        "tree": engine.add_mode("eagle", "2_3_6"),
+        "chain": engine.add_mode("eagle", "2_1_3", acceptance="rejection"),  # sampled drafts + rejection
+        "chain_argmax": engine.add_mode("eagle", "2_1_3", acceptance="target_only", label="argmax"),
+        "tree": engine.add_mode("eagle", "2_3_6", acceptance="target_only"),
+        "chain_coupled": engine.add_mode("eagle", "2_1_3", acceptance="coupled", label="coupled"),
+        "tree_coupled": engine.add_mode("eagle", "2_3_6", acceptance="coupled", label="coupled"),
         "biased": engine.add_mode("eagle", "2_1_3", accept_rule=biased_accept, label="biased"),
     }
     # exact joint of the first three response tokens, by teacher forcing all V^2 two-token prefixes
@@ -507,7 +504,7 @@ def _sample(engine, prompt: list[int], mode: str, seed: int):
         n=NUM_SAMPLES,
         key=jax.random.key(seed),
         sampling=SAMPLING,
-        mode_selector=lambda r: mode,
+        hooks=FixedMode(mode),
     )
     assert (out.lengths == 3).all() and all(c.mode == mode for c in out.stats.chunks)
     return out
@@ -516,21 +513,28 @@ def _sample(engine, prompt: list[int], mode: str, seed: int):
 @pytest.mark.slow
 def test_speculative_sampling_is_lossless(sampling_setup):
     """65,536 samples of the first three response tokens per variant, chi-square against the target's exact
-    joint (p > 1e-3): the chain with sampled drafts and rejection sampling, the chain with argmax drafts and
-    target-only verification, the tree (target-only), the rejection chain and the tree again with a
-    confident random drafter, and the rejection chain with a drafter head over 12 of the 32 tokens. The
-    biased rule is rejected at p < 1e-6, so the test can tell. (Target-only acceptance never looks at draft
-    probabilities, so n-gram drafts take the very same path.)"""
+    joint (p > 1e-3), for every acceptance rule: coupled verification (chain and tree: every token is plain
+    decoding's own draw), the target-only walk (argmax chain and tree), rejection sampling of a chain with
+    sampled drafts; the rejection chain and the trees again with a confident random drafter, and the
+    rejection chain with a drafter head over 12 of the 32 tokens. The biased rule is rejected at p < 1e-6,
+    so the test can tell. (Coupled and target-only acceptance never look at draft probabilities, so n-gram
+    drafts take the very same path.)"""
     engine, modes, good, prompt, joint = sampling_setup
     results = {}
-    for name, seed in (("chain", 1), ("chain_argmax", 3), ("tree", 2)):
+    for name, seed in (
+        ("chain", 1),
+        ("chain_argmax", 3),
+        ("tree", 2),
+        ("chain_coupled", 8),
+        ("tree_coupled", 9),
+    ):
         out = _sample(engine, prompt, modes[name], seed)
         results[name] = (chi_square_pvalue(out.tokens, joint), out.stats.mean_accept_length)
     # a confident, wrong drafter: random weights, fusion scaled up (same shapes: no recompile)
     bad = Drafter(SAMPLE_CFG, nnx.Rngs(11))
     bad.fc[...] = bad.fc[...] * 30.0
     engine.set_drafter_params(nnx.state(bad, nnx.Param))
-    for name, seed in (("chain", 6), ("tree", 4)):
+    for name, seed in (("chain", 6), ("tree", 4), ("tree_coupled", 10)):
         out = _sample(engine, prompt, modes[name], seed)
         results[f"{name}_bad_drafter"] = (chi_square_pvalue(out.tokens, joint), out.stats.mean_accept_length)
     engine.set_drafter_params(nnx.state(good, nnx.Param))
@@ -546,7 +550,7 @@ def test_speculative_sampling_is_lossless(sampling_setup):
         drafter=good,
         draft_vocab=np.arange(0, V, 8).tolist() + list(range(1, 9)),
     )
-    out = _sample(sub, prompt, sub.add_mode("eagle", "2_1_3"), 7)
+    out = _sample(sub, prompt, sub.add_mode("eagle", "2_1_3", acceptance="rejection"), 7)
     results["chain_draft_vocab"] = (chi_square_pvalue(out.tokens, joint), out.stats.mean_accept_length)
 
     for name, (pval, _) in results.items():
@@ -558,6 +562,26 @@ def test_speculative_sampling_is_lossless(sampling_setup):
     assert results["chain_argmax"][1] > 1.05 and results["tree"][1] > 1.15, results
     assert results["tree_bad_drafter"][1] < results["tree"][1], results
     assert results["chain_bad_drafter"][1] < results["chain"][1], results
+    # coupled and target-only verification accept a drafted child with the same probability (its target
+    # mass): ~196k row-rounds each, so the accept lengths agree to well within 0.02
+    assert abs(results["tree_coupled"][1] - results["tree"][1]) < 0.02, results
+    assert abs(results["chain_coupled"][1] - results["chain_argmax"][1]) < 0.02, results
     # rejection sampling accepts a draft with probability sum_x min(p, q) = 1 - TV(p, q), close to 1 for this
     # near-copy drafter, against p(argmax q) (~0.3 here) for target-only verification of argmax drafts
     assert results["chain"][1] > results["chain_argmax"][1] + 0.5, results
+
+
+def test_coupled_sampling_equals_plain_token_for_token(sampling_setup):
+    """Temperature 0.9, top-k 20, top-p 0.95, 4,096 samples: coupled EAGLE chain and tree rollouts emit the
+    very tokens plain decoding emits with the same keys (identity, not only the same distribution), while
+    accepting drafts; the target-only walk, exact only in distribution, does not."""
+    engine, modes, _, prompt, _ = sampling_setup
+    key = jax.random.key(21)
+    plain = engine.generate([prompt], n=4096, key=key, sampling=SAMPLING, hooks=FixedMode("plain"))
+    for name, min_accept in (("chain_coupled", 1.05), ("tree_coupled", 1.15)):  # as the target-only walk
+        out = engine.generate([prompt], n=4096, key=key, sampling=SAMPLING, hooks=FixedMode(modes[name]))
+        same = (out.tokens == plain.tokens).all(axis=1).mean()
+        assert same >= 0.999, (name, same)
+        assert out.stats.mean_accept_length > min_accept, (name, out.stats.mean_accept_length)
+    other = engine.generate([prompt], n=4096, key=key, sampling=SAMPLING, hooks=FixedMode(modes["tree"]))
+    assert (other.tokens == plain.tokens).all(axis=1).mean() < 0.9

@@ -1,4 +1,5 @@
-"""Tests of tlt_jax/rollout/speculative.py: strategies, tree masks, EAGLE-2 drafting, cache commits.
+"""Tests of strategies (rollout/strategy.py), tree masks and verification (rollout/tree_verify.py), EAGLE-2
+drafting (rollout/eagle_draft.py) and the paper's threshold switch (rollout/hooks.py).
 
 The drafting tests compare `eagle_draft` (all draft slots in one buffer, tree-masked) with the plainest
 possible reference: the real `Drafter` module run one position at a time along each node's ancestor path.
@@ -19,9 +20,12 @@ from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rollout import speculative as spec
+from tlt_jax.rollout import eagle_draft as spec
+from tlt_jax.rollout.hooks import ChunkView, ThresholdPolicy
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.types import DecodeState, DraftTree
+from tlt_jax.rollout.strategy import SpecMode, Strategy
+from tlt_jax.rollout.tree_verify import tree_visibility, verify_round
+from tlt_jax.rollout.types import ChunkRecord, DecodeState, DraftTree
 
 CFG = tiny_config(num_layers=2, tie_embeddings=False)
 
@@ -30,39 +34,40 @@ CFG = tiny_config(num_layers=2, tie_embeddings=False)
 
 
 def test_strategy_parse_format_and_derived_sizes():
-    s = spec.Strategy.parse("8_4_48")
+    s = Strategy.parse("8_4_48")
     assert (s.draft_depth, s.topk, s.tokens_to_verify) == (8, 4, 48)
     assert s.name == str(s) == "8_4_48" and not s.is_chain
     assert s.max_depth == 8 and s.tokens_per_round == 9
     assert s.num_candidates == 4 + 7 * 16 and s.draft_slots == 1 + 7 * 4
     assert s.lookahead == 48
-    chain = spec.Strategy.parse("4_1_4")  # 3 drafts fit in 4 verify tokens (the root counts)
+    chain = Strategy.parse("4_1_4")  # 3 drafts fit in 4 verify tokens (the root counts)
     assert chain.is_chain and chain.max_depth == 3 and chain.tokens_per_round == 4
-    assert spec.Strategy.parse(chain) is chain
+    assert Strategy.parse(chain) is chain
     for bad in ("8_4", "a_b_c", "0_1_4", "3_1_1", "2_1_8"):  # 2_1_8: a depth-2 chain has 2 nodes, not 7
         with pytest.raises(ValueError):
-            spec.Strategy.parse(bad)
+            Strategy.parse(bad)
 
 
-def test_threshold_selector_counts_consecutive_steps_below():
-    from tlt_jax.rollout.types import ChunkRecord
+def test_threshold_policy_counts_consecutive_steps_below():
+    def view(running: list[int]) -> ChunkView:
+        rec = ChunkRecord("plain", 8, 64, len(running), running[0], 0.1, running=tuple(running))
+        return ChunkView(rec, (sum(running),), 0)
 
-    rec = ChunkRecord("plain", 8, 64, 4, 8, 0.1)
-    sel = spec.ThresholdSelector("3_1_4", threshold=4, min_steps_below=3)
-    assert sel.select(8, 8) == "plain"
-    sel.observe(rec, [8, 6, 4, 3])  # two steps at or below 4
-    assert sel.select(3, 4) == "plain"
-    sel.observe(rec, [3, 5, 4])  # the 5 resets the count: one step below
-    assert sel.select(4, 4) == "plain"
-    sel.observe(rec, [4, 4])
-    assert sel.select(4, 4) == "3_1_4"
-    assert sel.select(9, 16) == "3_1_4"  # stays on for the rest of the rollout
+    sel = ThresholdPolicy("3_1_4", threshold=4, min_steps_below=3)
+    assert sel.choose_mode(8, 8) == "plain"
+    sel.on_chunk(view([8, 6, 4, 3]))  # two steps at or below 4
+    assert sel.choose_mode(3, 4) == "plain"
+    sel.on_chunk(view([3, 5, 4]))  # the 5 resets the count: one step below
+    assert sel.choose_mode(4, 4) == "plain"
+    sel.on_chunk(view([4, 4]))
+    assert sel.choose_mode(4, 4) == "3_1_4"
+    assert sel.choose_mode(9, 16) == "3_1_4"  # stays on for the rest of the rollout
 
 
 def test_tree_visibility_is_ancestors_or_self():
     #   0 -> 1 -> 3 ; 0 -> 2 ; 4 is padding
     parents = jnp.asarray([[-1, 0, 0, 1, -2]], jnp.int32)
-    vis = np.asarray(spec.tree_visibility(parents, max_depth=2))[0]
+    vis = np.asarray(tree_visibility(parents, max_depth=2))[0]
     want = np.array(
         [
             [1, 0, 0, 0, 0],
@@ -139,7 +144,7 @@ def _run_draft(models, strategy: str, dcache, root_tok, root_hidden):
     target, drafter = models
     tg, tp = nnx.split(target)
     dg, dp = nnx.split(drafter)
-    tree, after = _draft(tg, dg, spec.Strategy.parse(strategy), tp, dp, dcache, root_tok, root_hidden)
+    tree, after = _draft(tg, dg, Strategy.parse(strategy), tp, dp, dcache, root_tok, root_hidden)
     return jax.tree_util.tree_map(np.asarray, tree), after
 
 
@@ -196,8 +201,9 @@ def test_eagle_tree_nodes_are_topk_children_along_their_own_path(models):
 @functools.partial(jax.jit, static_argnums=(0,))
 def _verify(tgraph, tparams, state, tree, eos_ids):
     target = nnx.merge(tgraph, tparams)
-    return spec.verify_round(
-        target, None, state, tree, SamplingParams(0.0), eos_ids, max_depth=3, attn_impl="reference"
+    mode = SpecMode("ngram", Strategy.parse("3_1_4"))
+    return verify_round(
+        target, None, state, tree, SamplingParams(0.0), eos_ids, mode=mode, attn_impl="reference"
     )
 
 

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.kernels import cpu_ffi
-from tlt_jax.models.config import LINEAR_IMPLS
+
+LINEAR_IMPLS = ("auto", "xla", "cpu_ffi")  # "auto": the CPU kernel on one CPU device, else XLA
 
 MAX_ROWS = 32  # above this XLA's GEMM is as fast (measured: 1.0x at M = 32 and 64)
 _TARGETS = {jnp.dtype(jnp.float32): "tlt_small_m_linear", jnp.dtype(jnp.bfloat16): "tlt_small_m_linear_bf16"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-LINEAR_IMPLS = ("auto", "xla", "cpu_ffi")  # see tlt_jax.kernels.small_m_linear
+from tlt_jax.kernels.small_m_linear import LINEAR_IMPLS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,8 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from tlt_jax.models.gguf import GGUFFile, read_gguf
+
 PathLike = str | os.PathLike
 
 # Tokens that end an assistant turn or a document in the common chat formats. When such a token is a special
@@ -280,7 +282,6 @@ class Tokenizer:
 # --------------------------------------------------------------------------------------------- GGUF
 def _gguf_metadata(source: Any) -> dict[str, Any]:
     """GGUF metadata as a dict from a `GGUFFile`, a `gguf.GGUFReader`, or a path."""
-    from tlt_jax.models.loading import GGUFFile, read_gguf  # local: loading imports this module
 
     if isinstance(source, GGUFFile):
         return source.metadata
@@ -295,7 +296,7 @@ def _gguf_metadata(source: Any) -> dict[str, Any]:
 def tokenizer_from_gguf(reader_or_path: Any) -> Tokenizer:
     """Build the byte-level BPE tokenizer described by a GGUF file's metadata (`tokenizer.ggml.*`).
 
-    Accepts a path, a `tlt_jax.models.loading.GGUFFile` or a `gguf.GGUFReader` (to avoid re-reading a file
+    Accepts a path, a `tlt_jax.models.gguf.GGUFFile` or a `gguf.GGUFReader` (to avoid re-reading a file
     already open). Vocabulary and merges come from the metadata; the pre-tokenizer follows
     `tokenizer.ggml.pre` (e.g. SmolLM2's "smollm" isolates every digit, then applies the GPT-2 regex); control
     tokens (type 3) become special tokens and user-defined tokens (type 4) added tokens, so both encode as

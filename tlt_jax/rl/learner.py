@@ -25,8 +25,9 @@ import numpy as np
 from absl import logging
 
 from tlt_jax import config_lib
+from tlt_jax.rl import config as rl_config
 from tlt_jax.rl import grpo
-from tlt_jax.tasks import Problem, make_task
+from tlt_jax.rl.speculation import RolloutMonitor, resolve_drafter
 from tlt_jax.rl.trainer import (
     LossConfig,
     OptimConfig,
@@ -35,7 +36,9 @@ from tlt_jax.rl.trainer import (
     build_train_batch,
     micro_weights,
 )
+from tlt_jax.rollout.hooks import ProgressHook
 from tlt_jax.rollout.types import Rollout
+from tlt_jax.tasks import Problem, make_task
 from tlt_jax.utils.checkpoint import Checkpointer, PreemptionGuard
 from tlt_jax.utils.tracking import RolloutProgress, make_trackers
 
@@ -78,7 +81,7 @@ class Learner:
     """Builds everything from a config, restores the workdir's latest checkpoint if any, and runs steps."""
 
     def __init__(self, config: Any, workdir: str):
-        config_lib.validate(config)
+        rl_config.validate(config)
         self.config, self.workdir = config, workdir
         self.is_main = jax.process_index() == 0
         rl = config.rl
@@ -89,7 +92,21 @@ class Learner:
         t0 = time.perf_counter()
         model, self.tokenizer = config_lib.build_model_and_tokenizer(config)
         self.mesh = config_lib.build_mesh(config)
-        self.engine = config_lib.build_engine(config, model, self.tokenizer, self.mesh)
+        # what drafts for the rollouts (config.drafter): none / n-gram / a warmed EAGLE drafter
+        self.rollout_drafter = resolve_drafter(config.drafter, model.cfg)
+        if self.rollout_drafter.note and self.is_main:
+            logging.warning("%s", self.rollout_drafter.note)
+            print(f"note: {self.rollout_drafter.note}", flush=True)
+        self.engine = config_lib.build_engine(
+            config,
+            model,
+            self.tokenizer,
+            self.mesh,
+            drafter_kind=self.rollout_drafter.kind,
+            drafter=self.rollout_drafter.drafter,
+            draft_vocab=self.rollout_drafter.draft_vocab,
+        )
+        self.monitor = RolloutMonitor(float(config.drafter.min_accept_len))
         self.sampling = config_lib.sampling_from(config)
         fused = bool(config.trainer.fuse_old_logprobs) and int(rl.mini_batches) == 1
         loss = LossConfig(
@@ -126,7 +143,9 @@ class Learner:
         self.task = make_task(config.task)
         self._prompt_cache: dict[str, list[int]] = {}
         self.base_key = jax.random.key(int(config.seed))
-        self.drafter_params = None  # the adaptive drafter (tlt_jax.drafter) plugs in here
+        # the rollout drafter's weights: fixed for a whole rollout (the engine drafts with one snapshot),
+        # saved with the checkpoint; the spot trainer (tlt_jax.drafter) updates them between steps
+        self.drafter_params = self.engine.drafter_params
         self.step, self.data_position = 0, 0
         self.ckpt = Checkpointer(
             os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=int(config.keep_checkpoints)
@@ -157,6 +176,8 @@ class Learner:
         self.drafter_params, self.base_key = state["drafter"], state["rng"]
         self.step, self.data_position = int(meta["step"]), int(meta["data_position"])
         self.engine.set_params(self.trainer.compute_params())
+        if self.drafter_params is not None:
+            self.engine.set_drafter_params(self.drafter_params)
         logging.info("restored step %d from %s", self.step, self.ckpt.directory)
 
     def save(self) -> None:
@@ -181,7 +202,8 @@ class Learner:
         with RolloutProgress(
             total=self.rows, desc=f"rollout {self.step + 1}", disable=None if show else True
         ) as bar:
-            return self.engine.generate(prompts, n=self.group, key=key, sampling=self.sampling, progress=bar)
+            hooks = [ProgressHook(bar), self.monitor]
+            return self.engine.generate(prompts, n=self.group, key=key, sampling=self.sampling, hooks=hooks)
 
     def train_step(self) -> dict[str, float]:
         """Run step `self.step + 1`; returns its metrics."""
@@ -289,11 +311,10 @@ class Learner:
             metrics["logprob/engine_gap_max"] = float(gap.max())
         stats = rollout.stats
         if self.engine.config.spec.enabled:
-            metrics["spec/accept_len"] = stats.mean_accept_length
-            metrics["spec/sd_seconds"] = stats.sd_seconds  # SD-on time of the rollout
-            metrics["spec/sd_share"] = stats.sd_seconds / max(times["rollout"], 1e-9)
+            metrics.update(self.monitor.metrics(step))
         for k, v in stats.summary().items():
             metrics.setdefault(k, v)
+        metrics["programs/count"] = float(self.engine.compile_count)
         total = time.perf_counter() - t_step
         for k, v in times.items():
             metrics[f"time/{k}"] = v

@@ -302,3 +302,39 @@ def chain_accept_rejection(
     accepted_tokens = jnp.where(pos < n_acc[:, None], draft_tokens_bk, PAD)
     tokens = _emitted_tokens(accepted_tokens, n_acc, bonus)
     return ChainAcceptance(num_accepted=n_acc, tokens=tokens, bonus=bonus)
+
+
+def plain_draws(keys_bn: jax.Array, target_probs_bnv: jax.Array) -> jax.Array:
+    """[B, N] the token plain decoding draws at each node: `categorical(key, p[None])` with the node's own
+    key, i.e. exactly `sampling.sample` (one uniform, inverse CDF) as a 1-token decode step calls it."""
+    chex.assert_rank(target_probs_bnv, 3)
+    b, n, v = target_probs_bnv.shape
+    flat_k = keys_bn.reshape((b * n,) + keys_bn.shape[2:])
+    draws = jax.vmap(lambda k, p: categorical(k, p[None])[0])(flat_k, target_probs_bnv.reshape(b * n, v))
+    return draws.reshape(b, n).astype(jnp.int32)
+
+
+def tree_accept_coupled(
+    keys_bn: jax.Array,
+    tokens_bn: jax.Array,
+    parents_bn: jax.Array,
+    target_probs_bnv: jax.Array,
+    max_depth: int,
+) -> TreeAcceptance:
+    """Verification coupled to plain sampling: every emitted token IS the token plain decoding would draw.
+
+    `keys_bn[b, i]` is the PRNG key plain decoding uses for the token after node i (the sequence's key folded
+    with that token's index, `num_generated + depth[i]`). At each node the walk computes plain decoding's draw
+    with that key (`plain_draws`) and accepts the drafted child carrying the same token; if no child does, the
+    draw itself is the bonus token. So a speculative round emits exactly the tokens a run of 1-token steps
+    would emit (up to float rounding between a T-token verify pass and a 1-token step, which can flip a draw
+    whose uniform lands within rounding of a CDF boundary).
+
+    Acceptance probability: the drafted child token t is accepted with probability p(t), the same as the
+    target-only walk (`tree_accept`), i.e. the drafted children's distinct mass; and the output distribution
+    is p because it is plain sampling's. It needs no draft probabilities, so any drafter and tree shape work.
+    """
+    _check_tree(tokens_bn, parents_bn, max_depth)
+    chex.assert_equal_shape_prefix([tokens_bn, target_probs_bnv], 2)
+    chex.assert_equal_shape_prefix([tokens_bn, keys_bn], 2)
+    return tree_accept_greedy(tokens_bn, parents_bn, plain_draws(keys_bn, target_probs_bnv), max_depth)

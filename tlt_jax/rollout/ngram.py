@@ -20,12 +20,15 @@ shallow ones); a node with no continuation is padding (parent -2), and so is eve
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.rollout.types import DraftTree
+from tlt_jax.rollout.types import DecodeState, DraftTree
 
 PAD_SRC = -2  # source positions with no token (never equal to a query token)
 PAD_QUERY = -1  # query positions with no token (never equal to a source token)
@@ -190,3 +193,68 @@ def update_bank(
     bank = bank_rn.at[ids].set(out_tokens_bn, mode="drop")
     bank_len = bank_len_r.at[ids].set(num_generated_b, mode="drop")
     return bank, bank_len
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramParams:
+    """The n-gram drafter's static settings (`SpecConfig.ngram_*`)."""
+
+    max_ngram: int = 4
+    min_ngram: int = 1
+    siblings: int = 16
+
+
+@flax.struct.dataclass
+class NgramBank:
+    """Every sequence's response so far, by sequence id (prompt index * n + sample index): the n-gram
+    drafter's sibling corpus. It lives outside the decode state, so rows dropped by compaction stay in it."""
+
+    tokens: jax.Array  # [R, N]
+    lengths: jax.Array  # [R]
+    group_size: int = flax.struct.field(pytree_node=False)
+
+    @classmethod
+    def empty(cls, num_sequences: int, group_size: int, max_new_tokens: int) -> NgramBank:
+        """An empty bank for a rollout of num_sequences = prompts * group_size sequences."""
+        return cls(
+            tokens=jnp.zeros((num_sequences, max_new_tokens), jnp.int32),
+            lengths=jnp.zeros((num_sequences,), jnp.int32),
+            group_size=group_size,
+        )
+
+    def update(self, state: DecodeState) -> NgramBank:
+        """Copy the state's responses into the bank (before compaction drops finished rows)."""
+        tokens, lengths = update_bank(
+            self.tokens, self.lengths, state.out_tokens, state.num_generated, state.aux.seq_id
+        )
+        return self.replace(tokens=tokens, lengths=lengths)
+
+
+def draft_ngram(
+    state: DecodeState, bank: NgramBank, depth: int, topk: int, num_nodes: int, params: NgramParams
+) -> DraftTree:
+    """An n-gram draft tree for every row of `state` from its prompt, its response and its siblings'."""
+    aux = state.aux
+    src, src_len, prio, query = build_sources(
+        aux.prompt,
+        aux.prompt_len,
+        state.out_tokens,
+        state.num_generated,
+        aux.seq_id,
+        bank.tokens,
+        bank.lengths,
+        bank.group_size,
+        params.max_ngram,
+        params.siblings,
+    )
+    return propose(
+        src,
+        src_len,
+        prio,
+        query,
+        state.last_token,
+        depth=depth,
+        topk=topk,
+        num_nodes=num_nodes,
+        min_ngram=params.min_ngram,
+    )

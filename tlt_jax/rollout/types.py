@@ -45,8 +45,8 @@ class DecodeState:
     seq_keys: jax.Array  # [B, 2] uint32 raw key data of each sequence's PRNG stream
     max_new: jax.Array  # [B] per-row token budget (<= N)
     aux: SpecAux | None = None  # speculative-decoding state (None: plain decoding only)
-    # [B, N, H] the target's final hidden state of response token i, written when the token is fed back
-    # (so the newest token has none yet); only with EngineConfig.record_hidden (`record_hidden`)
+    # [B, W, H] the target's final hidden state of response token i < W, written when the token is fed back
+    # (so the newest token has none yet); only with EngineConfig.record_hidden (`record.record_hidden`)
     out_hidden: jax.Array | None = None
 
 
@@ -90,6 +90,8 @@ class ChunkRecord:
     new_tokens: int = 0  # tokens emitted by the chunk (any mode)
     strategy: str = ""  # the speculative strategy "depth_topk_verify" ("" for plain)
     accept_hist: tuple[int, ...] = ()  # [i] = row-rounds that emitted i tokens (i = 0..depth+1)
+    running: tuple[int, ...] = ()  # running rows at the start of each step/round
+    compiled: bool = False  # this chunk's call compiled a program (its time is not a fair reward)
 
     @property
     def tokens_per_second(self) -> float:
@@ -106,6 +108,7 @@ class ChunkRecord:
 class RolloutStats:
     running_per_step: list[int] = dataclasses.field(default_factory=list)  # long-tail curve (steps/rounds)
     sd_per_step: list[bool] = dataclasses.field(default_factory=list)  # SD on at that step
+    seconds_per_step: list[float] = dataclasses.field(default_factory=list)  # its share of its chunk's time
     chunks: list[ChunkRecord] = dataclasses.field(default_factory=list)
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     num_tokens: int = 0
@@ -146,18 +149,36 @@ class RolloutStats:
             out[: len(h)] += h
         return out
 
+    def seconds_at_running(self, at_most: int) -> float:
+        """Decode time spent in steps/rounds with at most `at_most` running rows (the long tail)."""
+        return float(
+            sum(s for r, s in zip(self.running_per_step, self.seconds_per_step, strict=True) if r <= at_most)
+        )
+
+    @property
+    def decode_seconds(self) -> float:
+        return sum(c.seconds for c in self.chunks)
+
     def summary(self) -> dict[str, float]:
-        return {
+        """Per-rollout metrics: tokens, time, SD share and speeds, the running-batch curve's tail times."""
+        decode = max(self.decode_seconds, 1e-9)
+        out = {
             "rollout/tokens": float(self.num_tokens),
             "rollout/tok_per_s": self.tokens_per_second,
             "rollout/wall_s": self.wall_seconds,
             "rollout/decode_steps": float(len(self.running_per_step)),
             "rollout/sd_seconds": self.sd_seconds,
+            "rollout/sd_share": self.sd_seconds / max(self.wall_seconds, 1e-9),
             "rollout/accept_len": self.mean_accept_length,
             "rollout/sd_tok_per_s": self.mode_tokens_per_second(None),
             "rollout/plain_tok_per_s": self.mode_tokens_per_second("plain"),
+            "rollout/compiled_chunks": float(sum(c.compiled for c in self.chunks)),
             **{f"rollout/time_{k}": v for k, v in self.phase_seconds.items()},
         }
+        for k in (32, 8, 2):
+            out[f"rollout/time_running_le{k}"] = self.seconds_at_running(k)
+            out[f"rollout/share_running_le{k}"] = self.seconds_at_running(k) / decode
+        return out
 
 
 @dataclasses.dataclass
@@ -172,9 +193,10 @@ class Rollout:
     finish_reason: list[str]  # "eos" | "stop" | "length"
     stats: RolloutStats
     # with EngineConfig.record_hidden: the target's final hidden states, per unique prompt [Lp, H] and per
-    # response [B, N, H] (response token i's state at [:, i]; a response's last token has none)
+    # response [min(len - 1, W), H] (response token i's state at row i; a response's last token has none;
+    # W = EngineConfig.hidden_window bounds the memory of long responses)
     prompt_hidden: list[np.ndarray] | None = None
-    hidden: np.ndarray | None = None
+    hidden: list[np.ndarray] | None = None
 
     @property
     def mask(self) -> np.ndarray:
@@ -184,12 +206,11 @@ class Rollout:
         return self.tokens[i, : self.lengths[i]].tolist()
 
     def features(self, i: int) -> np.ndarray:
-        """[len(prompt) + len(response) - 1, H]: the target's final hidden state h_t at every position of
-        sequence i but the last (the newest token was never fed to the target). This is a drafter
-        training sample's `hidden` for `prompt + response[:-1]`, with no second target forward."""
+        """[len(prompt) + min(len(response) - 1, W), H]: the target's final hidden state h_t at every
+        position of sequence i but the last (the newest token was never fed to the target), up to the window
+        W: a drafter training sample's `hidden` for `(prompt + response)[:len]`, no second target forward."""
         if self.hidden is None or self.prompt_hidden is None:
             raise ValueError(
                 "this rollout has no hidden states: generate with EngineConfig(record_hidden=True)"
             )
-        n = max(int(self.lengths[i]) - 1, 0)
-        return np.concatenate([self.prompt_hidden[int(self.prompt_index[i])], self.hidden[i, :n]])
+        return np.concatenate([self.prompt_hidden[int(self.prompt_index[i])], self.hidden[i]])

@@ -1,0 +1,97 @@
+"""Validation of the GRPO job's own config sections (rl, trainer, task, steps) on top of the shared ones.
+
+`validate(config)` raises ONE ValueError listing every problem of the whole config (shared sections via
+`config_lib.validate`'s checks, then these), each with the field and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tlt_jax import config_lib
+from tlt_jax.config_lib import DTYPES
+from tlt_jax.rl import grpo
+
+
+def rl_problems(config: Any) -> list[str]:
+    """Problems of the GRPO sections: steps, task, rl, trainer, and GRPO's need for sampling."""
+    out = []
+    ro, rl, tr = config.rollout, config.rl, config.trainer
+    if config.num_steps < 1:
+        out.append(f"config.num_steps={config.num_steps}: must be >= 1.")
+    if config.checkpoint_every < 0:
+        out.append(f"config.checkpoint_every={config.checkpoint_every}: must be >= 0 (0 = only at the end).")
+    if not config.task.get("kind"):
+        out.append("config.task.kind is empty: set it to one of reasoning_gym | jsonl | counting.")
+    if config.task.get("kind") == "jsonl" and not config.task.get("path"):
+        out.append(
+            "config.task.path is empty: pass --config.task.path=/path/to/train.jsonl (question/answer)."
+        )
+    if tr.master_dtype not in DTYPES:
+        out.append(f"config.trainer.master_dtype={tr.master_dtype!r}: use one of {DTYPES}.")
+    if tr.train_layers < 0:
+        out.append(f"config.trainer.train_layers={tr.train_layers}: must be >= 0 (0 = all parameters).")
+    if tr.logits_chunk < 0:
+        out.append(f"config.trainer.logits_chunk={tr.logits_chunk}: must be >= 0 (0 = no chunking).")
+    if ro.temperature <= 0:
+        out.append(
+            f"config.rollout.temperature={ro.temperature}: GRPO needs sampling (> 0; the paper uses 0.9), "
+            "greedy samples of a group are identical and carry no advantage."
+        )
+    if rl.samples_per_prompt < 2:
+        out.append(
+            f"config.rl.samples_per_prompt={rl.samples_per_prompt}: GRPO compares samples within a group, "
+            "use >= 2 (the paper uses 8)."
+        )
+    if rl.prompts_per_step < 1:
+        out.append(f"config.rl.prompts_per_step={rl.prompts_per_step}: must be >= 1.")
+    if rl.advantage not in grpo.ADVANTAGE_METHODS:
+        out.append(f"config.rl.advantage={rl.advantage!r}: use one of {sorted(grpo.ADVANTAGE_METHODS)}.")
+    if rl.loss_agg not in grpo.LOSS_AGGREGATIONS:
+        out.append(f"config.rl.loss_agg={rl.loss_agg!r}: use one of {sorted(grpo.LOSS_AGGREGATIONS)}.")
+    if rl.clip_low < 0 or rl.clip_high < 0 or rl.clip_low >= 1:
+        out.append(
+            f"config.rl.clip_low={rl.clip_low} / clip_high={rl.clip_high}: need 0 <= clip_low < 1, "
+            "clip_high >= 0."
+        )
+    if rl.kl_coef < 0:
+        out.append(f"config.rl.kl_coef={rl.kl_coef}: must be >= 0 (0 disables the KL term).")
+    if rl.lr <= 0 or rl.warmup_steps < 0 or rl.grad_clip < 0 or rl.weight_decay < 0:
+        out.append(
+            f"config.rl: lr={rl.lr}, warmup_steps={rl.warmup_steps}, grad_clip={rl.grad_clip}, weight_decay="
+            f"{rl.weight_decay}: need lr > 0 and the others >= 0."
+        )
+    rows = rl.prompts_per_step * rl.samples_per_prompt
+    if rl.mini_batches < 1 or rows % rl.mini_batches:
+        out.append(
+            f"config.rl.mini_batches={rl.mini_batches} must divide the {rows} rows of a step "
+            f"(prompts_per_step * samples_per_prompt)."
+        )
+    elif (
+        tr.micro_batch_size < 1
+        or (rows // rl.mini_batches) % tr.micro_batch_size
+        or tr.micro_batch_size % rl.samples_per_prompt
+    ):
+        mini = rows // rl.mini_batches
+        n = rl.samples_per_prompt
+        options = [d for d in range(n, mini + 1, n) if mini % d == 0]
+        out.append(
+            f"config.trainer.micro_batch_size={tr.micro_batch_size} must be a multiple of "
+            f"samples_per_prompt={n} (micro-batches hold whole groups) that divides the mini-batch of {mini} "
+            f"rows (prompts_per_step * samples_per_prompt / mini_batches); valid: {options}."
+        )
+    if tr.seq_bucket < 1:
+        out.append(f"config.trainer.seq_bucket={tr.seq_bucket}: must be >= 1.")
+    return out
+
+
+def validate(config: Any, check_paths: bool = True) -> None:
+    """Every problem of a GRPO config (shared sections and the job's own), in one ValueError."""
+    problems = []
+    try:
+        config_lib.validate(config, check_paths)
+    except ValueError as e:
+        problems += [line.strip()[2:] for line in str(e).splitlines()[1:]]
+    if config.job == "grpo":
+        problems += rl_problems(config)
+    config_lib.fail(problems)

@@ -1,0 +1,306 @@
+"""The device bodies of a rollout: prefill and decode chunks (plain or speculative) as pure functions.
+
+Every function here is a pure function of (static program description, params, state): no `self`, no mesh,
+no host state. So the same body runs under `jit` over the whole mesh (the engine's programs, with sharding
+constraints added around it by `programs.py`) and per device inside `shard_map` (the spot trainer's tick
+program, where idle devices train the drafter while busy ones decode).
+
+A chunk runs up to `steps` decode steps (plain) or verify rounds (speculative) in a `lax.while_loop` and
+stops early when every row is done, or when the fullest data shard has at most `exit_live` live rows (the
+host then compacts the live rows into a smaller batch bucket: a chunk never keeps running dead rows once
+compaction would pay, which matters most for speculative chunks, whose rounds cover several tokens each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.models.llama import Transformer
+from tlt_jax.rollout import ngram as ngram_lib
+from tlt_jax.rollout.eagle_draft import drafter_advance, drafter_prefill, eagle_draft
+from tlt_jax.rollout.record import record_hidden, record_tokens
+from tlt_jax.rollout.sampling import SamplingParams, sample_rows
+from tlt_jax.rollout.strategy import SpecMode
+from tlt_jax.rollout.tree_verify import verify_round
+from tlt_jax.rollout.types import DecodeState, SpecAux, row_keys
+
+DRAFT_SALT = 0x0D5A  # folded into a row's token key for sampled drafts (acceptance uses the key itself)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkProgram:
+    """Static description of one chunk body: what is compiled into it (the rest are runtime operands).
+
+    target / drafter: graph definitions (`nnx.split`); drafter is set when the state carries the EAGLE
+    drafter's cache (an "eagle" mode is registered), so plain chunks keep it in step for a later switch.
+    mode: None for plain decoding, else the speculative mode of every round.
+    shards: rows are laid out as `shards` contiguous blocks (the data axis); the early exit looks at the
+    fullest block. 1 inside `shard_map` (one device's rows).
+    draft_dtype: the dtype of the reduced draft head (None: the target head's dtype).
+    """
+
+    target: Any
+    drafter: Any
+    sampling: SamplingParams
+    attn_impl: str
+    steps: int
+    mode: SpecMode | None = None
+    ngram: ngram_lib.NgramParams | None = None
+    shards: int = 1
+    draft_dtype: Any = None
+
+
+@flax.struct.dataclass
+class ChunkOut:
+    """What a chunk returns: the new state, the running-row count of each step/round (-1 past the end), the
+    speculative counts (tokens emitted, live row-rounds, accept histogram; zeros for plain) and the bank."""
+
+    state: DecodeState
+    running: jax.Array  # [steps]
+    emitted: jax.Array
+    rows: jax.Array
+    hist: jax.Array  # [max_depth + 2] (one zero for plain)
+    bank: ngram_lib.NgramBank | None
+
+
+def plain_step(
+    target: Transformer,
+    drafter: Drafter | None,
+    state: DecodeState,
+    eos_ids: jax.Array,
+    sp: SamplingParams,
+    attn_impl: str,
+) -> DecodeState:
+    """One target step for every row: feed the last token, sample the next with the row's own key.
+
+    With a drafter (and a drafter cache in `state.aux`), also write the pending drafter pair
+    (last_token, h_{L-1}) so the drafter cache stays one position behind the target (no LM head: cheap).
+    """
+    b = state.last_token.shape[0]
+    live = ~state.done
+    out = target(
+        state.last_token[:, None],
+        state.cache.lengths[:, None],
+        state.cache,
+        jnp.ones((b, 1, 1), bool),
+        attn_impl=attn_impl,
+    )
+    cache = out.cache.advance(live.astype(jnp.int32))
+    tok, lp = sample_rows(row_keys(state), out.logits[:, 0], sp)
+    state = record_hidden(state, out.hidden, live.astype(jnp.int32))
+    if drafter is not None and state.aux is not None and state.aux.drafter_cache is not None:
+        aux = state.aux
+        dcache = drafter_advance(
+            drafter,
+            target,
+            aux.drafter_cache,
+            state.last_token[:, None],
+            aux.hidden[:, None],
+            live.astype(jnp.int32),
+            attn_impl,
+        )
+        hidden = jnp.where(live[:, None], out.hidden[:, 0], aux.hidden)
+        state = state.replace(aux=aux.replace(drafter_cache=dcache, hidden=hidden))
+    return record_tokens(
+        state.replace(cache=cache), tok[:, None], lp[:, None], live.astype(jnp.int32), eos_ids
+    )
+
+
+def _live_in_fullest_shard(done: jax.Array, shards: int) -> jax.Array:
+    return jnp.max(jnp.sum(~done.reshape(shards, -1), axis=1))
+
+
+def _draft_head(prog: ChunkProgram, target: Transformer, draft_vocab: jax.Array | None) -> jax.Array | None:
+    """The draft vocabulary's rows of the shared head, gathered once per chunk (not per draft step)."""
+    if draft_vocab is None:
+        return None
+    head = jnp.take(target.head_weight(), draft_vocab, axis=0)
+    return head if prog.draft_dtype is None else head.astype(prog.draft_dtype)
+
+
+def run_chunk(
+    prog: ChunkProgram,
+    params: Any,
+    dparams: Any,
+    state: DecodeState,
+    eos_ids: jax.Array,
+    bank: ngram_lib.NgramBank | None,
+    draft_vocab: jax.Array | None,
+    exit_live: jax.Array,
+) -> ChunkOut:
+    """Up to `prog.steps` plain steps or speculative rounds of `prog.mode` on `state` (see the module doc).
+
+    exit_live: int32 scalar; the chunk ends (after at least one step) once the fullest shard has at most
+    this many live rows (-1: never). bank: the n-gram sibling bank (n-gram modes), updated every round.
+    draft_vocab: [Vd] token ids of the learned drafter's reduced head (None: the full head).
+    """
+    target = nnx.merge(prog.target, params)
+    drafter = nnx.merge(prog.drafter, dparams) if prog.drafter is not None and dparams is not None else None
+    mode, sp = prog.mode, prog.sampling
+    depth = 0 if mode is None else mode.strategy.max_depth
+    draft_head = (
+        _draft_head(prog, target, draft_vocab) if mode is not None and mode.drafter == "eagle" else None
+    )
+
+    def round_(st: DecodeState, bank: ngram_lib.NgramBank | None) -> tuple[DecodeState, Any]:
+        if mode is None:
+            return plain_step(target, drafter, st, eos_ids, sp, prog.attn_impl), None
+        strat = mode.strategy
+        dcache = None
+        if mode.drafter == "eagle":
+            sampled = mode.rejection and not sp.greedy
+            tree, dcache = eagle_draft(
+                target,
+                drafter,
+                st.aux.drafter_cache,
+                st.last_token,
+                st.aux.hidden,
+                strat,
+                prog.attn_impl,
+                # draft randomness: the row's token key folded with a salt, independent of the acceptance
+                # uniforms (drawn from the row's token key itself)
+                sample_keys=jax.vmap(jax.random.fold_in, (0, None))(row_keys(st), DRAFT_SALT)
+                if sampled
+                else None,
+                sp=sp if sampled else None,
+                draft_vocab=draft_vocab,
+                draft_head=draft_head,
+            )
+        else:
+            num_nodes = min(strat.tokens_to_verify, 1 + strat.topk * strat.max_depth)
+            tree = ngram_lib.draft_ngram(st, bank, strat.max_depth, strat.topk, num_nodes, prog.ngram)
+        return verify_round(
+            target, drafter, st, tree, sp, eos_ids, mode=mode, attn_impl=prog.attn_impl, drafter_cache=dcache
+        )
+
+    def cond(c: tuple) -> jax.Array:
+        i, st = c[0], c[1]
+        live_max = _live_in_fullest_shard(st.done, prog.shards)
+        return (i < prog.steps) & (live_max > 0) & ((i == 0) | (live_max > exit_live))
+
+    def body(c: tuple) -> tuple:
+        i, st, running, emitted, rows, hist, bank = c
+        running = running.at[i].set(jnp.sum(~st.done))
+        if bank is not None:
+            bank = bank.update(st)
+        st, rs = round_(st, bank)
+        if rs is not None:
+            emitted, rows, hist = emitted + rs.emitted, rows + rs.rows, hist + rs.hist
+        return i + 1, st, running, emitted, rows, hist, bank
+
+    zero = jnp.zeros((), jnp.int32)
+    init = (
+        zero,
+        state,
+        jnp.full((prog.steps,), -1, jnp.int32),
+        zero,
+        zero,
+        jnp.zeros((depth + 2,), jnp.int32),
+        bank,
+    )
+    _, state, running, emitted, rows, hist, bank = jax.lax.while_loop(cond, body, init)
+    if bank is not None:
+        bank = bank.update(state)
+    return ChunkOut(state=state, running=running, emitted=emitted, rows=rows, hist=hist, bank=bank)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillProgram:
+    """Static description of the prefill: cache length, response budget, what the state must carry."""
+
+    target: Any
+    drafter: Any  # set: prefill the EAGLE drafter's cache too
+    sampling: SamplingParams
+    attn_impl: str
+    cache_len: int
+    max_new: int
+    carry_prompt: bool  # n-gram modes need the prompt tokens in the state
+    hidden_window: int  # > 0: record the target's hidden states of the first W response tokens
+    record_prompt_hidden: bool
+
+
+def prefill(
+    prog: PrefillProgram,
+    params: Any,
+    dparams: Any,
+    tokens_pt: jax.Array,
+    lens_p: jax.Array,
+    rows_b: jax.Array,
+    keys_b: jax.Array,
+    budget_b: jax.Array,
+    pad_b: jax.Array,
+    seq_b: jax.Array,
+    eos_ids: jax.Array,
+) -> tuple[DecodeState, jax.Array | None]:
+    """Prefill the P unique prompts once, repeat their cache rows into B rows (`rows_b`), sample each row's
+    first token with its own key. Returns the state and, with `record_prompt_hidden`, the prompts' final
+    hidden states [P, T, H]."""
+    model = nnx.merge(prog.target, params)
+    cfg = model.cfg
+    p, t = tokens_pt.shape
+    cache = KVCache.init(cfg, p, prog.cache_len)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
+    out = model(tokens_pt, pos, cache, logits_index_bk=(lens_p - 1)[:, None], attn_impl=prog.attn_impl)
+    cache = out.cache.advance(lens_p).take_rows(rows_b)
+    b = rows_b.shape[0]
+    aux = None
+    if prog.drafter is not None or prog.carry_prompt:
+        fields: dict[str, Any] = {"seq_id": seq_b}
+        if prog.drafter is not None:
+            drafter = nnx.merge(prog.drafter, dparams)
+            dcache = drafter_prefill(
+                drafter,
+                model,
+                drafter.init_cache(p, prog.cache_len),
+                tokens_pt,
+                out.hidden,
+                lens_p,
+                prog.attn_impl,
+            )
+            fields["drafter_cache"] = dcache.take_rows(rows_b)
+            fields["hidden"] = out.hidden[jnp.arange(p), lens_p - 1][rows_b]
+        if prog.carry_prompt:
+            fields["prompt"] = tokens_pt[rows_b]
+            fields["prompt_len"] = lens_p[rows_b]
+        aux = SpecAux(**fields)
+    window = min(prog.hidden_window, prog.max_new)
+    state = DecodeState(
+        cache=cache,
+        last_token=jnp.zeros((b,), jnp.int32),
+        out_tokens=jnp.zeros((b, prog.max_new), jnp.int32),
+        out_logp=jnp.zeros((b, prog.max_new), jnp.float32),
+        num_generated=jnp.zeros((b,), jnp.int32),
+        done=pad_b,
+        seq_keys=keys_b,
+        max_new=budget_b,
+        aux=aux,
+        out_hidden=jnp.zeros((b, window, cfg.hidden_size), out.hidden.dtype) if window > 0 else None,
+    )
+    tok, lp = sample_rows(row_keys(state), out.logits[rows_b, 0], prog.sampling)
+    state = record_tokens(state, tok[:, None], lp[:, None], (~pad_b).astype(jnp.int32), eos_ids)
+    return state, (out.hidden if prog.record_prompt_hidden else None)
+
+
+def gather_rows(state: DecodeState, rows: jax.Array, pad: jax.Array) -> DecodeState:
+    """Compaction: the state's rows `rows` (padding rows marked done and owning no sequence)."""
+    state = jax.tree_util.tree_map(lambda x: x[rows], state)
+    state = state.replace(done=state.done | pad)
+    if state.aux is not None and state.aux.seq_id is not None:
+        state = state.replace(aux=state.aux.replace(seq_id=jnp.where(pad, -1, state.aux.seq_id)))
+    return state
+
+
+def resize_cache(state: DecodeState, seq_len: int) -> DecodeState:
+    """Grow (or shrink) the target's and the drafter's cache-length bucket to `seq_len`."""
+    state = state.replace(cache=state.cache.resize(seq_len))
+    if state.aux is not None and state.aux.drafter_cache is not None:
+        state = state.replace(aux=state.aux.replace(drafter_cache=state.aux.drafter_cache.resize(seq_len)))
+    return state

@@ -1,0 +1,188 @@
+"""The rollout engine's hooks: what a caller sees and decides while a rollout runs.
+
+One protocol (`RolloutHooks`, every method optional) for everything that plugs into the host scheduler:
+- `choose_mode(running, batch_bucket)` before each chunk: "plain" or a registered speculative mode (None: no
+  opinion; the engine then applies `SpecConfig`'s threshold switch). The BEG-MAB bandit lives here.
+- `on_chunk(view)` after each chunk: the chunk's record (mode, seconds, tokens, accept counts, whether it
+  compiled) and which rows and which data-axis devices are still live (a device with no live row is idle:
+  the spot trainer's opportunity).
+- `on_finished(seqs)` whenever sequences finish, while the rollout is still running: their tokens, log-probs
+  and, with `EngineConfig.record_hidden`, a bounded window of the target's hidden states (drafter data).
+- `on_start(info)` / `on_end(rollout)` around a rollout.
+`HookList` composes several hooks (the first non-None mode choice wins).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import numpy as np
+
+from tlt_jax.rollout.types import ChunkRecord, Rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutInfo:
+    """What a rollout is about to do (given to `on_start`)."""
+
+    num_prompts: int
+    group_size: int
+    max_new_tokens: int
+    data_shards: int
+    modes: tuple[str, ...]  # the registered speculative modes
+
+    @property
+    def num_sequences(self) -> int:
+        return self.num_prompts * self.group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkView:
+    """The scheduler's picture after a chunk: its record and the live rows per data-axis shard."""
+
+    record: ChunkRecord
+    live_per_shard: tuple[int, ...]
+    finished: int  # sequences finished so far
+
+    @property
+    def live_rows(self) -> int:
+        return sum(self.live_per_shard)
+
+    @property
+    def idle_shards(self) -> tuple[int, ...]:
+        """Data-axis devices with no live row (free for drafter training while the others decode)."""
+        return tuple(i for i, n in enumerate(self.live_per_shard) if n == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedSequences:
+    """Sequences that finished since the last report (sequence ids index the final `Rollout`'s rows).
+
+    hidden[i]: [min(len_i - 1, W), H] the target's final hidden states of the response's first positions
+    (response token j's state at row j; the newest token has none), or None without `record_hidden`.
+    prompt_hidden[i]: [len(prompt), H] the prompt's states (shared by the samples of a prompt) or None.
+    """
+
+    seq_ids: np.ndarray
+    prompt_index: np.ndarray
+    prompt_tokens: list[list[int]]
+    tokens: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    finish_reason: list[str]
+    hidden: list[np.ndarray] | None = None
+    prompt_hidden: list[np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+
+class RolloutHooks:
+    """Base class of the hooks protocol: every method is a no-op; override what you need."""
+
+    def on_start(self, info: RolloutInfo) -> None:
+        del info
+
+    def choose_mode(self, running: int, batch_bucket: int) -> str | None:
+        del running, batch_bucket
+        return None
+
+    def on_chunk(self, view: ChunkView) -> None:
+        del view
+
+    def on_finished(self, seqs: FinishedSequences) -> None:
+        del seqs
+
+    def on_end(self, rollout: Rollout) -> None:
+        del rollout
+
+
+class HookList(RolloutHooks):
+    """Several hooks as one: events go to all in order; the first non-None `choose_mode` wins."""
+
+    def __init__(self, hooks: Iterable[RolloutHooks | None]):
+        self.hooks = [h for h in hooks if h is not None]
+
+    def on_start(self, info: RolloutInfo) -> None:
+        for h in self.hooks:
+            h.on_start(info)
+
+    def choose_mode(self, running: int, batch_bucket: int) -> str | None:
+        for h in self.hooks:
+            mode = h.choose_mode(running, batch_bucket)
+            if mode is not None:
+                return mode
+        return None
+
+    def on_chunk(self, view: ChunkView) -> None:
+        for h in self.hooks:
+            h.on_chunk(view)
+
+    def on_finished(self, seqs: FinishedSequences) -> None:
+        for h in self.hooks:
+            h.on_finished(seqs)
+
+    def on_end(self, rollout: Rollout) -> None:
+        for h in self.hooks:
+            h.on_end(rollout)
+
+
+class ThresholdPolicy(RolloutHooks):
+    """The paper's switch: plain decoding until at most `threshold` rows have been running for
+    `min_steps_below` consecutive decode steps, then `mode` for the rest of the rollout (reset per
+    rollout)."""
+
+    def __init__(self, mode: str, threshold: int, min_steps_below: int = 0):
+        self.mode, self.threshold, self.min_steps_below = mode, threshold, min_steps_below
+        self.steps_below, self.on = 0, False
+
+    def on_start(self, info: RolloutInfo) -> None:
+        del info
+        self.steps_below, self.on = 0, False
+
+    def choose_mode(self, running: int, batch_bucket: int) -> str:
+        del batch_bucket
+        if not self.on and running <= self.threshold and self.steps_below >= self.min_steps_below:
+            self.on = True
+        return self.mode if self.on else "plain"
+
+    def on_chunk(self, view: ChunkView) -> None:
+        for r in view.record.running:
+            self.steps_below = self.steps_below + 1 if r <= self.threshold else 0
+
+
+class FixedMode(RolloutHooks):
+    """Always the same mode ("plain" or a registered speculative mode)."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def choose_mode(self, running: int, batch_bucket: int) -> str:
+        del running, batch_bucket
+        return self.mode
+
+
+class Progress(Protocol):
+    def update(self, running: int, finished: int, new_tokens: int) -> None: ...
+
+
+class ProgressHook(RolloutHooks):
+    """Feeds a progress bar (`utils.tracking.RolloutProgress`) after every chunk."""
+
+    def __init__(self, bar: Progress):
+        self.bar = bar
+
+    def on_chunk(self, view: ChunkView) -> None:
+        self.bar.update(view.live_rows, view.finished, view.record.new_tokens)
+
+
+def as_hooks(hooks: RolloutHooks | Iterable[RolloutHooks | None] | None, extra: Any = None) -> HookList:
+    """Normalise a hooks argument (one, several or None) into a HookList (with `extra` appended)."""
+    if hooks is None:
+        items: list[RolloutHooks | None] = []
+    elif isinstance(hooks, RolloutHooks):
+        items = [hooks]
+    else:
+        items = list(hooks)
+    return HookList([*items, extra])

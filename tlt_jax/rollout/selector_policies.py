@@ -1,0 +1,112 @@
+"""Per-algorithm rules of the speculative-strategy selector (`beg_mab.py` holds the config, state and API).
+
+Each rule is a pure jnp function of the static config, the selector state and the running bucket `b` (a
+traced int32 scalar), so `beg_mab.select` / `beg_mab.update` stay one small jitted program per config:
+- `bandit_arm`: BEG-MAB (median), epsilon-greedy (mean) and sliding-window UCB1 over a bucket's eligible arms;
+- `sglang_step`: mainline SGLang's per-bucket EMA of accepted drafts with hysteresis on a depth ladder;
+- `threshold_arm` / `threshold_step`: the paper's fixed switch (plain until few rows run, then SD for good).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from tlt_jax.rollout.beg_mab import SelectorConfig, SelectorState
+
+
+def bandit_arm(cfg: SelectorConfig, state: SelectorState, b: jax.Array, key: jax.Array) -> jax.Array:
+    """The arm a bandit plays next in bucket `b` (int32 scalar).
+
+    Every eligible arm is played once before any exploitation (the lowest-index untried arm first). Then
+    beg_mab / egreedy explore a uniform eligible arm with probability `epsilon` and otherwise exploit the
+    highest MEDIAN (beg_mab) or MEAN (egreedy) reward of the arm's last `window` rewards. ucb1 exploits
+    `mean / scale + ucb_c * sqrt(ln N / n)` over the bucket's last `window` plays (sliding-window UCB: an arm
+    absent from that window counts as untried, so a changed arm is re-measured), `scale` being the largest
+    reward in that window, which puts the bonus on the scale of rewards in [0, 1].
+    """
+    elig = jnp.asarray(cfg.eligible, bool)[b]  # [A]
+    rew = state.rewards[b]  # [A, W], NaN = empty slot
+    valid = ~jnp.isnan(rew)
+    if cfg.algorithm == "ucb1":
+        valid = valid & (state.stamps[b] > state.bucket_steps[b] - cfg.window)
+        n = valid.sum(-1)  # [A] plays of each arm among the bucket's last `window` plays
+        untried = elig & (n == 0)
+        mean = jnp.where(valid, rew, 0.0).sum(-1) / jnp.maximum(n, 1)
+        scale = jnp.max(jnp.where(valid & elig[:, None], rew, -jnp.inf))
+        scale = jnp.where(scale > 0, scale, 1.0)
+        total = jnp.maximum(jnp.where(elig, n, 0).sum(), 1)
+        bonus = cfg.ucb_c * jnp.sqrt(jnp.log(total.astype(jnp.float32)) / jnp.maximum(n, 1))
+        score = mean / scale + bonus
+        epsilon = 0.0
+    else:
+        untried = elig & (state.count[b] == 0)
+        stat = jnp.nanmedian(rew, axis=-1) if cfg.algorithm == "beg_mab" else jnp.nanmean(rew, axis=-1)
+        score = jnp.where(valid.any(-1), stat, -jnp.inf)
+        epsilon = cfg.epsilon
+    greedy = jnp.argmax(jnp.where(elig, score, -jnp.inf))
+    k_explore, k_arm = jax.random.split(key)
+    uniform_arm = jax.random.categorical(k_arm, jnp.where(elig, 0.0, -jnp.inf))
+    explore = jax.random.uniform(k_explore) < epsilon
+    choice = jnp.where(explore, uniform_arm, greedy)
+    return jnp.where(untried.any(), jnp.argmax(untried), choice).astype(jnp.int32)
+
+
+def sglang_step(
+    cfg: SelectorConfig, state: SelectorState, b: jax.Array, arm: jax.Array, accept_length: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Bucket `b`'s new (ema, rung, since_move) after a chunk of `arm` with `accept_length` tokens per round.
+
+    The EMA (`sglang_alpha`) tracks accepted drafts per round, `accept_length - 1`, over speculative chunks
+    only; NaN until the first one. Capacity of a rung = drafts a round can accept (`max_accept - 1`, 0 for
+    plain). After at least `sglang_min_obs` updates since the last move, the bucket moves
+    - one eligible rung deeper when ema > sglang_up * capacity of the current rung (drafts nearly fill it),
+    - one eligible rung shallower when ema < sglang_down * capacity of that shallower rung (its drafts would
+      not even fill it), or < sglang_plain_floor when the shallower rung is plain.
+    With up > down the two thresholds leave a dead band (hysteresis): just after a move up, the way back
+    needs the EMA to fall from above `up * c` to below `down * c`. On plain there is no acceptance to watch:
+    after `sglang_probe_interval` updates (0 = never) it probes one rung deeper with a fresh EMA.
+    """
+    cap = jnp.asarray([m - 1 for m in cfg.ladder_max_accept], jnp.float32)  # [R]
+    n_rungs = cap.shape[0]
+    spec = jnp.asarray(cfg.tokens_to_verify, jnp.int32)[arm] > 1
+    gain = accept_length - 1.0
+    ema = state.ema[b]
+    a = cfg.sglang_alpha
+    ema = jnp.where(spec, jnp.where(jnp.isnan(ema), gain, (1 - a) * ema + a * gain), ema)
+    since = state.since_move[b] + 1
+    r = state.rung[b]
+    elig = jnp.asarray(cfg.ladder_eligible, bool)[b]  # [R]
+    idx = jnp.arange(n_rungs)
+    up_r = jnp.min(jnp.where(elig & (idx > r), idx, n_rungs))
+    dn_r = jnp.max(jnp.where(elig & (idx < r), idx, -1))
+    cap_r, cap_dn = cap[r], cap[jnp.maximum(dn_r, 0)]
+    on_plain = cap_r == 0
+    ready = (since >= cfg.sglang_min_obs) & ~jnp.isnan(ema)
+    probe = on_plain & (cfg.sglang_probe_interval > 0) & (since >= cfg.sglang_probe_interval)
+    go_up = (up_r < n_rungs) & jnp.where(on_plain, probe, ready & (ema > cfg.sglang_up * cap_r))
+    dn_thr = jnp.where(cap_dn > 0, cfg.sglang_down * cap_dn, cfg.sglang_plain_floor)
+    go_dn = (dn_r >= 0) & ~on_plain & ready & (ema < dn_thr)
+    new_r = jnp.where(go_dn, dn_r, jnp.where(go_up, up_r, r)).astype(jnp.int32)
+    since = jnp.where(go_dn | go_up, 0, since).astype(jnp.int32)
+    ema = jnp.where(go_up & on_plain, jnp.nan, ema).astype(jnp.float32)
+    return ema, new_r, since
+
+
+def threshold_arm(cfg: SelectorConfig, state: SelectorState, running: jax.Array) -> jax.Array:
+    """The paper's switch: `sd_arm` once on (or at once when min_steps_below = 0 and running <= threshold)."""
+    now = (running <= cfg.threshold) & (state.below_steps >= cfg.min_steps_below)
+    return jnp.where(state.sd_on | now, cfg.arm_index(cfg.sd_arm), cfg.arm_index("plain")).astype(jnp.int32)
+
+
+def threshold_step(
+    cfg: SelectorConfig, state: SelectorState, running: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(below_steps, sd_on) after an update: count consecutive updates with running <= threshold; switch on
+    (for the rest of the rollout) when that count reaches `min_steps_below`."""
+    below = running <= cfg.threshold
+    below_steps = jnp.where(below, state.below_steps + 1, 0).astype(jnp.int32)
+    return below_steps, state.sd_on | (below & (below_steps >= cfg.min_steps_below))
