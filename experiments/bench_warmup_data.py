@@ -1,13 +1,13 @@
 """Drafter warm-up data: features recorded while generating vs generate + a second target forward.
 
 The drafter trains on the target's final hidden states over prompt + response. The warm-up used to generate
-the responses, then run a packed target forward over them (`warmup.target_hidden_states`) for the features;
-now the engine records them as it generates (`EngineConfig.record_hidden`: the prefill's states for the
-prompt, each step's or verify round's states for the tokens it fed). This script builds the same engine
+the responses, then run a packed target forward over them (`warmup_data.target_hidden_states`) for the
+features; now the engine records them as it generates (`EngineConfig.record_hidden`: the prefill's states for
+the prompt, each step's or verify round's states for the tokens it fed). This script builds the same engine
 batches both ways in one process, alternating (`--reps` rounds; the first round of each also compiles, so
-medians of the later rounds are reported when there are any), and checks that both give the same sequences
-and features: identical tokens (per-sequence PRNG streams), features equal to float16 storage and the
-kernels' summation order.
+medians of the later rounds are reported when there are any), and checks that both give the same sequences and
+features: identical tokens (per-sequence PRNG streams), features equal to float16 storage and the kernels'
+summation order.
 
     python experiments/bench_warmup_data.py --quick    # one batch of 16 prompts x 4 (~4 minutes)
     python experiments/bench_warmup_data.py            # 2 rounds of 2 batches
@@ -31,7 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tlt_jax.config_lib import load_config_file  # noqa: E402
-from tlt_jax.drafter import warmup  # noqa: E402
+from tlt_jax.drafter import warmup, warmup_data  # noqa: E402
 from tlt_jax.tasks import make_task  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     reps = args.reps or (1 if args.quick else 2)
     target, tokenizer = warmup.build_target(config)
     task = make_task(config.task)
-    hidden_fn = warmup.make_hidden_fn(target)
+    hidden_fn = warmup_data.make_hidden_fn(target)
     gen = config.generation
     print(
         f"SmolLM2-135M fp32; {n_prompts} prompts x {gen.n} samples per build (batches of {gen.batch_prompts} "
@@ -64,19 +64,19 @@ def main() -> None:
                 data_dir = pathlib.Path(tmp) / f"{r}_{record}"
                 data_dir.mkdir()
                 t0 = time.perf_counter()
-                samples[record], tot = warmup.build_split(
+                samples[record], tot = warmup_data.build_split(
                     "train",
                     config=config,
                     task=task,
                     tokenizer=tokenizer,
-                    engine=warmup.build_engine(config, target, tokenizer),
+                    engine=warmup_data.build_engine(config, target, tokenizer),
                     hidden_fn=hidden_fn,
                     start=0,
                     num_prompts=n_prompts,
                     n=int(gen.n),
                     temperature=float(gen.temperature),
                     data_dir=data_dir,
-                    times=warmup.PhaseTimes(data_dir / "times.json"),
+                    times=warmup_data.PhaseTimes(data_dir / "times.json"),
                 )
                 row = {
                     "wall": time.perf_counter() - t0,

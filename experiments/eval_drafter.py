@@ -20,7 +20,7 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tlt_jax.drafter import warmup  # noqa: E402
+from tlt_jax.drafter import warmup, warmup_data  # noqa: E402
 from tlt_jax.drafter.draft_vocab import load_draft_vocab  # noqa: E402
 from tlt_jax.drafter.evaluate import AcceptanceEvaluator  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
@@ -39,7 +39,7 @@ def main() -> None:
     files = sorted((data / warmup.DATA_DIR).glob("eval_*.npz"))
     if not files:
         raise SystemExit(f"no held-out data in {data / warmup.DATA_DIR}: run the warm-up there first")
-    samples = [s for f in files for s in warmup.load_chunk(f)[0]]
+    samples = [s for f in files for s in warmup_data.load_chunk(f)[0]]
     gguf = config["model"]["path"]
     from tlt_jax.models.llama import from_hf_tensors
     from tlt_jax.models.loading import load_gguf

@@ -8,8 +8,9 @@ import pytest
 from flax import nnx
 
 from tlt_jax.drafter import evaluate as ev
-from tlt_jax.drafter import train_step as ts
-from tlt_jax.drafter.chain import ChainContext
+from tlt_jax.drafter import packing
+from tlt_jax.drafter.chain import ChainContext, shift_left
+from tlt_jax.drafter.loss import LossConfig, chain_step_losses, loss_sums, per_pair_losses
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.sampling import SamplingParams, target_probs
@@ -22,9 +23,9 @@ PAD = 32
 def setup(three_samples):
     target, samples = three_samples(CFG, seed=1)
     drafter = Drafter(CFG, nnx.Rngs(7))
-    batch, packed = ts.pack_samples(samples, seq_len=32, rows=2)  # several samples share a row
+    batch, packed = packing.pack_samples(samples, seq_len=32, rows=2)  # several samples share a row
     assert packed == [0, 1, 2]
-    return target, drafter, samples, ts.to_device(batch)
+    return target, drafter, samples, packing.to_device(batch)
 
 
 @nnx.jit
@@ -72,7 +73,7 @@ def _locate(batch):
 def test_teacher_forced_chain_equals_drafter_module(setup):
     target, drafter, samples, batch = setup
     depth = 3
-    e = ts.eagle_inputs(batch)
+    e = packing.eagle_inputs(batch)
     emb = target.embed[...]
 
     @jax.jit
@@ -103,32 +104,39 @@ def test_training_time_test_loss(setup):
     target, drafter, _, batch = setup
     graphdef, params = nnx.split(drafter, nnx.Param)
     emb, head = target.embed[...], target.head_weight()
-    f = jax.jit(ts.loss_and_metrics, static_argnums=(1, 5))
-    base = f(params, graphdef, batch, emb, head, ts.LossConfig(1.0, 0.1))[1]
-    cfg = ts.LossConfig(1.0, 0.1, ttt_steps=2, ttt_positions=8, ttt_weight=0.5)
-    loss, m = f(params, graphdef, batch, emb, head, cfg)
-    # step 1 is unchanged; each chain step adds its weighted loss
-    for k in ("feat_loss", "ce", "top1_acc", "num_tokens"):
+    f = jax.jit(loss_sums, static_argnums=(1, 5))
+    base_total, base = f(params, graphdef, batch, emb, head, LossConfig(1.0, 0.1))
+    cfg = LossConfig(1.0, 0.1, ttt_steps=2, ttt_positions=8, ttt_weight=0.5)
+    total, m = f(params, graphdef, batch, emb, head, cfg)
+    # step 1 is unchanged; each chain step adds its weighted SUM (importance-weighted drawn positions)
+    for k in ("feat_sum", "ce_sum", "top1_sum", "num_tokens"):
         np.testing.assert_allclose(m[k], base[k], rtol=1e-6)
-    extra = sum(
-        0.5 ** (j - 1) * (float(m[f"feat_loss_step{j}"]) + 0.1 * float(m[f"ce_step{j}"])) for j in (2, 3)
-    )
-    np.testing.assert_allclose(float(loss), float(base["loss"]) + extra, rtol=1e-5)
-    assert all(float(m[f"ce_step{j}"]) > 0 for j in (2, 3))
+    # the same (default) key: the same positions
+    t = jax.jit(lambda d: per_pair_losses(d, batch, emb, head, ttt_steps=2, ttt_positions=8))(drafter)
+    extra = 0.0
+    for j, c in zip((2, 3), t["chain"], strict=True):
+        v = np.asarray(c["valid"], np.float32)
+        per_pos = np.asarray(c["feat"]) + 0.1 * np.asarray(c["ce"])
+        extra += 0.5 ** (j - 1) * float(np.sum(np.asarray(c["weight"]) * v * per_pos))
+        np.testing.assert_allclose(
+            float(m[f"feat_sum_step{j}"]), float(np.sum(np.asarray(c["feat"]) * v)), rtol=1e-5
+        )
+        assert float(m[f"ce_sum_step{j}"]) > 0 and float(m[f"count_step{j}"]) == v.sum()
+    np.testing.assert_allclose(float(total), float(base_total) + extra, rtol=1e-5)
 
     # gradients of the chain-step losses alone reach every drafter weight (they flow through the chain)
     def chain_loss(p):
-        t = ts.per_pair_losses(nnx.merge(graphdef, p), batch, emb, head, ttt_steps=2, ttt_positions=8)
+        t = per_pair_losses(nnx.merge(graphdef, p), batch, emb, head, ttt_steps=2, ttt_positions=8)
         return sum(jnp.sum(c["ce"] * c["valid"]) + jnp.sum(c["feat"] * c["valid"]) for c in t["chain"])
 
     g = jax.jit(jax.grad(chain_loss))(params)
     assert all(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(g))
 
     # the chain losses equal a direct computation at the chosen positions (selection is per row, valid only)
-    e = ts.eagle_inputs(batch)
+    e = packing.eagle_inputs(batch)
     ctx = ChainContext(drafter, emb, e.next_tokens, e.hidden_in, e.positions, e.mask)
-    steps = ts.chain_step_losses(ctx, e, head, 2, 8, jax.random.key(3))
-    valid = e.valid & ts.shift_left(e.valid, False)
+    steps = chain_step_losses(ctx, e, head, 2, 8, jax.random.key(3))
+    valid = e.valid & shift_left(e.valid, False)
     for c in steps:
         assert c["valid"].shape == (2, 8)
         assert int(c["valid"].sum()) > 0

@@ -11,8 +11,9 @@ from flax import nnx
 
 from tlt_jax.config_lib import load_config_file
 from tlt_jax.drafter import evaluate as ev
-from tlt_jax.drafter import train_step as ts
-from tlt_jax.drafter import warmup
+from tlt_jax.drafter import packing, warmup, warmup_data
+from tlt_jax.drafter.loss import LossConfig
+from tlt_jax.drafter.trainer import DrafterTrainer, optimizer_from_config
 from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
@@ -86,9 +87,9 @@ def test_acceptance_matches_brute_force(three_samples):
     # random tokens are not the target's greedy choices
     assert res.target_greedy_match < 0.9
     # drafting at every position (no per-row gather) gives the same counts
-    batches = list(ts.iterate_packed(samples, 32, 2))
+    batches = list(packing.iterate_packed(samples, 32, 2))
     full = jax.jit(ev.acceptance_counts, static_argnums=(4, 5))
-    tot = [jax.device_get(full(drafter, ts.to_device(b), emb, head, depth, None)) for b in batches]
+    tot = [jax.device_get(full(drafter, packing.to_device(b), emb, head, depth, None)) for b in batches]
     assert sum(int(t["num_positions"]) for t in tot) == len(want)
     assert sum(int(t["accepted"]) for t in tot) == sum(want)
 
@@ -103,7 +104,9 @@ def test_shared_prompt_forward_equals_separate_forwards():
         [rng.integers(0, 32, size=12).tolist()],
     ]
     # seq_len 16: the first prompt's three responses need two segments; the second pair is truncated to 16
-    got = warmup.target_hidden_states(warmup.make_hidden_fn(target), prompts, responses, rows=2, seq_len=16)
+    got = warmup_data.target_hidden_states(
+        warmup_data.make_hidden_fn(target), prompts, responses, rows=2, seq_len=16
+    )
     fwd = nnx.jit(lambda m, x: m(x, jnp.arange(x.shape[1])[None], compute_logits=False).hidden)
     for g, p in enumerate(prompts):
         for k, r in enumerate(responses[g]):
@@ -126,19 +129,19 @@ def test_recorded_features_equal_the_forward_path(tmp_path):
     for record in (True, False):
         config.generation.record_hidden = record
         (tmp_path / f"data_{record}").mkdir()
-        got[record], _ = warmup.build_split(
+        got[record], _ = warmup_data.build_split(
             "train",
             config=config,
             task=task,
             tokenizer=tokenizer,
-            engine=warmup.build_engine(config, target, tokenizer),
-            hidden_fn=warmup.make_hidden_fn(target),
+            engine=warmup_data.build_engine(config, target, tokenizer),
+            hidden_fn=warmup_data.make_hidden_fn(target),
             start=0,
             num_prompts=3,
             n=2,
             temperature=1.0,
             data_dir=tmp_path / f"data_{record}",
-            times=warmup.PhaseTimes(tmp_path / f"times_{record}.json"),
+            times=warmup_data.PhaseTimes(tmp_path / f"times_{record}.json"),
         )
     assert len(got[True]) == len(got[False]) == 6
     for rec, fwd in zip(got[True], got[False], strict=True):
@@ -182,11 +185,12 @@ def test_warmup_end_to_end_and_resume(tmp_path):
     target_cfg = ModelConfig(**dict(config.model.random), dtype=config.model.dtype)
     loaded = warmup.load_drafter(wd, target_cfg)
     got = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
-    fresh_tx, _ = ts.optimizer_from_config(config.train)
-    _, fresh = ts.init_train_state(Drafter(target_cfg, nnx.Rngs(params=config.seed)), fresh_tx)
+    trainer = DrafterTrainer(optimizer_from_config(config.train)[0], LossConfig(), seed=config.seed)
+    fresh = trainer.init_state(Drafter(target_cfg, nnx.Rngs(params=config.seed)))
     ckpt = Checkpointer(wd / warmup.TRAIN_STATE_DIR)
-    final = warmup._restore_state(ckpt, fresh)
+    final = trainer.restore(ckpt)
     ckpt.close()
+    assert int(final.step) == 6
     want = nnx.to_pure_dict(final.params)
     init = nnx.to_pure_dict(fresh.params)
     jax.tree.map(np.testing.assert_array_equal, got, want)

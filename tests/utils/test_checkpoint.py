@@ -248,6 +248,23 @@ def test_drafter_checkpointer_saves_only_trainable_weights(tmp_path):
     dckpt.close()
 
 
+def test_drafter_checkpointer_writes_in_the_background_until_wait(tmp_path):
+    """Async: `save` returns while the step is still being written (no finalised `<step>` directory yet);
+    `wait` makes it durable. Sync: the step is finalised when `save` returns."""
+    big = {"fc": jnp.asarray(np.random.default_rng(0).standard_normal((2048, 4096), dtype=np.float32))}
+    with DrafterCheckpointer(tmp_path / "async") as dckpt:
+        info = dckpt.save(1, big)
+        in_flight = not (tmp_path / "async" / "1").is_dir()  # checked right away: 32 MiB take a while
+        assert info.saved and in_flight
+        assert dckpt.wait() >= 0.0
+        assert (tmp_path / "async" / "1").is_dir() and dckpt.latest_step() == 1
+    sync = DrafterCheckpointer(tmp_path / "sync", async_save=False)
+    sync.save(1, big)
+    assert (tmp_path / "sync" / "1").is_dir()
+    np.testing.assert_array_equal(sync.restore(1)["fc"], big["fc"])
+    sync.close()
+
+
 def test_drafter_checkpointer_rejects_an_all_shared_selection(tmp_path):
     dckpt = DrafterCheckpointer(tmp_path, is_trainable=lambda path: False)
     with pytest.raises(ValueError, match="no trainable drafter leaves"):

@@ -2,11 +2,11 @@
 
 During rollout the EAGLE drafter drafts step 1 from the TARGET's feature h_t and every later step from its
 own predicted feature. Two jobs need those later steps over a whole packed batch at once, with static
-shapes: the acceptance evaluation (`evaluate.py`) and the drafter's "training-time test" (`train_step.py`:
+shapes: the acceptance evaluation (`evaluate.py`) and the drafter's "training-time test" (`loss.py`:
 EAGLE-3 / HASS, train the chain steps on the drafter's own features so its accuracy does not collapse after
 the first draft). Both use the helpers here.
 
-Step j >= 2 at base index i of a row (pair (x_{i+1}, h_i), see `train_step.eagle_inputs`) has input
+Step j >= 2 at base index i of a row (pair (x_{i+1}, h_i), see `packing.eagle_inputs`) has input
 (embed(token_j), h^_{j-1}) at drafter position pos_i + j - 1 and attends to the row's context, the true pairs
 0..i of its segment (the block-diagonal causal mask row i, like the drafter's KV cache in rollout), plus the
 chain's own earlier entries at i. `token_j` is the previous draft (evaluation of greedy chains) or the true

@@ -48,14 +48,14 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax.drafter.chain import ChainContext, shift_by, shift_left, take_rows
-from tlt_jax.drafter.train_step import (
+from tlt_jax.drafter.loss import head_logits
+from tlt_jax.drafter.packing import (
     DrafterSample,
     EagleInputs,
     PackedBatch,
     eagle_inputs,
     epoch_plan,
     first_fit,
-    head_logits,
     pack_samples,
     to_device,
 )

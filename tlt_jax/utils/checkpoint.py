@@ -293,6 +293,13 @@ class DrafterCheckpointer:
     Leaves whose path contains a component in `shared_names` (the target's embedding / LM head that the
     drafter is handed) are not written, nor is any optimizer state. `is_trainable(path) -> bool`, with
     `path` as 'a/b/0/c', replaces the name rule.
+
+    Asynchronous by default (orbax): `save` returns once orbax holds a host copy of the selected arrays (the
+    caller may then donate or update them) and the write plus the atomic rename of `<step>.orbax-checkpoint-
+    tmp` to `<step>` finish in a background thread. Nothing is durable until then: `wait()` blocks until
+    every pending save is finalised, `close()` waits and releases orbax's threads; call one of them (or use
+    the checkpointer as a context manager) before relying on the step or exiting. The next `save` also
+    waits for the previous one first. `experiments/bench_checkpoint.py` measures both latencies.
     """
 
     def __init__(
@@ -326,7 +333,8 @@ class DrafterCheckpointer:
         return out
 
     def save(self, step: int, drafter_params: PyTree, meta: dict[str, Any] | None = None) -> SaveInfo:
-        """Save the trainable subset of `drafter_params`; `blocking_ms` is the time the caller waited."""
+        """Save the trainable subset of `drafter_params`; `blocking_ms` is the time the caller waited (not
+        the time until the step is durable: see `wait`)."""
         t0 = time.perf_counter()
         info = self._ckpt.save(step, self.trainable_subset(drafter_params), meta)
         return dataclasses.replace(info, blocking_ms=(time.perf_counter() - t0) * 1e3)
@@ -361,6 +369,12 @@ class DrafterCheckpointer:
     def close(self) -> None:
         """Wait for pending saves and release resources."""
         self._ckpt.close()
+
+    def __enter__(self) -> DrafterCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class PreemptionGuard:

@@ -1,0 +1,348 @@
+"""Drafter warm-up data: the target answers task prompts and its final hidden states are kept as features.
+
+The target answers task prompts (chat template; `config.generation`) with the RolloutEngine, which records the
+target's final hidden states as it goes (`EngineConfig.record_hidden`: the prefill's for the prompt, each
+decode step's for the token it fed), so the features cost no second pass; with
+`generation.record_hidden=False` a target forward over prompt + response (packed rows with a block mask,
+fixed shapes; the n responses of a prompt share one copy of it: `target_hidden_states`) computes them
+instead. Each engine batch is cached as `DIR/data/{train,eval}_NNN.npz` (tokens, features in float16,
+timings; `save_chunk` / `load_chunk`), so a rerun reuses it. Used by `warmup.py` (the job) and
+`experiments/bench_warmup_data.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tlt_jax.drafter.packing import DrafterSample, epoch_plan, first_fit, segment_causal_mask
+from tlt_jax.models.llama import Transformer
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.hooks import ProgressHook
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.utils.tracking import RolloutProgress
+
+
+def _plain(config: Any) -> Any:
+    """ConfigDict / Mapping -> plain nested dict (JSON-able)."""
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+def _log(msg: str) -> None:
+    print(f"[drafter_warmup {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def write_json(path: pathlib.Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=float))
+    os.replace(tmp, path)
+
+
+class PhaseTimes:
+    """Wall seconds per phase, accumulated across (re)runs in `DIR/phase_times.json`."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.times: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.times[phase] = self.times.get(phase, 0.0) + float(seconds)
+        write_json(self.path, self.times)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine and the target forward
+
+
+def build_engine(config: Any, target: Transformer, tokenizer: Any) -> RolloutEngine:
+    """The engine that generates the warm-up data (`config.generation`; it records the target's hidden
+    states unless `generation.record_hidden=False`)."""
+    gen = config.generation
+    return RolloutEngine(
+        target,
+        EngineConfig(
+            max_new_tokens=int(gen.max_new_tokens),
+            max_cache_len=int(gen.max_cache_len),
+            chunk_steps=int(gen.chunk_steps),
+            record_hidden=bool(gen.get("record_hidden", True)),
+        ),
+        eos_ids=list(tokenizer.eos_token_ids),
+        tokenizer=tokenizer,
+    )
+
+
+HiddenFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def shared_prefix_mask(segment_ids: jax.Array, branch_ids: jax.Array) -> jax.Array:
+    """[R, S, S] mask for rows packing prompt groups: a segment holds one prompt (branch 0) followed by
+    several of its responses (branches 1, 2, ...); a token attends causally within its segment to the
+    prompt and to its own branch only, so every response sees exactly `prompt + itself`."""
+    base = segment_causal_mask(segment_ids)
+    bi, bj = branch_ids[..., :, None], branch_ids[..., None, :]
+    return base & ((bj == 0) | (bj == bi))
+
+
+def make_hidden_fn(target: Transformer) -> HiddenFn:
+    """Jitted target forward over packed rows: (tokens, positions, segment_ids, branch_ids) [R, S] ->
+    final normed hidden states [R, S, H] (no LM head)."""
+    graphdef, params = nnx.split(target, nnx.Param)
+
+    @jax.jit
+    def fwd(params, tokens, positions, seg, branch):  # noqa: ANN001, ANN202
+        model = nnx.merge(graphdef, params)
+        mask = shared_prefix_mask(seg, branch)
+        return model(tokens, positions, None, mask, compute_logits=False).hidden
+
+    return lambda tokens, positions, seg, branch: fwd(params, tokens, positions, seg, branch)
+
+
+def target_hidden_states(
+    hidden_fn: HiddenFn,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[Sequence[int]]],
+    rows: int,
+    seq_len: int,
+) -> list[list[np.ndarray]]:
+    """Target features [len(prompt) + len(response), H] of every (prompt, response) pair.
+
+    The n responses of a prompt share one copy of the prompt in the packed rows (a segment = the prompt plus
+    as many of its responses as fit in `seq_len`; `shared_prefix_mask` keeps the responses apart), which
+    saves (n - 1) prompt forwards per prompt; positions restart per segment and continue from the prompt in
+    each response, so every state equals that of a forward over `prompt + response` alone. A pair longer
+    than `seq_len` is truncated to it. Returns out[prompt][response].
+    """
+    units: list[tuple[int, list[int]]] = []  # (prompt index, response indices) = one segment
+    for g, (p, rs) in enumerate(zip(prompts, responses, strict=True)):
+        if len(p) >= seq_len:
+            raise ValueError(f"prompt {g} has {len(p)} tokens: forward.seq_len={seq_len} must exceed it")
+        cur: list[int] = []
+        for k, r in enumerate(rs):
+            r_len = min(len(r), seq_len - len(p))
+            used = len(p) + sum(min(len(rs[j]), seq_len - len(p)) for j in cur)
+            if cur and used + r_len > seq_len:
+                units.append((g, cur))
+                cur = []
+            cur.append(k)
+        if cur:
+            units.append((g, cur))
+
+    def r_len(g: int, k: int) -> int:
+        return min(len(responses[g][k]), seq_len - len(prompts[g]))
+
+    unit_len = [len(prompts[g]) + sum(r_len(g, k) for k in ks) for g, ks in units]
+    out: list[list[np.ndarray | None]] = [[None] * len(rs) for rs in responses]
+    for idx in epoch_plan(unit_len, seq_len, rows):
+        tokens, pos, seg, branch = (np.zeros((rows, seq_len), np.int32) for _ in range(4))
+        place = first_fit([unit_len[i] for i in idx], seq_len, rows)
+        spans = []
+        for j, r, a in place:
+            g, ks = units[idx[j]]
+            p = np.asarray(prompts[g], np.int32)
+            sid = seg[r].max() + 1
+            tokens[r, a : a + len(p)] = p
+            pos[r, a : a + len(p)] = np.arange(len(p))
+            seg[r, a : a + len(p)] = sid
+            c = a + len(p)
+            for b, k in enumerate(ks, start=1):
+                n = r_len(g, k)
+                tokens[r, c : c + n] = np.asarray(responses[g][k][:n], np.int32)
+                pos[r, c : c + n] = np.arange(len(p), len(p) + n)
+                seg[r, c : c + n] = sid
+                branch[r, c : c + n] = b
+                spans.append((g, k, r, a, len(p), c, n))
+                c += n
+        hidden = np.asarray(jax.device_get(hidden_fn(*(jnp.asarray(x) for x in (tokens, pos, seg, branch)))))
+        for g, k, r, a, lp, c, n in spans:
+            out[g][k] = np.concatenate([hidden[r, a : a + lp], hidden[r, c : c + n]])
+    return out  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data: generation + target features, cached per engine batch
+
+
+def _chunk_path(data_dir: pathlib.Path, split: str, chunk: int) -> pathlib.Path:
+    return data_dir / f"{split}_{chunk:03d}.npz"
+
+
+def save_chunk(path: pathlib.Path, samples: Sequence[DrafterSample], meta: Mapping[str, Any]) -> None:
+    """Samples -> one npz (concatenated tokens / features / masks + lengths), written atomically."""
+    lengths = np.asarray([s.length for s in samples], np.int64)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(
+        tmp,
+        lengths=lengths,
+        tokens=np.concatenate([s.tokens for s in samples]),
+        hidden=np.concatenate([s.hidden for s in samples]),
+        loss_mask=np.concatenate([s.loss_mask for s in samples]),
+        meta=np.asarray(json.dumps(dict(meta))),
+    )
+    os.replace(tmp, path)
+
+
+def load_chunk(path: pathlib.Path) -> tuple[list[DrafterSample], dict[str, Any]]:
+    with np.load(path) as z:
+        lengths, tokens, hidden, mask = z["lengths"], z["tokens"], z["hidden"], z["loss_mask"]
+        meta = json.loads(str(z["meta"]))
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    samples = [
+        DrafterSample(tokens=tokens[a:b], hidden=hidden[a:b], loss_mask=mask[a:b])
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return samples, meta
+
+
+def _hidden_dtype(name: str, hidden: np.ndarray) -> np.ndarray:
+    if name == "float16":
+        if np.abs(hidden).max() < 6e4:
+            return hidden.astype(np.float16)
+        return hidden.astype(np.float32)  # would overflow float16: keep full precision
+    if name == "float32":
+        return hidden.astype(np.float32)
+    raise ValueError(f"config.forward.hidden_dtype={name!r}: use 'float16' or 'float32'")
+
+
+def build_split(
+    split: str,
+    *,
+    config: Any,
+    task: Any,
+    tokenizer: Any,
+    engine: RolloutEngine,
+    hidden_fn: HiddenFn,
+    start: int,
+    num_prompts: int,
+    n: int,
+    temperature: float,
+    data_dir: pathlib.Path,
+    times: PhaseTimes,
+) -> tuple[list[DrafterSample], dict[str, float]]:
+    """Generate (or load cached) samples of one split: `num_prompts` task prompts from stream position
+    `start`, `n` responses each, in engine batches of `generation.batch_prompts` prompts."""
+    gen = config.generation
+    bp = int(gen.batch_prompts)
+    sampling = SamplingParams(temperature=float(temperature), top_p=float(gen.top_p) if temperature else 1.0)
+    key = jax.random.fold_in(jax.random.key(int(config.seed)), 0 if split == "train" else 1)
+    samples: list[DrafterSample] = []
+    totals = {"generate_s": 0.0, "forward_s": 0.0, "response_tokens": 0.0, "sequences": 0.0, "hit_cap": 0.0}
+    num_chunks = -(-num_prompts // bp)
+    for c in range(num_chunks):
+        path = _chunk_path(data_dir, split, c)
+        count = min(bp, num_prompts - c * bp)
+        ident = {
+            "task": json.dumps(_plain(config.task), sort_keys=True),
+            "start": start + c * bp,
+            "count": count,
+            "n": n,
+            "temperature": float(temperature),
+            "max_new_tokens": int(gen.max_new_tokens),
+            "seed": int(config.seed),
+        }
+        if path.exists():
+            chunk, meta = load_chunk(path)
+            old = {k: meta.get(k) for k in ident}
+            if old != ident:
+                raise ValueError(
+                    f"{path} was generated with {old} but this config asks for {ident}: use a new workdir "
+                    f"(or delete {data_dir}) when changing the task, prompts or sampling."
+                )
+        else:
+            problems, _ = task.batch(start + c * bp, count)
+            prompts = [tokenizer.encode_chat(task.messages(p)) for p in problems]
+            t0 = time.perf_counter()
+            desc = f"generate {split} {c + 1}/{num_chunks}"
+            with RolloutProgress(total=count * n, desc=desc, disable=False, mininterval=10.0) as bar:
+                roll = engine.generate(
+                    prompts, n=n, key=jax.random.fold_in(key, c), sampling=sampling, hooks=ProgressHook(bar)
+                )
+            t_gen = time.perf_counter() - t0
+            groups = [list(roll.prompt_tokens[i * n]) for i in range(count)]
+            resp = [[roll.response(i * n + k) for k in range(n)] for i in range(count)]
+            t0 = time.perf_counter()
+            seq_len = int(config.forward.seq_len)
+            if roll.hidden is not None:  # recorded while generating: every position but the newest token
+                hidden = [[roll.features(g * n + k)[:seq_len] for k in range(n)] for g in range(count)]
+            else:
+                hidden = target_hidden_states(hidden_fn, groups, resp, int(config.forward.rows), seq_len)
+            t_fwd = time.perf_counter() - t0
+            chunk = []
+            for g in range(count):
+                for k in range(n):
+                    h = hidden[g][k]
+                    seq = np.asarray(groups[g] + resp[g][k], np.int32)[: len(h)]
+                    m = np.arange(len(h)) >= len(groups[g])
+                    chunk.append(DrafterSample(seq, _hidden_dtype(config.forward.hidden_dtype, h), m))
+            meta = {
+                **ident,
+                "generate_s": t_gen,
+                "forward_s": t_fwd,
+                "response_tokens": float(roll.lengths.sum()),
+                "sequences": float(len(chunk)),
+                "hit_cap": float(sum(r == "length" for r in roll.finish_reason)),
+            }
+            save_chunk(path, chunk, meta)
+            times.add(f"generate_{split}", t_gen)
+            times.add(f"forward_{split}", t_fwd)
+            n_tok = int(roll.lengths.sum())
+            _log(
+                f"{split} chunk {c + 1}/{num_chunks}: {len(chunk)} sequences, {n_tok} response tokens, "
+                f"generate {t_gen:.1f}s ({n_tok / max(t_gen, 1e-9):.0f} tok/s), forward {t_fwd:.1f}s"
+            )
+        samples.extend(chunk)
+        for k in totals:
+            totals[k] += float(meta.get(k) or 0.0)
+    return samples, totals
+
+
+def build_data(
+    config: Any, target: Transformer, tokenizer: Any, data_dir: pathlib.Path, times: PhaseTimes
+) -> tuple[tuple[list[DrafterSample], dict[str, float]], tuple[list[DrafterSample], dict[str, float]]]:
+    """((train samples, totals), (held-out samples, totals)): `build_split` of both splits with one engine.
+
+    Held-out prompts are the last `eval.num_prompts` of the task's order (never trained on)."""
+    from tlt_jax.tasks import make_task
+
+    gen = config.generation
+    task = make_task(config.task)
+    engine = build_engine(config, target, tokenizer)
+    hidden_fn = make_hidden_fn(target)
+    common = dict(
+        config=config,
+        task=task,
+        tokenizer=tokenizer,
+        engine=engine,
+        hidden_fn=hidden_fn,
+        data_dir=data_dir,
+        times=times,
+    )
+    n_train, n_eval = int(gen.num_prompts), int(config.eval.num_prompts)
+    if n_train + n_eval > len(task):
+        raise ValueError(
+            f"{n_train} training + {n_eval} held-out prompts exceed the task's {len(task)} problems: raise "
+            "config.task.size (held-out prompts are the last ones of the task's order, never trained on)."
+        )
+    # training data first: the held-out batch (often smaller) then reuses the engine programs compiled for
+    # the smaller batch buckets that compaction visits
+    train_samples, train_data = build_split(
+        "train", start=0, num_prompts=n_train, n=int(gen.n), temperature=float(gen.temperature), **common
+    )
+    eval_samples, eval_data = build_split(
+        "eval",
+        start=len(task) - n_eval,
+        num_prompts=n_eval,
+        n=int(config.eval.n),
+        temperature=float(config.eval.temperature),
+        **common,
+    )
+    del engine
+    return (train_samples, train_data), (eval_samples, eval_data)
