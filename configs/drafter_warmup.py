@@ -7,7 +7,8 @@ Args (`--config configs/drafter_warmup.py:ARG`): none = SmolLM2-135M-Instruct (t
 .cache/models, fetched by `make setup`) on CPU in < 30 min;
 "long" = the same target with 6x the data and 9x the training steps (768 prompts x 4 = 3072 sequences, 3600
 steps; ~2 h on the 2-core CPU): the drafter behind the >= 2x batch-1 speedup in docs/benchmarks.md;
-"tiny" / "runlocal" = a tiny random target with a byte tokenizer and the counting task (seconds; tests).
+"tiny" / "runlocal" = a tiny random target with a byte tokenizer and the counting task (seconds; tests);
+"tlt" = the drafter for configs/tlt.py (its task, prompts and response cap; < 30 min here).
 Every field can be overridden, e.g. `--config.train.steps=400 --config.task.name=gsm_symbolic`.
 """
 
@@ -149,6 +150,25 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # 3600 steps take a 3-draft chain's held-out accept length from 1.93 to 2.68)
         c.generation.num_prompts = 768
         c.train.steps = 3600
+    elif arg == "gpu":
+        # one H100/H200 in minutes (experiments/gpu_suite.py): the :long data and steps, engine batches of 256
+        # rows (64 prompts x 4: on a GPU the data costs compiles more than decode steps), float32 like
+        # bench_sd's target; a checkpoint every 200 steps, so a run cut by the suite's time budget is
+        # finalised at a recent one (rerun with --config.train.steps=<that step>)
+        c.generation.num_prompts = 768
+        c.generation.batch_prompts = 64
+        c.train.steps = 3600
+        c.train.checkpoint_every = 200
+        c.train.log_every = 50
+    elif arg == "tlt":
+        # the drafter for configs/tlt.py: the RL task's prompts (its task section, read from that file) and
+        # response cap, so the drafter learns the text the RL rollouts produce; the default data and steps
+        tlt = config_lib.load_config_file(REPO_ROOT / "configs" / "tlt.py")
+        c.task = ml_collections.ConfigDict(tlt.task.to_dict())
+        c.generation.max_new_tokens = tlt.rollout.max_new_tokens
+        c.generation.max_cache_len = tlt.rollout.max_cache_len
+        c.generation.temperature = tlt.rollout.temperature
+        c.eval.temperature = tlt.rollout.temperature
     elif arg:
-        raise ValueError(f"unknown config arg {arg!r}: use none, 'tiny', 'runlocal' or 'long'")
+        raise ValueError(f"unknown config arg {arg!r}: use none, 'tiny', 'runlocal', 'long', 'gpu' or 'tlt'")
     return c

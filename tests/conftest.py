@@ -6,9 +6,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import pathlib  # noqa: E402
+import types  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from tlt_jax.models.config import ModelConfig  # noqa: E402
+from tlt_jax.models.drafter import Drafter  # noqa: E402
+from tlt_jax.models.llama import Transformer  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -33,3 +40,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     minute-long test collected last would run alone at the end of the suite while the other worker idles;
     started first, the short tests fill in around it."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+# ---- tiny models built so that speculation does real work (rollout and RL tests) -------------------------
+def make_target(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    model = Transformer(cfg, nnx.Rngs(seed))
+    emb = model.embed[...]
+    model.embed[...] = emb / jnp.sqrt(jnp.mean(emb * emb, axis=-1, keepdims=True))  # unit RMS rows
+    model.layers[0].attn.qkv[...] = model.layers[0].attn.qkv[...] * 5.0
+    model.layers[0].attn.o_proj[...] = model.layers[0].attn.o_proj[...] * 20.0
+    # later layers (if any) keep their small random init: they change the output a little (the mirror
+    # drafter only copies layer 0) and give the cache tests more than one layer
+    return model
+
+
+def mirror_drafter(target: Transformer, noise: float, seed: int = 1) -> Drafter:
+    """A drafter whose layer is the target's layer and whose input is the next token's embedding (+ noise)."""
+    cfg = target.cfg
+    drafter = Drafter(cfg, nnx.Rngs(seed))
+    nnx.update(drafter.layer.attn, nnx.state(target.layers[0].attn))
+    nnx.update(drafter.layer.mlp, nnx.state(target.layers[0].mlp))
+    nnx.update(drafter.layer.post_attn_norm, nnx.state(target.layers[0].post_attn_norm))
+    h = cfg.hidden_size
+    eye = jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], axis=1)
+    drafter.fc[...] = eye + noise * jax.random.normal(jax.random.key(seed), (h, 2 * h))
+    return drafter
+
+
+@pytest.fixture(scope="session")
+def mirror() -> types.SimpleNamespace:
+    """`mirror.target(cfg)`: a tiny target whose next token depends on the context (attention scaled up);
+    `mirror.drafter(target, noise)`: a drafter that copies the target's first layer and reads only the token
+    embedding, so it predicts the target almost exactly; noise on its fusion weights sets the acceptance."""
+    return types.SimpleNamespace(target=make_target, drafter=mirror_drafter)

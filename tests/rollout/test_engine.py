@@ -162,3 +162,41 @@ def test_sharded_rollout_equals_single_device(model, data, model_axis):
     assert len(qkv.sharding.device_set) == 8
     if model_axis > 1:  # KV heads split over the model axis
         assert qkv.sharding.spec[0] == "model"
+
+
+def test_compaction_stays_within_shards_and_reports_idle_devices(model):
+    """2 data shards of 8 rows: shard 0's sequences (prompts 0 and 1) end early, shard 1's run on. Compaction
+    keeps every row on its device, so shard 0 becomes idle (reported to the hooks) instead of taking over
+    half of shard 1's rows; the tokens equal the one-device rollout."""
+    from tlt_jax.rollout.hooks import ChunkView, RolloutHooks
+
+    class Views(RolloutHooks):
+        def __init__(self) -> None:
+            self.views: list[ChunkView] = []
+
+        def on_chunk(self, view: ChunkView) -> None:
+            self.views.append(view)
+
+    sp, key = SamplingParams(temperature=1.0), jax.random.key(9)
+    free = _engine(model).generate(PROMPTS, n=4, key=key, sampling=sp)  # no EOS among these samples' tokens
+    late = {t for i in range(8, 16) for t in free.response(i)}
+    # each of shard 0's rows ends at its first token (after the first) that shard 1's rows never sample
+    eos = sorted({next(t for t in free.response(i)[1:] if t not in late) for i in range(8)})
+    one = RolloutEngine(model, EngineConfig(max_new_tokens=24, max_cache_len=96, chunk_steps=2), eos_ids=eos)
+    ref = one.generate(PROMPTS, n=4, key=key, sampling=sp)
+    two = RolloutEngine(
+        model,
+        EngineConfig(max_new_tokens=24, max_cache_len=96, chunk_steps=2),
+        eos_ids=eos,
+        mesh=shd.make_mesh(2, 1, jax.devices()[:2]),
+    )
+    hook = Views()
+    out = two.generate(PROMPTS, n=4, key=key, sampling=sp, hooks=hook)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.lengths, ref.lengths)
+    assert out.lengths[:8].max() < out.lengths[8:].min()
+    idle = [v for v in hook.views if v.idle_shards == (0,)]
+    assert idle, [v.live_per_shard for v in hook.views]
+    assert all(v.live_per_shard[1] == 8 for v in idle), "shard 1's rows were moved or finished early"
+    # 8 live rows in the fullest shard keep 2 x 8 rows (global compaction would have packed them into 2 x 4)
+    assert all(v.record.batch_bucket == 16 for v in hook.views)

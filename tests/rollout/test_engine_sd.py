@@ -26,7 +26,7 @@ import pytest
 import scipy.stats
 from flax import nnx
 
-from tlt_jax.models.config import ModelConfig, tiny_config
+from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer
@@ -59,30 +59,6 @@ class CompileCounter:
 _COMPILES = CompileCounter()
 
 
-def make_target(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    model = Transformer(cfg, nnx.Rngs(seed))
-    emb = model.embed[...]
-    model.embed[...] = emb / jnp.sqrt(jnp.mean(emb * emb, axis=-1, keepdims=True))  # unit RMS rows
-    model.layers[0].attn.qkv[...] = model.layers[0].attn.qkv[...] * 5.0
-    model.layers[0].attn.o_proj[...] = model.layers[0].attn.o_proj[...] * 20.0
-    # later layers (if any) keep their small random init: they change the output a little (the mirror
-    # drafter only copies layer 0) and give the cache tests more than one layer
-    return model
-
-
-def mirror_drafter(target: Transformer, noise: float, seed: int = 1) -> Drafter:
-    """A drafter whose layer is the target's layer and whose input is the next token's embedding (+ noise)."""
-    cfg = target.cfg
-    drafter = Drafter(cfg, nnx.Rngs(seed))
-    nnx.update(drafter.layer.attn, nnx.state(target.layers[0].attn))
-    nnx.update(drafter.layer.mlp, nnx.state(target.layers[0].mlp))
-    nnx.update(drafter.layer.post_attn_norm, nnx.state(target.layers[0].post_attn_norm))
-    h = cfg.hidden_size
-    eye = jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], axis=1)
-    drafter.fc[...] = eye + noise * jax.random.normal(jax.random.key(seed), (h, 2 * h))
-    return drafter
-
-
 def check_stats(out, max_depth: int) -> None:
     """Bookkeeping: every chunk's counts add up; all tokens after the first (prefill) come from chunks."""
     for c in out.stats.chunks:
@@ -104,17 +80,17 @@ MODES = [("eagle", "3_1_4"), ("eagle", "3_2_6"), ("ngram", "2_2_5"), ("ngram", "
 
 
 @pytest.fixture(scope="module")
-def target():
-    return make_target(CFG)
+def target(mirror):
+    return mirror.target(CFG)
 
 
 @pytest.fixture(scope="module")
-def greedy_engine(target):
+def greedy_engine(target, mirror):
     engine = RolloutEngine(
         target,
         EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=8, compact=False),
         eos_ids=[EOS],
-        drafter=mirror_drafter(target, noise=0.03),
+        drafter=mirror.drafter(target, noise=0.03),
     )
     names = [engine.add_mode(kind, strat) for kind, strat in MODES]
     plain = engine.generate(PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, hooks=FixedMode("plain"))
@@ -148,14 +124,14 @@ def assert_chain_and_tree_equal_plain(engine: RolloutEngine, plain) -> tuple:
     return out, mode
 
 
-def test_greedy_speculative_with_reduced_draft_vocabulary_equals_plain(target, greedy_engine):
+def test_greedy_speculative_with_reduced_draft_vocabulary_equals_plain(target, greedy_engine, mirror):
     """A drafter head over half of the vocabulary (drafts only from it): chain and tree SD equal plain."""
     _, _, plain = greedy_engine
     engine = RolloutEngine(
         target,
         EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=8, compact=False),
         eos_ids=[EOS],
-        drafter=mirror_drafter(target, noise=0.03),
+        drafter=mirror.drafter(target, noise=0.03),
         draft_vocab=np.arange(0, CFG.vocab_size, 2),
     )
     assert_chain_and_tree_equal_plain(engine, plain)
@@ -163,17 +139,17 @@ def test_greedy_speculative_with_reduced_draft_vocabulary_equals_plain(target, g
         RolloutEngine(target, EngineConfig(), eos_ids=[EOS], draft_vocab=[0, CFG.vocab_size])
 
 
-def test_greedy_speculative_with_cpu_kernel_equals_plain(greedy_engine):
+def test_greedy_speculative_with_cpu_kernel_equals_plain(greedy_engine, mirror):
     """The CPU FFI kernels: every projection through the small-M matmul (verify passes run it at M = B x
     tokens to verify) and attention through the tree-attention kernel. Plain decoding gives XLA's tokens,
     chain and tree SD give plain's."""
     _, _, plain_xla = greedy_engine
-    target = make_target(CFG.replace(linear_impl="cpu_ffi"))
+    target = mirror.target(CFG.replace(linear_impl="cpu_ffi"))
     engine = RolloutEngine(
         target,
         EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=8, compact=False, attn_impl="cpu_ffi"),
         eos_ids=[EOS],
-        drafter=mirror_drafter(target, noise=0.03),
+        drafter=mirror.drafter(target, noise=0.03),
     )
     plain = engine.generate(PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, hooks=FixedMode("plain"))
     np.testing.assert_array_equal(plain.tokens, plain_xla.tokens)
@@ -190,7 +166,7 @@ def test_greedy_speculative_with_cpu_kernel_equals_plain(greedy_engine):
         SpecConfig(drafter_weight_dtype="float16")
 
 
-def test_greedy_speculative_with_pallas_kernel_equals_plain(target, greedy_engine):
+def test_greedy_speculative_with_pallas_kernel_equals_plain(target, greedy_engine, mirror):
     """Every attention of the engine (the target's prefill and verify passes, the drafter's draft and cache
     passes) through the Pallas tree-attention kernel, interpreted on CPU (compiled on GPUs): a tree rollout
     gives plain's tokens."""
@@ -199,7 +175,7 @@ def test_greedy_speculative_with_pallas_kernel_equals_plain(target, greedy_engin
         target,
         EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=8, compact=False, attn_impl="pallas"),
         eos_ids=[EOS],
-        drafter=mirror_drafter(target, noise=0.03),
+        drafter=mirror.drafter(target, noise=0.03),
     )
     mode = engine.add_mode("eagle", "3_2_6")
     out = engine.generate(PROMPTS, n=2, key=jax.random.key(0), sampling=GREEDY, hooks=FixedMode(mode))
@@ -294,13 +270,13 @@ SWITCH_PROMPTS = [*PROMPTS, [10, 53, 36, 94, 96, 91, 118, 119, 24]]  # 9, 40 and
 
 
 @pytest.fixture(scope="module")
-def compact_engine(target):
+def compact_engine(target, mirror):
     spec = SpecConfig(enabled=True, drafter="eagle", strategy="3_2_6", threshold=2, min_steps_below=4)
     engine = RolloutEngine(
         target,
         EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=4, compact=True, spec=spec),
         eos_ids=[EOS],
-        drafter=mirror_drafter(target, noise=0.03),
+        drafter=mirror.drafter(target, noise=0.03),
     )
     engine.add_mode("ngram", "3_1_4")
     return engine
@@ -357,7 +333,7 @@ class AlternatingSelector(RolloutHooks):
         self.records.append(view.record)
 
 
-def test_recorded_hidden_states_through_speculative_rounds(target, switch_reference):
+def test_recorded_hidden_states_through_speculative_rounds(target, switch_reference, mirror):
     """EngineConfig.record_hidden with speculative rounds: the target states of each round's committed path
     (root + accepted drafts) land at their response positions. Plain chunks, then EAGLE tree / n-gram chain
     rounds with compaction: every position's state equals a full causal forward over the final sequence."""
@@ -365,7 +341,7 @@ def test_recorded_hidden_states_through_speculative_rounds(target, switch_refere
         target,
         EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=4, compact=True, record_hidden=True),
         eos_ids=[EOS],
-        drafter=mirror_drafter(target, noise=0.03),
+        drafter=mirror.drafter(target, noise=0.03),
     )
     tree, chain = engine.add_mode("eagle", "3_2_6"), engine.add_mode("ngram", "3_1_4")
     sel = AlternatingSelector(tree, chain)
@@ -381,7 +357,7 @@ def test_recorded_hidden_states_through_speculative_rounds(target, switch_refere
         np.testing.assert_allclose(out.features(i), want, atol=1e-4, rtol=1e-4)
 
 
-def test_mode_selector_alternates_drafters_and_nothing_recompiles(compact_engine, switch_reference):
+def test_mode_selector_alternates_drafters_and_nothing_recompiles(compact_engine, switch_reference, mirror):
     """A ModeSelector switching between the EAGLE and the n-gram drafter chunk by chunk (the drafter cache is
     kept through n-gram rounds), with compaction: output identical to plain. Then a second rollout after
     swapping in other drafter weights: zero new XLA compilations, and still the same greedy output."""
@@ -395,7 +371,7 @@ def test_mode_selector_alternates_drafters_and_nothing_recompiles(compact_engine
     assert all(r.tokens_per_second > 0 for r in sel.records)
 
     programs, compiles = compact_engine.compile_count, _COMPILES.count
-    other = mirror_drafter(compact_engine.model(), noise=0.3, seed=7)  # much worse drafts, same shapes
+    other = mirror.drafter(compact_engine.model(), noise=0.3, seed=7)  # much worse drafts, same shapes
     compact_engine.set_drafter_params(nnx.state(other, nnx.Param))
     again = compact_engine.generate(
         SWITCH_PROMPTS, n=1, key=jax.random.key(0), sampling=GREEDY, hooks=AlternatingSelector()
@@ -441,13 +417,13 @@ def biased_accept(key, tokens_bn, parents_bn, probs_bnv, max_depth):
 
 
 @pytest.fixture(scope="module")
-def sampling_setup():
+def sampling_setup(mirror):
     target = Transformer(SAMPLE_CFG, nnx.Rngs(0))
     emb = target.embed[...]
     target.embed[...] = emb / jnp.sqrt(jnp.mean(emb * emb, axis=-1, keepdims=True))
     target.lm_head[...] = target.lm_head[...] * 12.0  # logits of order 1: a non-trivial distribution
     target.layers[0].attn.o_proj[...] = target.layers[0].attn.o_proj[...] * 10.0
-    good = mirror_drafter(target, noise=0.05)
+    good = mirror.drafter(target, noise=0.05)
     # the prompt: the target's own greedy continuation of [3, 5]
     graph, params = nnx.split(target)
     forward = jax.jit(

@@ -43,14 +43,13 @@ from tlt_jax import sharding as shd
 from tlt_jax.kernels import small_m_linear
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rollout import decode
-from tlt_jax.rollout.harvest import Harvester
-from tlt_jax.rollout.hooks import ChunkView, RolloutHooks, RolloutInfo, ThresholdPolicy, as_hooks
+from tlt_jax.rollout import decode, scheduler
+from tlt_jax.rollout.hooks import RolloutHooks
 from tlt_jax.rollout.ngram import NgramBank, NgramParams
 from tlt_jax.rollout.programs import ProgramCache
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import AcceptRule, SpecConfig, SpecMode, Strategy, resolve_acceptance
-from tlt_jax.rollout.types import ChunkRecord, DecodeState, Rollout, RolloutStats
+from tlt_jax.rollout.types import ChunkRecord, DecodeState, Rollout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +119,8 @@ class RolloutEngine:
         self.graphdef, params = nnx.split(model, nnx.Param)
         self._param_shardings = shd.param_shardings(params, self.mesh)
         self.params = jax.device_put(params, self._param_shardings)
-        self._replicated = NamedSharding(self.mesh, P())
-        self.eos_ids = jax.device_put(np.asarray(list(eos_ids) or [-1], np.int32), self._replicated)
+        self.replicated = NamedSharding(self.mesh, P())
+        self.eos_ids = jax.device_put(np.asarray(list(eos_ids) or [-1], np.int32), self.replicated)
         self.programs = ProgramCache()
         self.drafter_graphdef, self.drafter_params = None, None
         self.drafter_weight_dtype = _drafter_weight_dtype(config.spec.drafter_weight_dtype, model)
@@ -138,7 +137,7 @@ class RolloutEngine:
                     f"draft_vocab: need token ids in [0, {model.cfg.vocab_size}), got {ids.size} ids in "
                     f"[{ids.min() if ids.size else '-'}, {ids.max() if ids.size else '-'}]"
                 )
-            self.draft_vocab = jax.device_put(ids.astype(np.int32), self._replicated)
+            self.draft_vocab = jax.device_put(ids.astype(np.int32), self.replicated)
         self.modes: dict[str, SpecMode] = {}
         self.spec_mode: str | None = None  # the mode SpecConfig configured (if enabled)
         if config.spec.enabled:
@@ -201,7 +200,7 @@ class RolloutEngine:
         self.modes[mode.name] = mode
         return mode.name
 
-    def _needs(self) -> tuple[bool, bool]:
+    def needs(self) -> tuple[bool, bool]:
         """(carry the drafter cache, carry prompt tokens): only when a registered mode needs them."""
         use_drafter = self.drafter_graphdef is not None and any(
             m.drafter == "eagle" for m in self.modes.values()
@@ -232,11 +231,11 @@ class RolloutEngine:
         return jax.lax.with_sharding_constraint(tree, shd.shard_pytree_batch(tree, self.mesh))
 
     def _replicate(self, tree: Any) -> Any:
-        return None if tree is None else jax.lax.with_sharding_constraint(tree, self._replicated)
+        return None if tree is None else jax.lax.with_sharding_constraint(tree, self.replicated)
 
     def chunk_program(self, mode: str, sampling: SamplingParams) -> decode.ChunkProgram:
         """The static description of a chunk of `mode` ("plain" or a registered mode)."""
-        use_drafter, _ = self._needs()
+        use_drafter, _ = self.needs()
         if mode != "plain" and mode not in self.modes:
             raise KeyError(f"unknown mode {mode!r}: registered {sorted(self.modes)} (and 'plain')")
         s = self.config.spec
@@ -266,10 +265,12 @@ class RolloutEngine:
         sampling: SamplingParams,
         bank: NgramBank | None = None,
         exit_live: int = -1,
+        drafter_params: Any | None = None,
     ) -> tuple[DecodeState, ChunkRecord, NgramBank | None]:
         """Run one chunk of `mode` on `state` (donated). The cache must already hold the chunk's growth
         (`generate` resizes between chunks). Returns the new state, the chunk's record (seconds included)
-        and the bank (n-gram modes need one: `NgramBank.empty`)."""
+        and the bank (n-gram modes need one: `NgramBank.empty`). drafter_params: the rollout's snapshot of
+        the drafter's weights (default: the engine's current ones)."""
         prog = self.chunk_program(mode, sampling)
         is_ngram = prog.mode is not None and prog.mode.drafter == "ngram"
         if is_ngram and bank is None:
@@ -291,14 +292,15 @@ class RolloutEngine:
             None if bank_in is None else (bank_in.tokens.shape, bank_in.group_size),
         )
         uses_vocab = prog.mode is not None and prog.mode.drafter == "eagle"
+        dparams = self.drafter_params if drafter_params is None else drafter_params
         args = (
             self.params,
-            self.drafter_params if use_drafter else None,
+            dparams if use_drafter else None,
             state,
             self.eos_ids,
             bank_in,
             self.draft_vocab if uses_vocab else None,
-            jax.device_put(np.int32(exit_live), self._replicated),
+            jax.device_put(np.int32(exit_live), self.replicated),
         )
         t0 = time.perf_counter()
         out, compiled = self.programs.run(key, self._chunk_fn(prog), args, donate=(2, 4))
@@ -321,7 +323,7 @@ class RolloutEngine:
         )
         return out.state, record, (out.bank if bank_in is not None else bank)
 
-    def _gather(self, state: DecodeState, sel: np.ndarray, pad: np.ndarray) -> DecodeState:
+    def gather_rows(self, state: DecodeState, sel: np.ndarray, pad: np.ndarray) -> DecodeState:
         """Compaction within shards: `sel` holds each shard's kept rows as LOCAL indices (shard-major)."""
         d = self.data_size
         b_old, b_new = state.done.shape[0], len(sel)
@@ -335,17 +337,17 @@ class RolloutEngine:
             fn = lambda st, rows, padm: self._constrain(body(st, rows, padm))  # noqa: E731
         bs = shd.batch_sharding(self.mesh, 1, b_new)
         args = (state, jax.device_put(sel.astype(np.int32), bs), jax.device_put(pad, bs))
-        key = ("gather", b_old, b_new, state.cache.capacity, self._needs(), state.out_hidden is not None)
+        key = ("gather", b_old, b_new, state.cache.capacity, self.needs(), state.out_hidden is not None)
         return self.programs.run(key, fn, args)[0]
 
-    def _resize(self, state: DecodeState, seq_len: int) -> DecodeState:
+    def resize_cache(self, state: DecodeState, seq_len: int) -> DecodeState:
         fn = lambda st: self._constrain(decode.resize_cache(st, seq_len))  # noqa: E731
         key = (
             "resize",
             state.done.shape[0],
             state.cache.capacity,
             seq_len,
-            self._needs(),
+            self.needs(),
             state.out_hidden is not None,
         )
         return self.programs.run(key, fn, (state,))[0]
@@ -372,6 +374,7 @@ class RolloutEngine:
         key: jax.Array,
         sampling: SamplingParams,
         max_new_tokens: int,
+        drafter_params: Any | None = None,
     ) -> tuple[DecodeState, jax.Array | None]:
         """Prefill unique prompts once, repeat their cache rows n times, sample each row's first token.
 
@@ -401,7 +404,7 @@ class RolloutEngine:
         max_total = int(prompt_lens.max()) + max_new_tokens
         s = self.cache_bucket(min(max(tb, int(prompt_lens.max()) + cfg.chunk_steps + 1), max_total))
         s = max(s, self.cache_bucket(tb))
-        use_drafter, use_prompt = self._needs()
+        use_drafter, use_prompt = self.needs()
         prog = decode.PrefillProgram(
             target=self.graphdef,
             drafter=self.drafter_graphdef if use_drafter else None,
@@ -419,9 +422,10 @@ class RolloutEngine:
             return self._constrain(state), hidden
 
         put = lambda x: jax.device_put(x, shd.batch_sharding(self.mesh, np.ndim(x), b))  # noqa: E731
+        dparams = self.drafter_params if drafter_params is None else drafter_params
         args = (
             self.params,
-            self.drafter_params if use_drafter else None,
+            dparams if use_drafter else None,
             jnp.asarray(tokens),
             jnp.asarray(lens),
             put(rows),
@@ -456,101 +460,14 @@ class RolloutEngine:
         max_new_tokens: int | None = None,
         hooks: RolloutHooks | Iterable[RolloutHooks | None] | None = None,
     ) -> Rollout:
-        """Sample `n` responses for each prompt; `hooks` observe the rollout and choose each chunk's mode."""
-        cfg = self.config
-        max_new = max_new_tokens or cfg.max_new_tokens
-        t_start = time.perf_counter()
-        stats = RolloutStats()
-        default = None
-        if self.spec_mode is not None:
-            s = cfg.spec
-            default = ThresholdPolicy(self.spec_mode, s.threshold, s.min_steps_below)
-        hook = as_hooks(hooks, default)
-        num_p = len(prompts)
-        hook.on_start(RolloutInfo(num_p, n, max_new, self.data_size, tuple(self.modes)))
+        """Sample `n` responses for each prompt; `hooks` observe the rollout and choose each chunk's mode
+        (`rollout.scheduler.generate`: the host loop). The drafter's weights are read once: the whole
+        rollout drafts with one snapshot."""
+        return scheduler.generate(
+            self, prompts, n=n, key=key, sampling=sampling, max_new_tokens=max_new_tokens, hooks=hooks
+        )
 
-        t0 = time.perf_counter()
-        state, prompt_h = self.prefill(prompts, n=n, key=key, sampling=sampling, max_new_tokens=max_new)
-        jax.block_until_ready(state)
-        prompt_hidden = None
-        if prompt_h is not None:
-            ph = np.asarray(jax.device_get(prompt_h))
-            prompt_hidden = [ph[i, : len(p)] for i, p in enumerate(prompts)]
-        harvest = Harvester(self, prompts, n, max_new, prompt_hidden, hook)
-        seq_ids = np.where(np.arange(state.done.shape[0]) >= num_p * n, -1, np.arange(state.done.shape[0]))
-        bank = NgramBank.empty(num_p * n, n, max_new) if self._needs()[1] else None
-        if bank is not None:
-            bank = jax.device_put(bank, self._replicated)
-        stats.add_time("prefill", time.perf_counter() - t0)
-        max_total = int(max(len(p) for p in prompts)) + max_new
-
-        while True:
-            t0 = time.perf_counter()
-            state, done, lengths = harvest.collect(state, seq_ids)
-            d = self.data_size
-            b_local = state.done.shape[0] // d
-            live_shard = (~done).reshape(d, b_local).sum(axis=1)
-            if live_shard.sum() == 0:
-                break
-            new_local = self.local_bucket(int(live_shard.max()))
-            if cfg.compact and new_local < b_local:
-                if bank is not None:
-                    bank = self._update_bank(bank, state)
-                sel, pad = _shard_selection((~done).reshape(d, b_local), new_local)
-                state = self._gather(state, sel, pad.reshape(-1))
-                glob = (np.arange(d)[:, None] * b_local + sel.reshape(d, new_local)).reshape(-1)
-                seq_ids = np.where(pad.reshape(-1), -1, seq_ids[glob])
-                done, lengths = done[glob] | pad.reshape(-1), lengths[glob]
-                b_local = new_local
-            n_live = int(live_shard.sum())
-            mode = hook.choose_mode(n_live, state.done.shape[0]) or "plain"
-            if mode != "plain" and mode not in self.modes:
-                raise KeyError(
-                    f"a hook chose mode {mode!r}: registered modes {sorted(self.modes)} (and 'plain')"
-                )
-            per_step, ahead = (
-                (1, 1) if mode == "plain" else (self.modes[mode].tokens_per_step, self.modes[mode].lookahead)
-            )
-            need = min(int(lengths[~done].max()) + cfg.chunk_steps * per_step + ahead, max_total + ahead)
-            s_new = self.cache_bucket(need)
-            if s_new != state.cache.capacity:
-                state = self._resize(state, s_new)
-            stats.add_time("host", time.perf_counter() - t0)
-
-            exit_live = b_local // 2 if cfg.compact and b_local > 1 else -1
-            before = harvest.tokens_so_far(state, seq_ids)
-            state, record, bank = self.decode_chunk(state, mode, sampling, bank, exit_live)
-            record = dataclasses.replace(record, new_tokens=harvest.tokens_so_far(state, seq_ids) - before)
-            stats.add_time("decode" if mode == "plain" else "speculative", record.seconds)
-            stats.running_per_step.extend(record.running)
-            stats.sd_per_step.extend([mode != "plain"] * record.steps)
-            stats.seconds_per_step.extend([record.seconds / max(record.steps, 1)] * record.steps)
-            stats.chunks.append(record)
-            done_now = np.asarray(jax.device_get(state.done)).reshape(d, -1)
-            hook.on_chunk(
-                ChunkView(record, tuple(int(x) for x in (~done_now).sum(axis=1)), harvest.num_finished)
-            )
-
-        rollout = harvest.rollout(stats)
-        stats.wall_seconds = time.perf_counter() - t_start
-        hook.on_end(rollout)
-        return rollout
-
-    def _update_bank(self, bank: NgramBank, state: DecodeState) -> NgramBank:
+    def update_bank(self, bank: NgramBank, state: DecodeState) -> NgramBank:
         key = ("bank", bank.tokens.shape, bank.group_size, state.done.shape[0])
         fn = lambda bk, st: self._replicate(bk.update(st))  # noqa: E731
         return self.programs.run(key, fn, (bank, state))[0]
-
-
-def _shard_selection(live_db: np.ndarray, new_local: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per shard, the LOCAL indices of its live rows padded to `new_local` (padding repeats a row of the same
-    shard and is marked in the mask): ([D * new_local] indices, [D, new_local] padding mask)."""
-    d, _ = live_db.shape
-    sel = np.zeros((d, new_local), np.int32)
-    pad = np.ones((d, new_local), bool)
-    for i in range(d):
-        keep = np.nonzero(live_db[i])[0]
-        sel[i, : len(keep)] = keep
-        sel[i, len(keep) :] = keep[0] if len(keep) else 0
-        pad[i, : len(keep)] = False
-    return sel.reshape(-1), pad

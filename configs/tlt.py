@@ -1,0 +1,86 @@
+"""TLT: GRPO with speculative rollouts on a long-tail reasoning task (SmolLM2-135M on the 2-core CPU).
+
+    python -m tlt_jax.main --config configs/tlt.py --workdir workdirs/tlt          # `make run`
+    python -m tlt_jax.main --config configs/tlt.py:drafter=none --workdir w        # the plain baseline
+
+The task: easy reasoning-gym chain_sum (2-3 terms, 1-2 digits) asked with the default step-by-step system
+prompt and instruction, so most answers are short and a few ramble on: measured on 16 x 4 samples at T = 0.9
+with a 384-token cap (experiments/task_lengths.py): p50 60, p90 337 tokens, 8% at the cap, 6% correct, 20%
+in the `Answer:` format. gsm_symbolic gives a similar tail (p50 190, p90 384, 16% at the cap) but ~0 reward
+for this model, so nothing to learn in 10 steps. Reward: the verifier's score of the `Answer:` value (or the
+last number) plus 0.2 for using the `Answer:` line, so a 135M model has a signal to climb in a few steps.
+32 sequences per step (8 prompts x 4) put the rollout's end at 1-3 running rows, where speculation pays on
+this CPU (docs/benchmarks.md: SD gains only at batch 1-2 here; a GPU pays up to batch ~32).
+
+Args (`configs/tlt.py:drafter=ngram,steps=12,seed=0`):
+  drafter: auto (the warmed EAGLE drafter in `drafter_path` if present, else n-gram; the default), eagle,
+           ngram, none
+  drafter_path: the EAGLE warm-up workdir (default workdirs/drafter_tlt; create it with
+           `python -m tlt_jax.main --config configs/drafter_warmup.py:tlt --workdir workdirs/drafter_tlt`)
+  steps, seed, quick (3 steps of 4 prompts x 4: the e2e benchmark's --quick).
+"""
+
+from tlt_jax import config_lib
+from tlt_jax.models.loading import DEFAULT_GGUF_PATH, REPO_ROOT
+
+# the task section, shared with the drafter warm-up (`configs/drafter_warmup.py:tlt`)
+TASK = dict(
+    kind="reasoning_gym",
+    name="chain_sum",
+    size=5000,
+    seed=0,
+    dataset_kwargs=dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2),
+    answer_mode="answer_or_last_number",
+    format_reward=0.2,
+)
+MAX_NEW_TOKENS = 384
+TEMPERATURE = 0.9
+DEFAULT_DRAFTER_PATH = str(REPO_ROOT / "workdirs" / "drafter_tlt")
+
+
+def get_config(arg: str | None = None):
+    arg = config_lib.parse_arg(
+        arg, drafter="auto", steps=12, seed=0, drafter_path=DEFAULT_DRAFTER_PATH, quick=False, runlocal=False
+    )
+    c = config_lib.base_config()
+    c.seed = arg.seed
+    c.num_steps = 3 if arg.quick or arg.runlocal else arg.steps
+    c.checkpoint_every = 4
+    c.keep_checkpoints = 2
+
+    c.model.path = str(DEFAULT_GGUF_PATH)
+    c.model.dtype = "float32"  # this CPU has no bf16 instructions
+    c.mesh.data, c.mesh.model = 1, 1  # one CPU device (fake devices would only split the same 2 cores)
+
+    c.task = dict(TASK, seed=arg.seed)
+
+    c.rollout.temperature = TEMPERATURE
+    c.rollout.max_new_tokens = MAX_NEW_TOKENS
+    c.rollout.max_cache_len = 512
+    c.rollout.chunk_steps = 16
+    c.rollout.min_cache_bucket = 128
+    c.rollout.prompt_bucket = 16
+
+    c.drafter.kind = arg.drafter
+    c.drafter.path = arg.drafter_path
+    c.drafter.min_accept_len = 1.05  # n-gram drafts here accept ~1.2, a warmed EAGLE chain ~2.5
+    # SD on once at most `threshold` rows run: on this CPU a verify round costs 1.1-1.6 decode steps at
+    # batch 1-2 but several at batch 8 (docs/benchmarks.md), so SD pays only at the very end of the tail
+    c.spec.strategy = "3_1_4"
+    c.spec.threshold = 2
+    c.spec.min_steps_below = 0
+    c.spec.acceptance = "coupled"  # samples identical to plain decoding (see README)
+
+    c.rl.prompts_per_step = 4 if arg.quick else 8
+    c.rl.samples_per_prompt = 4
+    c.rl.advantage = "grpo"
+    c.rl.loss_agg = "seq_mean_token_mean"
+    c.rl.kl_coef = 0.0
+    c.rl.lr = 1e-4
+    c.rl.weight_decay = 0.0
+    c.rl.grad_clip = 1.0
+
+    c.trainer.micro_batch_size = 8
+    c.trainer.train_layers = 10  # the top 10 of 30 layers: ~2x cheaper update on this CPU
+    c.trainer.seq_bucket = 64
+    return c

@@ -1,0 +1,201 @@
+"""End-to-end TLT: the same GRPO run with drafter none / ngram / eagle, step for step, in one process.
+
+    python experiments/e2e_speedup.py --quick        # configs/tlt.py:quick, 3 steps per arm (< 15 min)
+    python experiments/e2e_speedup.py --steps 8      # configs/tlt.py, 8 steps per arm
+
+Three learners share the config and seed and differ only in `config.drafter.kind`; their steps run
+interleaved (step 1 of each, then step 2 of each, ...) so a drift of the machine's speed hits all three alike.
+With coupled verification the three see the same samples, so their rewards coincide (what differs, and why,
+is printed). Step 1 compiles every program and is excluded from the timings.
+
+The bound, from physics: SD changes only the decode time spent in the batch buckets where it is used. From the
+plain run's own decode time per batch bucket t_b and this run's per-bucket SD speedup s_b (SD tokens/s in
+bucket b over plain tokens/s in bucket b; SD should be off where s_b < 1), the best RL step is
+    T_best = T_plain - sum_b t_b * (1 - 1 / max(s_b, 1))  and  e2e_bound = T_plain / T_best.
+Per-bucket speeds come from the chunk records of the steps measured (the chunk's batch bucket).
+
+Final line: `RESULT e2e_speedup_eagle=.. e2e_bound_eagle=.. e2e_speedup_ngram=.. rollout_speedup_eagle=..
+reward_curve_max_abs_diff=..` plus per-arm details; a PNG with step time and reward per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tlt_jax import config_lib  # noqa: E402
+from tlt_jax.rl.learner import Learner  # noqa: E402
+
+ARMS = ("none", "ngram", "eagle")
+
+
+def bucket_times(metrics: list[dict[str, float]], tag: str) -> dict[int, tuple[float, float]]:
+    """Batch bucket -> (decode seconds, tokens) of `tag` chunks ("plain" / "sd") summed over steps."""
+    out: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for m in metrics:
+        for k, v in m.items():
+            parts = k.split("/")
+            if parts[0] == "bucket" and parts[2].startswith(tag + "_"):
+                out[int(parts[1])][0 if parts[2].endswith("seconds") else 1] += v
+    return {b: (s, t) for b, (s, t) in out.items()}
+
+
+def bound(plain: list[dict[str, float]], spec: list[dict[str, float]]) -> tuple[float, dict[int, float]]:
+    """(e2e bound, per-bucket SD speedup) from the plain run's time per bucket and both runs' speeds."""
+    t_plain = sum(m["time/step"] for m in plain)
+    p_b, s_b = bucket_times(plain, "plain"), bucket_times(spec, "sd")
+    speed = {}
+    saved = 0.0
+    for b, (secs, toks) in p_b.items():
+        if b in s_b and s_b[b][0] > 0 and toks > 0 and secs > 0:
+            speed[b] = (s_b[b][1] / s_b[b][0]) / (toks / secs)
+            saved += secs * (1.0 - 1.0 / max(speed[b], 1.0))
+    return t_plain / max(t_plain - saved, 1e-9), speed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="configs/tlt.py:quick (3 steps of 16 rows per arm)")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "tlt.py"))
+    ap.add_argument("--steps", type=int, default=None, help="RL steps per arm (default 3 quick, else 8)")
+    ap.add_argument("--arms", default=",".join(ARMS), help="drafter kinds to compare (none is the baseline)")
+    ap.add_argument("--drafter-path", default=None, help="EAGLE warm-up workdir (default: the config's)")
+    ap.add_argument("--out", default=None, help="workdirs, metrics and the plot (default: a temp dir)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    arms = [a for a in args.arms.split(",") if a]
+    if arms[0] != "none":
+        raise SystemExit("--arms must start with 'none' (the plain baseline)")
+    steps = args.steps or (3 if args.quick else 8)
+    out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="e2e_speedup_"))
+    out.mkdir(parents=True, exist_ok=True)
+
+    learners = {}
+    for arm in arms:
+        cfg = config_lib.load_config_file(
+            args.config, f"drafter={arm},seed={args.seed}" + (",quick" if args.quick else "")
+        )
+        cfg.num_steps = steps
+        cfg.progress_bar = False
+        cfg.log_samples = 0
+        cfg.wandb.mode = "disabled"
+        if args.drafter_path:
+            cfg.drafter.path = args.drafter_path
+        wd = out / arm
+        if wd.exists() and any(wd.iterdir()):
+            raise SystemExit(f"{wd} is not empty: pass a new --out (this benchmark starts from step 0)")
+        learners[arm] = Learner(cfg, str(wd))
+        print(
+            f"{arm}: drafter {learners[arm].rollout_drafter.kind} {learners[arm].rollout_drafter.path}",
+            flush=True,
+        )
+    history: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
+    try:
+        for step in range(1, steps + 1):
+            for arm in arms:
+                m = learners[arm].train_step()
+                history[arm].append(m)
+                print(
+                    f"step {step} {arm:>5}: step {m['time/step']:6.1f}s rollout {m['time/rollout']:6.1f}s "
+                    f"tail<=2 {m['rollout/time_running_le2']:5.1f}s reward {m['reward/mean']:.3f} "
+                    f"accept {m.get('spec/accept_len', 0.0):.2f} len p50/max {m['length/p50']:.0f}/"
+                    f"{m['length/max']:.0f}",
+                    flush=True,
+                )
+    finally:
+        for learner in learners.values():
+            learner.close()
+    (out / "history.json").write_text(json.dumps(history, indent=1))
+
+    timed = {a: h[1:] if len(h) > 1 else h for a, h in history.items()}  # step 1 compiles
+    base = timed["none"]
+    t_none = sum(m["time/step"] for m in base)
+    r_none = sum(m["time/rollout"] for m in base)
+    result: dict[str, float] = {}
+    rewards = {a: np.asarray([m["reward/mean"] for m in h]) for a, h in history.items()}
+    cols = ("arm", "step s", "rollout s", "tail<=2 s", "e2e", "bound", "rollout", "SD-phase", "accept")
+    print("\n" + " ".join(f"{c:>9}" for c in cols))
+    for arm in arms:
+        h = timed[arm]
+        t = sum(m["time/step"] for m in h)
+        r = sum(m["time/rollout"] for m in h)
+        tail = sum(m["rollout/time_running_le2"] for m in h)
+        e2e, roll = t_none / max(t, 1e-9), r_none / max(r, 1e-9)
+        accept = float(np.mean([m.get("spec/accept_len", 0.0) for m in h]))
+        b, speeds = (1.0, {}) if arm == "none" else bound(base, h)
+        sd_s = sum(m.get("rollout/sd_seconds", 0.0) for m in h)
+        # the plain run's decode time in the buckets where this arm ran SD, over this arm's SD time
+        sd_buckets = set(bucket_times(h, "sd"))
+        plain_same = sum(s for bk, (s, _) in bucket_times(base, "plain").items() if bk in sd_buckets)
+        sd_phase = plain_same / sd_s if sd_s else float("nan")
+        row = (f"{t:.1f}", f"{r:.1f}", f"{tail:.1f}", f"{e2e:.2f}x", f"{b:.2f}x", f"{roll:.2f}x")
+        print(" ".join(f"{c:>9}" for c in (arm, *row, f"{sd_phase:.2f}x", f"{accept:.2f}")))
+        if arm != "none":
+            result[f"e2e_speedup_{arm}"] = e2e
+            result[f"e2e_bound_{arm}"] = b
+            result[f"rollout_speedup_{arm}"] = roll
+            result[f"sd_phase_speedup_{arm}"] = sd_phase
+            result[f"accept_len_{arm}"] = accept
+            result[f"of_bound_{arm}"] = (e2e - 1.0) / (b - 1.0) if b > 1.0 + 1e-6 else float("nan")
+            print(
+                "        per-bucket SD speedup: "
+                + ", ".join(f"b{k} {v:.2f}x" for k, v in sorted(speeds.items()))
+            )
+    diffs = [float(np.max(np.abs(rewards[a] - rewards["none"]))) for a in arms if a != "none"]
+    result["reward_curve_max_abs_diff"] = max(diffs) if diffs else 0.0
+    for arm in arms[1:]:
+        d = np.nonzero(np.abs(rewards[arm] - rewards["none"]) > 1e-9)[0]
+        if len(d):
+            print(
+                f"rewards of {arm} differ from plain at steps {[int(i) + 1 for i in d]}: a rounding flip "
+                "between a verify pass and a decode step changed a sample (coupled verification), or the "
+                "acceptance rule is not coupled"
+            )
+    plot(history, out / "e2e_speedup.png")
+    result["wall_s"] = time.perf_counter() - t_start
+    print(f"plot: {out / 'e2e_speedup.png'}; workdirs and history.json under {out}")
+    order = [
+        "e2e_speedup_eagle",
+        "e2e_bound_eagle",
+        "e2e_speedup_ngram",
+        "rollout_speedup_eagle",
+        "reward_curve_max_abs_diff",
+    ]
+    keys = [k for k in order if k in result] + [k for k in result if k not in order]
+    print("RESULT " + " ".join(f"{k}={result[k]:.3f}" for k in keys))
+
+
+def plot(history: dict[str, list[dict[str, float]]], path: pathlib.Path) -> None:
+    """Step time (stacked rollout / rest) and reward per step, for every arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for arm, h in history.items():
+        x = np.arange(1, len(h) + 1)
+        a1.plot(x, [m["time/step"] for m in h], marker="o", label=f"{arm} step")
+        a1.plot(x, [m["time/rollout"] for m in h], ls="--", alpha=0.7, label=f"{arm} rollout")
+        a2.plot(x, [m["reward/mean"] for m in h], marker="o", label=arm)
+    a1.set(xlabel="RL step", ylabel="seconds", title="step and rollout time (step 1 compiles)")
+    a2.set(xlabel="RL step", ylabel="mean reward", title="reward (coupled verification: curves coincide)")
+    a1.legend(fontsize=7)
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
