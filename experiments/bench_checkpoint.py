@@ -62,12 +62,13 @@ def build_target(tiny: bool) -> Any:
 
         return Transformer(tiny_config(vocab_size=512), nnx.Rngs(0))
     from tlt_jax import config_lib
+    from tlt_jax.models.build import build_model_and_tokenizer
 
     config = config_lib.load_config_file(ROOT / "configs" / "default.py")
     model_path = pathlib.Path(config.model.path)
     if not model_path.exists():
         sys.exit(f"missing {model_path}: run `make setup` (it fetches the SmolLM2 GGUF)")
-    return config_lib.build_model_and_tokenizer(config)[0]
+    return build_model_and_tokenizer(config)[0]
 
 
 def checkpoint_trees(target: Any) -> tuple[dict[str, Any], dict[str, Any]]:

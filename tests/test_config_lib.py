@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from tlt_jax import config_lib
+from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.models.llama import Transformer
 from tlt_jax.models.tokenizer import ByteTokenizer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
@@ -74,7 +75,7 @@ def test_config_is_locked_against_typos() -> None:
 
 def test_builders_on_the_smoke_config() -> None:
     c = load_config("smoke")
-    model, tok = config_lib.build_model_and_tokenizer(c)
+    model, tok = build_model_and_tokenizer(c)
     assert isinstance(model, Transformer) and isinstance(tok, ByteTokenizer)
     assert model.cfg.vocab_size >= tok.vocab_size
     ec = config_lib.engine_config_from(c)
@@ -87,7 +88,7 @@ def test_builders_on_the_smoke_config() -> None:
     assert set(engine.eos_ids.tolist()) == set(tok.eos_token_ids)
     c.model.random.vocab_size = 100
     with pytest.raises(ValueError, match="vocab_size=100 is smaller than the ByteTokenizer's 261"):
-        config_lib.build_model_and_tokenizer(c)
+        build_model_and_tokenizer(c)
 
 
 def test_build_model_rejects_missing_path() -> None:
@@ -95,7 +96,7 @@ def test_build_model_rejects_missing_path() -> None:
     c.model.random = {}
     c.model.path = "/nonexistent/dir"
     with pytest.raises(ValueError, match="--config.model.path"):
-        config_lib.build_model_and_tokenizer(c)
+        build_model_and_tokenizer(c)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ def test_cluster_configs_validate_without_weights(name: str) -> None:
     # runlocal: the same pipeline on a tiny random Qwen2-architecture model, on CPU
     small = load_config(name, "runlocal")
     config_lib.validate(small)
-    model, _ = config_lib.build_model_and_tokenizer(small)
+    model, _ = build_model_and_tokenizer(small)
     assert model.cfg.architecture == "qwen2" and model.cfg.qkv_bias
     assert small.model.dtype == "float32" and small.rollout.max_new_tokens <= 64
     assert small.rl.samples_per_prompt == c.rl.samples_per_prompt  # the algorithm is unchanged

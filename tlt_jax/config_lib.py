@@ -22,13 +22,13 @@ from typing import Any
 
 import jax
 import ml_collections as mlc
-from flax import nnx
 from jax.sharding import Mesh
 from ml_collections import config_dict
 
 from tlt_jax import sharding as shd
-from tlt_jax.kernels.small_m_linear import LINEAR_IMPLS
-from tlt_jax.models.config import ModelConfig, tiny_config
+from tlt_jax.drafter.spot_trainer import SpotConfig
+from tlt_jax.models.build import model_problems
+from tlt_jax.models.config import tiny_config
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
@@ -37,7 +37,6 @@ from tlt_jax.rollout.strategy import SpecConfig
 JOBS = ("grpo", "drafter_warmup")
 DRAFTER_KINDS = ("none", "ngram", "eagle", "auto")
 SPEC_FROM_DRAFTER = ("enabled", "drafter")  # SpecConfig fields that config.drafter.kind decides
-DTYPES = ("float32", "bfloat16")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -152,6 +151,10 @@ def base_config() -> mlc.ConfigDict:
     # "auto": Pallas on GPU, the CPU FFI kernel on one CPU device, else the jnp reference
     c.rollout.attn_impl = "auto"
     c.rollout.stop_strings = ()
+    # the target's hidden states of the prompt and the first `hidden_window` response tokens of every sequence
+    # (drafter training data; recorded whenever the spot trainer runs)
+    c.rollout.record_hidden = False
+    c.rollout.hidden_window = 512
 
     # What drafts for the rollouts (tlt_jax.rl.speculation): "none" (plain decoding), "ngram" (model-free,
     # TLT-Base), "eagle" (a warmed drafter from `path`: a warm-up workdir or its drafter/ folder), or "auto"
@@ -161,6 +164,11 @@ def base_config() -> mlc.ConfigDict:
     c.spec = mlc.ConfigDict(
         {k: v for k, v in dataclasses.asdict(SpecConfig()).items() if k not in SPEC_FROM_DRAFTER}
     )
+
+    # The spot trainer (tlt_jax.drafter.spot_trainer): the EAGLE drafter trained online during the rollout on
+    # idle devices ("idle_devices"), between tail chunks on one device ("between_chunks"), after the rollout
+    # ("after_rollout"), or not at all ("off")
+    c.spot = mlc.ConfigDict(dataclasses.asdict(SpotConfig()))
 
     c.rl = mlc.ConfigDict()
     c.rl.prompts_per_step = 8
@@ -289,38 +297,6 @@ def fail(problems: list[str]) -> None:
         raise ValueError("invalid config:\n  - " + "\n  - ".join(problems))
 
 
-def _linear_impl(config: Any) -> str:
-    """`config.model.linear_impl`; "auto" for config files written before the field existed."""
-    return config.model.get("linear_impl", "auto")
-
-
-def _model_problems(config: Any, check_paths: bool) -> list[str]:
-    out = []
-    path, random = config.model.path, dict(config.model.random)
-    if bool(path) == bool(random):
-        out.append(
-            "set exactly one of config.model.path (a .gguf file or HF model dir) and config.model.random "
-            f"(a tiny architecture); got path={path!r}, random={'set' if random else 'empty'}."
-        )
-    if path and check_paths and not os.path.exists(path):
-        out.append(
-            f"config.model.path={path!r} does not exist: pass --config.model.path=/path/to/model.gguf or "
-            "an HF directory (`make setup` fetches SmolLM2 to .cache/models/)."
-        )
-    if random:
-        fields = {f.name for f in dataclasses.fields(ModelConfig)}
-        unknown = sorted(set(random) - fields)
-        if unknown:
-            out.append(
-                f"config.model.random has unknown keys {unknown}; ModelConfig fields: {sorted(fields)}."
-            )
-    if config.model.dtype not in DTYPES:
-        out.append(f"config.model.dtype={config.model.dtype!r}: use one of {DTYPES}.")
-    if _linear_impl(config) not in LINEAR_IMPLS:
-        out.append(f"config.model.linear_impl={_linear_impl(config)!r}: use one of {LINEAR_IMPLS}.")
-    return out
-
-
 def rollout_problems(config: Any, check_paths: bool = True) -> list[str]:
     """Problems of the rollout, drafter and spec sections (shared by every job that samples)."""
     out = []
@@ -367,7 +343,7 @@ def validate(config: Any, check_paths: bool = True) -> None:
     problems = []
     if config.job not in JOBS:
         problems.append(f"config.job={config.job!r}: use one of {JOBS}.")
-    problems += _model_problems(config, check_paths)
+    problems += model_problems(config, check_paths)
     if config.mesh.model < 1 or (config.mesh.data < 1 and config.mesh.data != -1):
         problems.append(
             f"config.mesh data={config.mesh.data}, model={config.mesh.model}: need model >= 1 and data >= 1 "
@@ -381,33 +357,6 @@ def validate(config: Any, check_paths: bool = True) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Builders
 # ----------------------------------------------------------------------------------------------------------
-
-
-def build_model_and_tokenizer(config: Any) -> tuple[Transformer, Any]:
-    """The policy model and its tokenizer from `config.model`.
-
-    path: a .gguf file or HF directory via `tlt_jax.models.loading.load_model` (weights, config, tokenizer).
-    random: `ModelConfig(**random)` initialised from `config.seed`, with the ByteTokenizer (vocab >= 261).
-    """
-    from tlt_jax.models.llama import from_hf_tensors
-    from tlt_jax.models.loading import load_model
-    from tlt_jax.models.tokenizer import ByteTokenizer
-
-    fail(_model_problems(config, check_paths=True))
-    if config.model.path:
-        loaded = load_model(config.model.path, dtype=config.model.dtype)
-        cfg = loaded.config.replace(linear_impl=_linear_impl(config))
-        return from_hf_tensors(cfg, loaded.tensors), loaded.tokenizer
-    tokenizer = ByteTokenizer()
-    cfg = ModelConfig(
-        **{**dict(config.model.random), "dtype": config.model.dtype, "linear_impl": _linear_impl(config)}
-    )
-    if cfg.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
-            f"config.model.random.vocab_size={cfg.vocab_size} is smaller than the ByteTokenizer's "
-            f"{tokenizer.vocab_size} ids: set it to >= {tokenizer.vocab_size}."
-        )
-    return Transformer(cfg, nnx.Rngs(params=config.seed)), tokenizer
 
 
 def build_mesh(config: Any) -> Mesh:
@@ -429,7 +378,8 @@ def engine_config_from(config: Any, drafter_kind: str | None = None) -> EngineCo
         attn_impl=ro.attn_impl,
         stop_strings=tuple(ro.stop_strings),
         spec=spec_config_from(config, drafter_kind),
-        record_hidden=bool(ro.get("record_hidden", False)),
+        record_hidden=bool(ro.get("record_hidden", False))
+        or config.get("spot", {}).get("mode", "off") != "off",
         hidden_window=int(ro.get("hidden_window", 512)),
     )
 

@@ -18,6 +18,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from tlt_jax import config_lib
+from tlt_jax.models.build import build_model_and_tokenizer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "User message(s); each is wrapped in the chat template.")
@@ -33,7 +34,7 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     if not _PROMPT.value:
         raise app.UsageError('give at least one --prompt "..."')
-    model, tokenizer = config_lib.build_model_and_tokenizer(config)
+    model, tokenizer = build_model_and_tokenizer(config)
     engine = config_lib.build_engine(config, model, tokenizer)
     if _RAW.value:
         prompts = [tokenizer.encode(p) for p in _PROMPT.value]

@@ -13,6 +13,7 @@ from flax import nnx
 
 from tlt_jax import config_lib
 from tlt_jax import sharding as shd
+from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
@@ -229,7 +230,7 @@ def test_one_grpo_step_changes_params_and_raises_the_surrogate() -> None:
     """Rollout from the smoke model, rewards that prefer even tokens, one PPO-clipped update (with KL to the
     reference): the parameters move and the surrogate objective on the same batch goes up."""
     config = smoke_config()
-    model, _ = config_lib.build_model_and_tokenizer(config)
+    model, _ = build_model_and_tokenizer(config)
     m = mesh(2)
     engine = RolloutEngine(
         model, EngineConfig(max_new_tokens=10, max_cache_len=64, min_cache_bucket=16), [-1], mesh=m

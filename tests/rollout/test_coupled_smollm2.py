@@ -25,6 +25,7 @@ import pytest
 from flax import nnx
 
 from tlt_jax import config_lib
+from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode
@@ -41,7 +42,7 @@ WIDTH = 256  # the teacher-forced forward's padded length (prompt + response fit
 @pytest.fixture(scope="module")
 def smollm(smollm_gguf_path):
     cfg = config_lib.load_config_file(ROOT / "configs" / "default.py")
-    model, tok = config_lib.build_model_and_tokenizer(cfg)
+    model, tok = build_model_and_tokenizer(cfg)
     task = make_task(dict(kind="reasoning_gym", name="chain_sum", size=64, seed=1))
     problems, _ = task.batch(0, PROMPTS)
     prompts = [tok.encode_chat(task.messages(p)) for p in problems]

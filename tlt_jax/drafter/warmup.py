@@ -76,9 +76,9 @@ def _log(msg: str) -> None:
 
 def build_target(config: Any) -> tuple[Transformer, Any]:
     """The target model and tokenizer from `config.model` (path, or a tiny random architecture)."""
-    from tlt_jax import config_lib
+    from tlt_jax.models.build import build_model_and_tokenizer
 
-    return config_lib.build_model_and_tokenizer(config)
+    return build_model_and_tokenizer(config)
 
 
 def target_weights(target: Transformer) -> tuple[jax.Array, jax.Array]:

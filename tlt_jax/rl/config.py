@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from tlt_jax import config_lib
-from tlt_jax.config_lib import DTYPES
+from tlt_jax.drafter.spot_trainer import SpotConfig
+from tlt_jax.models.build import DTYPES
 from tlt_jax.rl import grpo
 
 
@@ -85,6 +86,14 @@ def rl_problems(config: Any) -> list[str]:
     return out
 
 
+def spot_config_from(config: Any) -> SpotConfig:
+    """`SpotConfig` from `config.spot` (mode "off" when the config has no spot section)."""
+    try:
+        return SpotConfig(**dict(config.get("spot", {})))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.spot is invalid: {e}") from e
+
+
 def validate(config: Any, check_paths: bool = True) -> None:
     """Every problem of a GRPO config (shared sections and the job's own), in one ValueError."""
     problems = []
@@ -94,4 +103,14 @@ def validate(config: Any, check_paths: bool = True) -> None:
         problems += [line.strip()[2:] for line in str(e).splitlines()[1:]]
     if config.job == "grpo":
         problems += rl_problems(config)
+        try:
+            spot = spot_config_from(config)
+        except ValueError as e:
+            problems.append(str(e))
+        else:
+            if spot.mode == "idle_devices" and config.mesh.data == 1:
+                problems.append(
+                    "config.spot.mode=idle_devices needs a data axis of >= 2 devices (config.mesh.data; on "
+                    "CPU XLA_FLAGS=--xla_force_host_platform_device_count=2); on one device: between_chunks."
+                )
     config_lib.fail(problems)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Any
 
@@ -23,8 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from flax import nnx
 
 from tlt_jax import config_lib
+from tlt_jax.drafter.spot_trainer import SpotTrainer
+from tlt_jax.models.build import build_model_and_tokenizer
+from tlt_jax.models.drafter import Drafter
 from tlt_jax.rl import config as rl_config
 from tlt_jax.rl import grpo
 from tlt_jax.rl.speculation import RolloutMonitor, resolve_drafter
@@ -43,6 +48,7 @@ from tlt_jax.utils.checkpoint import Checkpointer, PreemptionGuard
 from tlt_jax.utils.tracking import RolloutProgress, make_trackers
 
 CHECKPOINT_DIR = "checkpoints"
+BUFFER_DIR = "spot_buffer"  # the spot trainer's data buffer, one folder per checkpointed step
 SAMPLES_FILE = "samples.jsonl"
 
 
@@ -90,23 +96,30 @@ class Learner:
         self.mini_rows = self.rows // int(rl.mini_batches)
 
         t0 = time.perf_counter()
-        model, self.tokenizer = config_lib.build_model_and_tokenizer(config)
+        model, self.tokenizer = build_model_and_tokenizer(config)
         self.mesh = config_lib.build_mesh(config)
         # what drafts for the rollouts (config.drafter): none / n-gram / a warmed EAGLE drafter
         self.rollout_drafter = resolve_drafter(config.drafter, model.cfg)
         if self.rollout_drafter.note and self.is_main:
             logging.warning("%s", self.rollout_drafter.note)
             print(f"note: {self.rollout_drafter.note}", flush=True)
+        spot_cfg = rl_config.spot_config_from(config)
+        # the drafter the engine holds: the warmed one, or (spot training without one) a fresh EAGLE drafter
+        # that the spot trainer trains from scratch while the rollouts draft with the n-gram drafter
+        engine_drafter = self.rollout_drafter.drafter
+        if engine_drafter is None and spot_cfg.mode != "off":
+            engine_drafter = Drafter(model.cfg, nnx.Rngs(params=int(config.seed)))
         self.engine = config_lib.build_engine(
             config,
             model,
             self.tokenizer,
             self.mesh,
             drafter_kind=self.rollout_drafter.kind,
-            drafter=self.rollout_drafter.drafter,
+            drafter=engine_drafter,
             draft_vocab=self.rollout_drafter.draft_vocab,
         )
         self.monitor = RolloutMonitor(float(config.drafter.min_accept_len))
+        self.spot = SpotTrainer(spot_cfg, engine_drafter, self.engine) if spot_cfg.mode != "off" else None
         self.sampling = config_lib.sampling_from(config)
         fused = bool(config.trainer.fuse_old_logprobs) and int(rl.mini_batches) == 1
         loss = LossConfig(
@@ -164,6 +177,7 @@ class Learner:
             "params": self.trainer.params,
             "opt_state": self.trainer.opt_state,
             "drafter": self.drafter_params,
+            "spot": None if self.spot is None else self.spot.state_dict(),
             "rng": self.base_key,
         }
 
@@ -174,14 +188,26 @@ class Learner:
         state, meta = self.ckpt.restore(latest, self._state())
         self.trainer.params, self.trainer.opt_state = state["params"], state["opt_state"]
         self.drafter_params, self.base_key = state["drafter"], state["rng"]
+        if self.spot is not None:
+            self.spot.load_state_dict(state["spot"])
+            self.spot.buffer.load(self._buffer_dir(latest))
         self.step, self.data_position = int(meta["step"]), int(meta["data_position"])
         self.engine.set_params(self.trainer.compute_params())
         if self.drafter_params is not None:
             self.engine.set_drafter_params(self.drafter_params)
         logging.info("restored step %d from %s", self.step, self.ckpt.directory)
 
+    def _buffer_dir(self, step: int) -> str:
+        return os.path.join(self.workdir, BUFFER_DIR, str(step))
+
     def save(self) -> None:
-        """Checkpoint the state after `self.step` completed steps (async; waited for at exit)."""
+        """Checkpoint the state after `self.step` completed steps (async; waited for at exit). The spot
+        trainer's data buffer is written first (synchronously): every complete checkpoint has its buffer."""
+        if self.spot is not None and self.is_main:
+            self.spot.buffer.save(self._buffer_dir(self.step))
+            keep = sorted(int(d) for d in os.listdir(os.path.join(self.workdir, BUFFER_DIR)) if d.isdigit())
+            for old in keep[: -int(self.config.keep_checkpoints) - 1]:
+                shutil.rmtree(self._buffer_dir(old), ignore_errors=True)
         meta = {
             "step": self.step,
             "data_position": self.data_position,
@@ -189,6 +215,11 @@ class Learner:
         }
         info = self.ckpt.save(self.step, self._state(), meta)
         logging.info("checkpoint step %d queued (blocked %.0f ms)", self.step, info.blocking_ms)
+
+    def push_drafter(self, params: Any) -> None:
+        """New drafter weights for the next rollouts (they must fit the engine's drafter: same shapes)."""
+        self.engine.set_drafter_params(params)
+        self.drafter_params = self.engine.drafter_params
 
     # ---- one step -----------------------------------------------------------------------------------------
     def _encode(self, problem: Problem) -> list[int]:
@@ -202,7 +233,7 @@ class Learner:
         with RolloutProgress(
             total=self.rows, desc=f"rollout {self.step + 1}", disable=None if show else True
         ) as bar:
-            hooks = [ProgressHook(bar), self.monitor]
+            hooks = [ProgressHook(bar), self.monitor, self.spot]
             return self.engine.generate(prompts, n=self.group, key=key, sampling=self.sampling, hooks=hooks)
 
     def train_step(self) -> dict[str, float]:
@@ -215,8 +246,14 @@ class Learner:
 
         t0 = time.perf_counter()
         problems, next_position = self.task.batch(self.data_position, int(rl.prompts_per_step))
+        if self.spot is not None:
+            self.spot.begin_step(step)
         rollout = self._rollout(problems, jax.random.fold_in(key, 0))
         times["rollout"] = time.perf_counter() - t0
+        if self.spot is not None:
+            t0 = time.perf_counter()
+            self.spot.after_rollout()
+            times["spot_after_rollout"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         texts = [self.tokenizer.decode(rollout.response(i)) for i in range(self.rows)]
@@ -281,6 +318,8 @@ class Learner:
                     self.mini_rows, -1
                 )
         self.engine.set_params(self.trainer.compute_params())
+        if self.spot is not None:  # the drafter trained during this rollout drafts for the next one
+            self.push_drafter(self.spot.params)
         times["update"] = time.perf_counter() - t0
 
         # ---- metrics
@@ -312,6 +351,8 @@ class Learner:
         stats = rollout.stats
         if self.engine.config.spec.enabled:
             metrics.update(self.monitor.metrics(step))
+        if self.spot is not None:
+            metrics.update(self.spot.metrics())
         for k, v in stats.summary().items():
             metrics.setdefault(k, v)
         metrics["programs/count"] = float(self.engine.compile_count)

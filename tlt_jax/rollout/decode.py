@@ -212,6 +212,15 @@ def run_chunk(
     return ChunkOut(state=state, running=running, emitted=emitted, rows=rows, hist=hist, bank=bank)
 
 
+def idle_chunk(prog: ChunkProgram, state: DecodeState, bank: ngram_lib.NgramBank | None) -> ChunkOut:
+    """What a device with no live row returns in a fused chunk: its state unchanged, no steps."""
+    depth = 0 if prog.mode is None else prog.mode.strategy.max_depth
+    zero = jnp.zeros((), jnp.int32)
+    running = jnp.full((prog.steps,), -1, jnp.int32)
+    hist = jnp.zeros((depth + 2,), jnp.int32)
+    return ChunkOut(state=state, running=running, emitted=zero, rows=zero, hist=hist, bank=bank)
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefillProgram:
     """Static description of the prefill: cache length, response budget, what the state must carry."""

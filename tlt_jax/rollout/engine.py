@@ -44,7 +44,7 @@ from tlt_jax.kernels import small_m_linear
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout import decode, scheduler
-from tlt_jax.rollout.hooks import RolloutHooks
+from tlt_jax.rollout.hooks import IdleWork, RolloutHooks
 from tlt_jax.rollout.ngram import NgramBank, NgramParams
 from tlt_jax.rollout.programs import ProgramCache
 from tlt_jax.rollout.sampling import SamplingParams
@@ -233,8 +233,11 @@ class RolloutEngine:
     def _replicate(self, tree: Any) -> Any:
         return None if tree is None else jax.lax.with_sharding_constraint(tree, self.replicated)
 
-    def chunk_program(self, mode: str, sampling: SamplingParams) -> decode.ChunkProgram:
-        """The static description of a chunk of `mode` ("plain" or a registered mode)."""
+    def chunk_program(
+        self, mode: str, sampling: SamplingParams, shards: int | None = None
+    ) -> decode.ChunkProgram:
+        """The static description of a chunk of `mode` ("plain" or a registered mode); `shards=1` for the
+        per-device body of a fused chunk."""
         use_drafter, _ = self.needs()
         if mode != "plain" and mode not in self.modes:
             raise KeyError(f"unknown mode {mode!r}: registered {sorted(self.modes)} (and 'plain')")
@@ -247,7 +250,7 @@ class RolloutEngine:
             steps=self.config.chunk_steps,
             mode=None if mode == "plain" else self.modes[mode],
             ngram=NgramParams(s.ngram_max, s.ngram_min, s.ngram_siblings),
-            shards=self.data_size,
+            shards=self.data_size if shards is None else shards,
             draft_dtype=self.drafter_weight_dtype,
         )
 
@@ -258,6 +261,41 @@ class RolloutEngine:
 
         return fn
 
+    def _fused_fn(
+        self, prog: decode.ChunkProgram, work: IdleWork, state: DecodeState, with_bank: bool
+    ) -> Any:
+        """ONE SPMD program over the data axis: devices with live rows run the chunk, the others run `work`
+        (a per-device `lax.cond`, so each device executes only its branch; collectives stay outside it)."""
+        if self.mesh.shape["model"] != 1:
+            raise ValueError("idle-device work needs a mesh without a model axis (config.mesh.model=1)")
+        specs = jax.tree.map(lambda s: s.spec, shd.shard_pytree_batch(state, self.mesh))
+
+        def per_device(params, dparams, st, eos_ids, bank, draft_vocab, exit_live, operands):  # noqa: ANN001, ANN202
+            live = jnp.any(~st.done)
+            out = jax.lax.cond(
+                live,
+                lambda: decode.run_chunk(prog, params, dparams, st, eos_ids, bank, draft_vocab, exit_live),
+                lambda: decode.idle_chunk(prog, st, bank),
+            )
+            work_out = work.fn(operands, ~live)
+            merged = None
+            if bank is not None:  # each device updated its own sequences' rows: merge the deltas
+                merged = jax.tree.map(lambda a, b: a + jax.lax.psum(b - a, "data"), bank, out.bank)
+            emitted, rows, hist = (jax.lax.psum(x, "data") for x in (out.emitted, out.rows, out.hist))
+            return out.replace(emitted=emitted, rows=rows, hist=hist, bank=merged), work_out
+
+        out_specs = decode.ChunkOut(
+            state=specs, running=P("data"), emitted=P(), rows=P(), hist=P(), bank=P() if with_bank else None
+        )
+        in_specs = (P(), P(), specs, P(), P(), P(), P(), work.in_specs)
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=in_specs,
+            out_specs=(out_specs, work.out_specs),
+            check_vma=False,
+        )
+
     def decode_chunk(
         self,
         state: DecodeState,
@@ -266,12 +304,14 @@ class RolloutEngine:
         bank: NgramBank | None = None,
         exit_live: int = -1,
         drafter_params: Any | None = None,
+        work: IdleWork | None = None,
     ) -> tuple[DecodeState, ChunkRecord, NgramBank | None]:
         """Run one chunk of `mode` on `state` (donated). The cache must already hold the chunk's growth
         (`generate` resizes between chunks). Returns the new state, the chunk's record (seconds included)
         and the bank (n-gram modes need one: `NgramBank.empty`). drafter_params: the rollout's snapshot of
-        the drafter's weights (default: the engine's current ones)."""
-        prog = self.chunk_program(mode, sampling)
+        the drafter's weights (default: the engine's current ones). work: idle-device work fused into the
+        chunk's program (`hooks.IdleWork`); its outputs go to `work.on_done`."""
+        prog = self.chunk_program(mode, sampling, shards=1 if work is not None else None)
         is_ngram = prog.mode is not None and prog.mode.drafter == "ngram"
         if is_ngram and bank is None:
             raise ValueError("an n-gram mode needs the sibling bank: pass bank=NgramBank.empty(...)")
@@ -303,10 +343,20 @@ class RolloutEngine:
             jax.device_put(np.int32(exit_live), self.replicated),
         )
         t0 = time.perf_counter()
-        out, compiled = self.programs.run(key, self._chunk_fn(prog), args, donate=(2, 4))
+        if work is None:
+            out, compiled = self.programs.run(key, self._chunk_fn(prog), args, donate=(2, 4))
+        else:
+            fused = self._fused_fn(prog, work, state, bank_in is not None)
+            (out, work_out), compiled = self.programs.run(
+                ("tick", *key[1:], work.key), fused, (*args, work.operands), donate=(2, 4)
+            )
         running, emitted, rows, hist = jax.device_get((out.running, out.emitted, out.rows, out.hist))
         dt = time.perf_counter() - t0
-        running = tuple(int(r) for r in np.asarray(running) if r >= 0)
+        if work is not None:
+            work.on_done(work_out, dt)
+        per_step = np.asarray(running).reshape(-1, self.config.chunk_steps)  # [devices or 1, steps]
+        steps = int((per_step >= 0).any(axis=0).sum())
+        running = tuple(int(r) for r in np.maximum(per_step, 0).sum(axis=0)[:steps])
         record = ChunkRecord(
             mode=mode,
             batch_bucket=b,

@@ -8,6 +8,9 @@ One protocol (`RolloutHooks`, every method optional) for everything that plugs i
   the spot trainer's opportunity).
 - `on_finished(seqs)` whenever sequences finish, while the rollout is still running: their tokens, log-probs
   and, with `EngineConfig.record_hidden`, a bounded window of the target's hidden states (drafter data).
+- `idle_work(live_per_shard)` before each chunk: work for the data-axis devices that have no live row, fused
+  into the chunk's program (ONE SPMD program in `shard_map` in which busy devices decode and idle devices
+  run the work: the spot trainer's drafter micro-steps). None: plain chunk.
 - `on_start(info)` / `on_end(rollout)` around a rollout.
 `HookList` composes several hooks (the first non-None mode choice wins).
 """
@@ -15,7 +18,7 @@ One protocol (`RolloutHooks`, every method optional) for everything that plugs i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -78,6 +81,25 @@ class FinishedSequences:
         return len(self.seq_ids)
 
 
+@dataclasses.dataclass(frozen=True)
+class IdleWork:
+    """Work for the idle data-axis devices, fused into the next chunk's SPMD program.
+
+    fn(operands, active) runs on EVERY device inside `jax.shard_map` over the mesh's "data" axis (collectives
+    over "data" allowed outside per-device branches); `active` is true on devices with no live row. Its
+    operands and outputs are laid out by `in_specs` / `out_specs` (PartitionSpec pytree prefixes). `key` names
+    the work's static shapes (part of the program's cache key); `on_done(outputs, seconds)` receives the
+    outputs on the host after the fused chunk ran.
+    """
+
+    key: Hashable
+    fn: Callable[[Any, Any], Any]
+    operands: Any
+    in_specs: Any
+    out_specs: Any
+    on_done: Callable[[Any, float], None]
+
+
 class RolloutHooks:
     """Base class of the hooks protocol: every method is a no-op; override what you need."""
 
@@ -86,6 +108,10 @@ class RolloutHooks:
 
     def choose_mode(self, running: int, batch_bucket: int) -> str | None:
         del running, batch_bucket
+        return None
+
+    def idle_work(self, live_per_shard: tuple[int, ...]) -> IdleWork | None:
+        del live_per_shard
         return None
 
     def on_chunk(self, view: ChunkView) -> None:
@@ -113,6 +139,13 @@ class HookList(RolloutHooks):
             mode = h.choose_mode(running, batch_bucket)
             if mode is not None:
                 return mode
+        return None
+
+    def idle_work(self, live_per_shard: tuple[int, ...]) -> IdleWork | None:
+        for h in self.hooks:
+            work = h.idle_work(live_per_shard)
+            if work is not None:
+                return work
         return None
 
     def on_chunk(self, view: ChunkView) -> None:

@@ -43,6 +43,12 @@ class ProgramInfo:
         return self.temp_bytes + max(self.output_bytes - self.alias_bytes, 0) + self.code_bytes
 
 
+def signature(args: Any) -> tuple:
+    """The tree structure and (shape, dtype) of every leaf: what a compiled program is specialised to."""
+    leaves, tree = jax.tree.flatten(args)
+    return (tree, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x)))) for x in leaves))
+
+
 def _memory(compiled: Any) -> dict[str, int]:
     try:
         m = compiled.memory_analysis()
@@ -76,7 +82,10 @@ class ProgramCache:
         return len(self._programs)
 
     def compile(self, key: tuple, fn: Callable, args: tuple, donate: tuple[int, ...] = ()) -> Any:
-        """The compiled program for `key` (compiling `fn` for `args`' shapes and shardings if new)."""
+        """The compiled program for `key` and `args`' shapes (compiling `fn` for them if new). `key` names
+        the program for the reports; the arguments' tree and avals are part of its identity, so two calls
+        can never share a program compiled for other shapes."""
+        key = (*key, signature(args))
         if key not in self._programs:
             t0 = time.perf_counter()
             compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
@@ -88,7 +97,7 @@ class ProgramCache:
 
     def run(self, key: tuple, fn: Callable, args: tuple, donate: tuple[int, ...] = ()) -> tuple[Any, bool]:
         """Call the program for `key` on `args`; returns (outputs, whether this call compiled it)."""
-        fresh = key not in self._programs
+        fresh = (*key, signature(args)) not in self._programs
         return self.compile(key, fn, args, donate)(*args), fresh
 
     def infos(self, kind: str | None = None) -> list[ProgramInfo]:

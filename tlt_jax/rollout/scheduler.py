@@ -103,7 +103,8 @@ def generate(
 
         exit_live = b_local // 2 if cfg.compact and b_local > 1 else -1
         before = harvest.tokens_so_far(state, seq_ids)
-        state, record, bank = engine.decode_chunk(state, mode, sampling, bank, exit_live, dparams)
+        work = hook.idle_work(tuple(int(x) for x in (~done).reshape(d, -1).sum(axis=1))) if d > 1 else None
+        state, record, bank = engine.decode_chunk(state, mode, sampling, bank, exit_live, dparams, work)
         record = dataclasses.replace(record, new_tokens=harvest.tokens_so_far(state, seq_ids) - before)
         stats.add_time("decode" if mode == "plain" else "speculative", record.seconds)
         stats.running_per_step.extend(record.running)

@@ -1,0 +1,356 @@
+"""The spot trainer: TLT's adaptive drafter, trained during the rollout on what the rollout produces.
+
+During RL the policy changes every step, so a fixed drafter goes stale. TLT trains the EAGLE drafter online
+on the target's own hidden states (the engine records them while it decodes: no second target forward),
+using compute the long tail leaves idle, and stops when the rollout ends. The drafter trained during step
+t's rollout (on data up to step t) drafts for step t + 1: the learner pushes `params` into the engine
+between rollouts, and a rollout drafts with one snapshot.
+
+Data (`on_finished`): every finished sequence streams into a `DrafterBuffer` (one-step offset: this step's
+finished sequences plus the previous step's, windowed to <= 512 response tokens each) while the rest still
+decode. Before a step's first update the current drafter is scored on the freshest of that data
+(`staleness`: loss, top-1/top-3 accuracy of its next-token guess, i.e. before it has trained on it).
+
+Where the updates run (`SpotConfig.mode`):
+- "idle_devices": rollout rows are sharded over the mesh's data axis; after each chunk the engine knows which
+  devices have no live row. When some are idle and some busy, `idle_work` hands the engine a per-device
+  function that it fuses into the next chunk: ONE SPMD program in `jax.shard_map` in which busy devices run
+  the decode chunk and idle devices run `micro_steps` drafter micro-batches; the idle devices' gradient sums
+  are psum'd (busy devices contribute exact zeros) and the update is applied once, replicated. Preemption:
+  when the rollout ends there is no next chunk, so training stops at the end of a tick's micro-steps.
+- "between_chunks": one device has no idle devices; after each chunk that ended with at most `threshold`
+  running rows, `steps_per_chunk` optimizer steps run before the next chunk. Their time is the spot
+  trainer's cost and is reported (`spot/added_seconds`), never hidden.
+- "after_rollout": `after_rollout_steps` steps once the rollout has ended (cost reported likewise).
+- "off": the drafter stays as loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from tlt_jax.drafter import trainer as tr
+from tlt_jax.drafter.buffer import DrafterBuffer
+from tlt_jax.drafter.chain import shift_left
+from tlt_jax.drafter.loss import LossConfig, normalize_metrics
+from tlt_jax.drafter.packing import DrafterSample, PackedBatch, eagle_inputs, pack_samples, to_device
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.rollout.hooks import ChunkView, FinishedSequences, IdleWork, RolloutHooks, RolloutInfo
+
+SPOT_MODES = ("off", "idle_devices", "between_chunks", "after_rollout")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpotConfig:
+    """The spot trainer's settings (`config.spot`); see the module docstring for the modes.
+
+    rows x (context + window): one packed micro-batch; `micro_steps` of them per idle device per tick.
+    The optimizer is AdamW with a constant learning rate (online training has no horizon); the loss uses
+    the paper's online weights 0.5 / 0.5 and the training-time test of the warm-up (`ttt_steps`).
+    """
+
+    mode: str = "off"
+    micro_steps: int = 1
+    steps_per_chunk: int = 1
+    threshold: int = 2
+    after_rollout_steps: int = 8
+    max_steps_per_rollout: int = 64
+    rows: int = 2
+    window: int = 512
+    context: int = 128
+    buffer_tokens: int = 262_144
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    clip_norm: float = 0.5
+    w_feat: float = 0.5
+    w_ce: float = 0.5
+    ce_tokens: int = 256
+    ttt_steps: int = 2
+    ttt_positions: int = 64
+    eval_samples: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPOT_MODES:
+            raise ValueError(f"config.spot.mode={self.mode!r}: use one of {SPOT_MODES}.")
+        for name in ("micro_steps", "steps_per_chunk", "rows", "window", "max_steps_per_rollout"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"config.spot.{name}={getattr(self, name)}: must be >= 1.")
+        if self.ce_tokens > self.rows * self.seq_len:
+            raise ValueError(f"config.spot.ce_tokens={self.ce_tokens} exceeds rows x (context + window)")
+
+    @property
+    def seq_len(self) -> int:
+        return self.window + self.context
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(
+            w_feat=self.w_feat,
+            w_ce=self.w_ce,
+            ce_tokens=self.ce_tokens or None,
+            ttt_steps=self.ttt_steps,
+            ttt_positions=self.ttt_positions,
+        )
+
+    def optimizer(self) -> optax.GradientTransformation:
+        sched = optax.constant_schedule(self.lr)
+        return tr.make_optimizer(sched, self.weight_decay, self.clip_norm)
+
+
+def samples_from(seqs: FinishedSequences) -> list[DrafterSample]:
+    """Finished sequences with recorded hidden states -> drafter samples (prompt + the recorded response)."""
+    if seqs.hidden is None or seqs.prompt_hidden is None:
+        raise ValueError(
+            "the spot trainer needs the rollout's hidden states: set config.rollout.record_hidden"
+        )
+    out = []
+    for prompt, toks, hid, ph in zip(
+        seqs.prompt_tokens, seqs.tokens, seqs.hidden, seqs.prompt_hidden, strict=True
+    ):
+        h = np.concatenate([ph, hid]).astype(np.float16)
+        tokens = np.asarray(list(prompt) + toks.tolist(), np.int32)[: len(h)]
+        out.append(DrafterSample(tokens=tokens, hidden=h, loss_mask=np.arange(len(h)) >= len(prompt)))
+    return out
+
+
+def topk_hits(
+    graphdef: Any,
+    params: Any,
+    batch: PackedBatch,
+    embed_w: jax.Array,
+    head_w: jax.Array,
+    vocab: jax.Array | None,
+) -> dict[str, jax.Array]:
+    """Staleness probe: how often the token the target really sampled two positions on is the drafter's
+    top-1 / in its top-3 (its first draft's acceptance under coupled verification), over the batch's pairs."""
+    from flax import nnx
+
+    e = eagle_inputs(batch)
+    drafter = nnx.merge(graphdef, params)
+    h, _ = drafter(embed_w[e.next_tokens], e.hidden_in, e.positions, None, e.mask)
+    logits = h.astype(jnp.float32) @ head_w.astype(jnp.float32).T  # [R, S, V or Vd]
+    top = jax.lax.top_k(logits, 3)[1]
+    if vocab is not None:
+        top = vocab[top]
+    nxt = shift_left(e.next_tokens, -1)  # x_{t+2}
+    ok = e.valid & shift_left(e.valid, False)
+    hit1 = (top[..., 0] == nxt) & ok
+    hit3 = jnp.any(top == nxt[..., None], axis=-1) & ok
+    return {"top1": jnp.sum(hit1), "top3": jnp.sum(hit3), "count": jnp.sum(ok)}
+
+
+class SpotTrainer(RolloutHooks):
+    """Online drafter training inside the RL loop (see the module docstring). A rollout hook."""
+
+    def __init__(self, cfg: SpotConfig, drafter: Drafter, engine: Any):
+        if cfg.mode == "idle_devices" and (engine.data_size < 2 or engine.mesh.shape["model"] != 1):
+            raise ValueError(
+                "config.spot.mode=idle_devices needs a data axis of >= 2 devices and no model axis; this "
+                f"mesh is data={engine.data_size}, model={engine.mesh.shape['model']}. On one device use "
+                "spot.mode=between_chunks (or after_rollout)."
+            )
+        if cfg.mode != "off" and not engine.config.record_hidden:
+            raise ValueError(
+                "the spot trainer trains on the rollout's hidden states: set config.rollout.record_hidden"
+            )
+        self.cfg, self.engine = cfg, engine
+        self.tx, self.loss_cfg = cfg.optimizer(), cfg.loss_config()
+        self.trainer = tr.DrafterTrainer(self.tx, self.loss_cfg, seed=cfg.seed)
+        self.state = self.trainer.init_state(drafter)
+        self.buffer = DrafterBuffer(cfg.buffer_tokens, cfg.window, cfg.context, seed=cfg.seed)
+        self.rl_step = 0
+        self._probe = jax.jit(topk_hits, static_argnums=(0,))
+        self._eval = jax.jit(lambda p, b, e, h: self._loss_sums(p, b, e, h))
+        self._new_stats()
+
+    # ---- the learner's side ----
+    @property
+    def params(self) -> Any:
+        """The drafter's current trainable params (push them into the engine for the next rollout)."""
+        return self.state.params
+
+    def begin_step(self, rl_step: int) -> None:
+        """Called before step `rl_step`'s rollout: the target's embedding/head of this policy version."""
+        self.rl_step = int(rl_step)
+        model = self.engine.model()
+        head = model.head_weight()
+        vocab = self.engine.draft_vocab
+        self.embed_w, self.head_w = model.embed[...], head if vocab is None else jnp.take(head, vocab, axis=0)
+        self._new_stats()
+
+    def _new_stats(self) -> None:
+        self.stats: dict[str, float] = {
+            "spot/steps": 0.0,
+            "spot/added_seconds": 0.0,
+            "spot/idle_device_s": 0.0,
+            "spot/used_device_s": 0.0,
+            "spot/trained_tokens": 0.0,
+        }
+        self._updates: list[dict[str, float]] = []  # normalised metrics of each update
+        self._fresh: list[DrafterSample] = []
+        self._rollout_steps = 0
+
+    def metrics(self) -> dict[str, float]:
+        """This step's spot-training metrics (loss / accuracy of its updates, staleness, cost, buffer)."""
+        out = dict(self.stats)
+        for k in self._updates[0] if self._updates else ():
+            if k not in ("num_tokens", "dropped_tokens", "grad_norm"):
+                out[f"spot/{k}"] = float(np.mean([u[k] for u in self._updates]))
+        out.update(self.buffer.stats())
+        out["spot/drafter_step"] = float(self.state.step)
+        return out
+
+    # ---- data ----
+    def on_finished(self, seqs: FinishedSequences) -> None:
+        if self.cfg.mode == "off":
+            return
+        samples = samples_from(seqs)
+        scorable = [x for x in samples if x.num_response >= 2 and x.length <= self.cfg.seq_len]
+        self._fresh.extend(scorable[: max(self.cfg.eval_samples - len(self._fresh), 0)])
+        self.buffer.add(samples, self.rl_step)
+
+    def _staleness(self) -> None:
+        """Score the current drafter on the step's first finished samples before training on them."""
+        if "spot/stale_top1" in self.stats or not self._fresh:
+            return
+        batch, _ = pack_samples(self._fresh, self.cfg.seq_len, self.cfg.eval_samples)  # static shape
+        b = to_device(batch)
+        hits = jax.device_get(
+            self._probe(
+                self.trainer.graphdef,
+                self.state.params,
+                b,
+                self.embed_w,
+                self.head_w,
+                self.engine.draft_vocab,
+            )
+        )
+        sums = jax.device_get(self._eval(self.state.params, b, self.embed_w, self.head_w))
+        if float(hits["count"]) == 0:
+            return
+        n = float(hits["count"])
+        self.stats["spot/stale_top1"] = float(hits["top1"]) / n
+        self.stats["spot/stale_top3"] = float(hits["top3"]) / n
+        self.stats["spot/stale_loss"] = float(normalize_metrics(sums)["loss"])
+
+    def _loss_sums(self, params: Any, batch: PackedBatch, embed_w: jax.Array, head_w: jax.Array) -> Any:
+        from tlt_jax.drafter.loss import loss_sums
+
+        return loss_sums(params, self.trainer.graphdef, batch, embed_w, head_w, self.loss_cfg)[1]
+
+    def _batch(self, tick: int, device: int, micro: int) -> PackedBatch:
+        rng = np.random.default_rng([self.cfg.seed, self.rl_step, tick, device, micro])
+        return self.buffer.sample_packed(self.cfg.seq_len, self.cfg.rows, rng)[0]
+
+    def _budget_left(self) -> bool:
+        return len(self.buffer) > 0 and self._rollout_steps < self.cfg.max_steps_per_rollout
+
+    def _record(self, metrics: dict[str, Any]) -> None:
+        """Keep one update's normalised metrics (loss, feat_loss, ce, top1_acc, ...)."""
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        self._updates.append(m)
+        self.stats["spot/trained_tokens"] += m["num_tokens"]
+
+    # ---- one device: updates between chunks / after the rollout ----
+    def _host_steps(self, k: int) -> None:
+        self._staleness()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            if not self._budget_left():
+                break
+            batch = to_device(self._batch(self._rollout_steps, 0, 0))
+            self.state, m = self.trainer.step(self.state, batch, self.embed_w, self.head_w)
+            self._record(m)
+            self._rollout_steps += 1
+            self.stats["spot/steps"] += 1
+        jax.block_until_ready(self.state)
+        self.stats["spot/added_seconds"] += time.perf_counter() - t0
+
+    def on_chunk(self, view: ChunkView) -> None:
+        idle = len(view.idle_shards)
+        if view.live_rows and idle:
+            self.stats["spot/idle_device_s"] += idle * view.record.seconds
+        if self.cfg.mode == "between_chunks" and 0 < view.live_rows <= self.cfg.threshold:
+            self._host_steps(self.cfg.steps_per_chunk)
+
+    def after_rollout(self) -> None:
+        """Called by the learner once the rollout has ended ("after_rollout" mode trains here)."""
+        if self.cfg.mode == "after_rollout":
+            self._host_steps(self.cfg.after_rollout_steps)
+
+    # ---- several devices: micro-steps on idle devices, fused into the next chunk ----
+    def idle_work(self, live_per_shard: tuple[int, ...]) -> IdleWork | None:
+        active = [n == 0 for n in live_per_shard]
+        if self.cfg.mode != "idle_devices" or not any(active) or all(active) or not self._budget_left():
+            return None
+        self._staleness()
+        d, k = len(live_per_shard), self.cfg.micro_steps
+        tick = self._rollout_steps
+        batches = [[self._batch(tick, i, j) for j in range(k)] for i in range(d)]
+        stacked = jax.tree.map(
+            lambda *xs: np.stack(xs), *[jax.tree.map(lambda *ys: np.stack(ys), *row) for row in batches]
+        )
+        graphdef, tx, loss_cfg = self.trainer.graphdef, self.tx, self.loss_cfg
+
+        def per_device(ops: tuple, active_here: jax.Array) -> tuple:
+            state, batch, embed_w, head_w = ops
+            dev = jax.lax.axis_index("data")
+            zero = jax.tree.map(
+                jnp.zeros_like,
+                jax.eval_shape(
+                    lambda: tr.drafter_grads(
+                        graphdef,
+                        loss_cfg,
+                        state.params,
+                        jax.tree.map(lambda x: x[0, 0], batch),
+                        state.key,
+                        embed_w,
+                        head_w,
+                    )
+                ),
+            )
+
+            def micro(j: int, acc: tuple) -> tuple:
+                b = jax.tree.map(lambda x: x[0, j], batch)
+                key = tr.micro_step_key(state.key, state.step, dev, j)
+                g, m = tr.drafter_grads_if(
+                    active_here, graphdef, loss_cfg, state.params, b, key, embed_w, head_w, axis_name="data"
+                )
+                return jax.tree.map(jnp.add, acc, (g, m))
+
+            g, m = jax.lax.fori_loop(0, k, micro, zero)
+            norm = optax.global_norm(g)  # this device's own gradient (exact zero when busy)
+            g, m = jax.lax.psum((g, m), "data")
+            return tr.apply_mean_grads(tx, state, g, m["num_tokens"]), m, norm[None]
+
+        def on_done(outputs: tuple, seconds: float) -> None:
+            self.state, sums, norms = outputs
+            self.last_device_grad_norms = np.asarray(jax.device_get(norms))
+            self._record(normalize_metrics(sums))
+            self._rollout_steps += 1
+            self.stats["spot/steps"] += 1
+            self.stats["spot/used_device_s"] += sum(active) * seconds
+
+        operands = (self.state, stacked, self.embed_w, self.head_w)
+        key = ("spot", k, self.cfg.rows, self.cfg.seq_len, self.embed_w.shape, self.head_w.shape)
+        return IdleWork(key, per_device, operands, (P(), P("data"), P(), P()), (P(), P(), P("data")), on_done)
+
+    # ---- checkpoint ----
+    def state_dict(self) -> dict[str, Any]:
+        """The train state (params, optimizer, step, key) for the learner's checkpoint."""
+        return {"state": self.state}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.state = d["state"]
+
+    def on_start(self, info: RolloutInfo) -> None:
+        del info
+        self._rollout_steps = 0
