@@ -1,0 +1,139 @@
+"""The spot trainer (tlt_jax/drafter/spot_trainer.py) on 8 fake CPU devices and on one device.
+
+idle_devices: 16 rows over 8 data shards (2 each), sampled at T = 1 with 20 EOS ids, so rows end at different
+steps and shards go idle one by one while others still decode. Each fused tick must train on exactly the
+idle shards (their own gradient non-zero, the busy shards' exactly zero), leave the decode results equal to
+a rollout without the spot trainer, stop when the rollout ends, and compile nothing new in a second rollout.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from tlt_jax import sharding as shd
+from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer
+from tlt_jax.models.config import tiny_config
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.llama import Transformer
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.hooks import ChunkView, RolloutHooks
+from tlt_jax.rollout.sampling import SamplingParams
+
+PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 44]]
+EOS = list(range(100, 120))
+SP = SamplingParams(temperature=1.0)
+SPOT = dict(
+    micro_steps=2, rows=2, window=16, context=8, ce_tokens=16, ttt_steps=1, ttt_positions=8, eval_samples=4
+)
+
+
+class Views(RolloutHooks):
+    def __init__(self) -> None:
+        self.views: list[ChunkView] = []
+
+    def on_chunk(self, view: ChunkView) -> None:
+        self.views.append(view)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(tiny_config("llama"), nnx.Rngs(0))
+
+
+def engine(model, data: int) -> RolloutEngine:
+    cfg = EngineConfig(
+        max_new_tokens=24, max_cache_len=96, chunk_steps=2, min_cache_bucket=16, record_hidden=True
+    )
+    mesh = shd.make_mesh(data, 1, jax.devices()[:data])
+    return RolloutEngine(model, cfg, eos_ids=EOS, mesh=mesh, drafter=Drafter(model.cfg, nnx.Rngs(1)))
+
+
+def leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_idle_devices_train_busy_devices_decode_unchanged(model):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 fake CPU devices (tests/conftest.py)")
+    eng = engine(model, 8)
+    reference = eng.generate(PROMPTS, n=4, key=jax.random.key(3), sampling=SP)
+    spot = SpotTrainer(SpotConfig(mode="idle_devices", **SPOT), Drafter(model.cfg, nnx.Rngs(1)), eng)
+    ticks: list[tuple[tuple[int, ...], np.ndarray]] = []
+    work = spot.idle_work
+
+    def recording_idle_work(live):  # the live rows per shard each tick saw, with its per-device grad norms
+        w = work(live)
+        if w is None:
+            return None
+        done = w.on_done
+
+        def on_done(outputs, seconds):
+            done(outputs, seconds)
+            ticks.append((live, spot.last_device_grad_norms))
+
+        return type(w)(w.key, w.fn, w.operands, w.in_specs, w.out_specs, on_done)
+
+    spot.idle_work = recording_idle_work
+    views = Views()
+    before = leaves(spot.params)
+    spot.begin_step(1)
+    out = eng.generate(PROMPTS, n=4, key=jax.random.key(3), sampling=SP, hooks=[spot, views])
+    # decode results of every device are those of a rollout without the spot trainer
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    np.testing.assert_array_equal(out.lengths, reference.lengths)
+    assert len(set(out.lengths.tolist())) > 4, "rows should finish at different steps"
+    assert ticks, "no tick trained: no shard was idle while another decoded"
+    for live, norms in ticks:
+        idle = np.asarray(live) == 0
+        assert idle.any() and (~idle).any()
+        assert (norms[~idle] == 0).all(), (live, norms)  # busy devices contribute exact zeros
+        assert (norms[idle] > 0).all(), (live, norms)  # every idle device trained on its own batch
+    # the parameters changed through those updates only: one optimizer step per tick, none after the end
+    assert int(spot.state.step) == len(ticks) == spot.metrics()["spot/steps"]
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(before, leaves(spot.params), strict=True))
+    steps_at_end = int(spot.state.step)
+    assert views.views[-1].live_rows == 0
+    m = spot.metrics()
+    assert m["spot/idle_device_s"] > 0 and m["spot/used_device_s"] > 0 and m["spot/trained_tokens"] > 0
+
+    # a second rollout (the next RL step): nothing recompiles, training resumes from the same state
+    programs = eng.compile_count
+    spot.begin_step(2)
+    eng.generate(PROMPTS, n=4, key=jax.random.key(3), sampling=SP, hooks=[spot])
+    assert eng.compile_count == programs
+    assert int(spot.state.step) > steps_at_end
+
+
+def test_between_chunks_trains_only_in_the_tail_and_reports_its_cost(model):
+    eng = engine(model, 1)
+    cfg = SpotConfig(mode="between_chunks", threshold=4, steps_per_chunk=1, **SPOT)
+    spot = SpotTrainer(cfg, Drafter(model.cfg, nnx.Rngs(1)), eng)
+    views = Views()
+    spot.begin_step(1)
+    eng.generate(PROMPTS, n=4, key=jax.random.key(3), sampling=SP, hooks=[views, spot])
+    tail = [v for v in views.views if 0 < v.live_rows <= 4]
+    assert tail and any(v.live_rows > 4 for v in views.views)
+    # one step after every tail chunk once there was data (the first tail chunks may have none yet)
+    assert 0 < spot.metrics()["spot/steps"] <= len(tail)
+    assert spot.metrics()["spot/added_seconds"] > 0
+
+    after = SpotTrainer(
+        SpotConfig(mode="after_rollout", after_rollout_steps=3, **SPOT), Drafter(model.cfg, nnx.Rngs(1)), eng
+    )
+    after.begin_step(1)
+    eng.generate(PROMPTS, n=4, key=jax.random.key(3), sampling=SP, hooks=[after])
+    assert int(after.state.step) == 0  # nothing during the rollout
+    after.after_rollout()
+    assert int(after.state.step) == 3 and after.metrics()["spot/added_seconds"] > 0
+
+
+def test_spot_config_and_mesh_errors(model):
+    with pytest.raises(ValueError, match="config.spot.mode='sometimes'"):
+        SpotConfig(mode="sometimes")
+    with pytest.raises(ValueError, match="idle_devices needs a data axis of >= 2 devices"):
+        SpotTrainer(
+            SpotConfig(mode="idle_devices", **SPOT), Drafter(model.cfg, nnx.Rngs(1)), engine(model, 1)
+        )
