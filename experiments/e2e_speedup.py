@@ -34,7 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tlt_jax import config_lib  # noqa: E402
-from tlt_jax.rl.learner import Learner  # noqa: E402
+from tlt_jax.rl import lockstep  # noqa: E402
 
 ARMS = ("none", "ngram", "eagle")
 
@@ -81,41 +81,24 @@ def main() -> None:
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="e2e_speedup_"))
     out.mkdir(parents=True, exist_ok=True)
 
-    learners = {}
+    configs = {}
     for arm in arms:
-        cfg = config_lib.load_config_file(
-            args.config, f"drafter={arm},seed={args.seed}" + (",quick" if args.quick else "")
-        )
-        cfg.num_steps = steps
-        cfg.progress_bar = False
-        cfg.log_samples = 0
-        cfg.wandb.mode = "disabled"
+        arg = f"drafter={arm},seed={args.seed}" + (",quick" if args.quick else "")
+        cfg = lockstep.quiet(config_lib.load_config_file(args.config, arg), steps)
         if args.drafter_path:
             cfg.drafter.path = args.drafter_path
-        wd = out / arm
-        if wd.exists() and any(wd.iterdir()):
-            raise SystemExit(f"{wd} is not empty: pass a new --out (this benchmark starts from step 0)")
-        learners[arm] = Learner(cfg, str(wd))
+        configs[arm] = cfg
+
+    def report(step: int, arm: str, m: dict[str, float]) -> None:
         print(
-            f"{arm}: drafter {learners[arm].rollout_drafter.kind} {learners[arm].rollout_drafter.path}",
+            f"step {step} {arm:>5}: step {m['time/step']:6.1f}s rollout {m['time/rollout']:6.1f}s "
+            f"tail<=2 {m['rollout/time_running_le2']:5.1f}s reward {m['reward/mean']:.3f} "
+            f"accept {m.get('spec/accept_len', 0.0):.2f} "
+            f"len p50/max {m['length/p50']:.0f}/{m['length/max']:.0f}",
             flush=True,
         )
-    history: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
-    try:
-        for step in range(1, steps + 1):
-            for arm in arms:
-                m = learners[arm].train_step()
-                history[arm].append(m)
-                print(
-                    f"step {step} {arm:>5}: step {m['time/step']:6.1f}s rollout {m['time/rollout']:6.1f}s "
-                    f"tail<=2 {m['rollout/time_running_le2']:5.1f}s reward {m['reward/mean']:.3f} "
-                    f"accept {m.get('spec/accept_len', 0.0):.2f} len p50/max {m['length/p50']:.0f}/"
-                    f"{m['length/max']:.0f}",
-                    flush=True,
-                )
-    finally:
-        for learner in learners.values():
-            learner.close()
+
+    history = lockstep.run_lockstep(configs, out, steps, report)
     (out / "history.json").write_text(json.dumps(history, indent=1))
 
     timed = {a: h[1:] if len(h) > 1 else h for a, h in history.items()}  # step 1 compiles
