@@ -94,8 +94,8 @@ def main() -> None:
     plot(acc, out / "drafter_staleness.png")
     print(f"plot: {out / 'drafter_staleness.png'}; wall {time.perf_counter() - t_start:.0f} s")
     print(
-        f"RESULT accept_static={static:.3f} accept_adaptive={adaptive:.3f} adaptive_gain={adaptive / static:.3f} "
-        f"adaptive_ahead_from_step={pays_from} steps={steps}"
+        f"RESULT accept_static={static:.3f} accept_adaptive={adaptive:.3f} "
+        f"adaptive_gain={adaptive / static:.3f} adaptive_ahead_from_step={pays_from} steps={steps}"
     )
 
 
