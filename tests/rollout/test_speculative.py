@@ -23,7 +23,7 @@ from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout import eagle_draft as spec
 from tlt_jax.rollout.hooks import ChunkView, ThresholdPolicy
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.strategy import SpecMode, Strategy
+from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.rollout.tree_verify import tree_visibility, verify_round
 from tlt_jax.rollout.types import ChunkRecord, DecodeState, DraftTree
 
@@ -201,9 +201,8 @@ def test_eagle_tree_nodes_are_topk_children_along_their_own_path(models):
 @functools.partial(jax.jit, static_argnums=(0,))
 def _verify(tgraph, tparams, state, tree, eos_ids):
     target = nnx.merge(tgraph, tparams)
-    mode = SpecMode("ngram", Strategy.parse("3_1_4"))
     return verify_round(
-        target, None, state, tree, SamplingParams(0.0), eos_ids, mode=mode, attn_impl="reference"
+        target, None, state, tree, SamplingParams(0.0), eos_ids, max_depth=3, attn_impl="reference"
     )
 
 

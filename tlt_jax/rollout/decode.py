@@ -30,7 +30,7 @@ from tlt_jax.rollout.record import record_hidden, record_tokens
 from tlt_jax.rollout.sampling import SamplingParams, sample_rows
 from tlt_jax.rollout.strategy import SpecMode
 from tlt_jax.rollout.tree_verify import verify_round
-from tlt_jax.rollout.types import DecodeState, SpecAux, row_keys
+from tlt_jax.rollout.types import DecodeState, DraftTree, SpecAux, row_keys
 
 DRAFT_SALT = 0x0D5A  # folded into a row's token key for sampled drafts (acceptance uses the key itself)
 
@@ -41,7 +41,9 @@ class ChunkProgram:
 
     target / drafter: graph definitions (`nnx.split`); drafter is set when the state carries the EAGLE
     drafter's cache (an "eagle" mode is registered), so plain chunks keep it in step for a later switch.
-    mode: None for plain decoding, else the speculative mode of every round.
+    modes: () for plain decoding, else the speculative modes this program can run, all with the same
+    tokens_to_verify and acceptance rule: strategies with the same tokens_to_verify share one program (the
+    paper's bucketed CUDA graphs), and the runtime `arm` operand picks the mode of a chunk's rounds.
     shards: rows are laid out as `shards` contiguous blocks (the data axis); the early exit looks at the
     fullest block. 1 inside `shard_map` (one device's rows).
     draft_dtype: the dtype of the reduced draft head (None: the target head's dtype).
@@ -52,10 +54,20 @@ class ChunkProgram:
     sampling: SamplingParams
     attn_impl: str
     steps: int
-    mode: SpecMode | None = None
+    modes: tuple[SpecMode, ...] = ()
     ngram: ngram_lib.NgramParams | None = None
     shards: int = 1
     draft_dtype: Any = None
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest draft of the program's modes (0 for plain)."""
+        return max((m.strategy.max_depth for m in self.modes), default=0)
+
+    @property
+    def uses(self) -> set[str]:
+        """The drafter kinds ("eagle", "ngram") of the program's modes."""
+        return {m.drafter for m in self.modes}
 
 
 @flax.struct.dataclass
@@ -126,6 +138,17 @@ def _draft_head(prog: ChunkProgram, target: Transformer, draft_vocab: jax.Array 
     return head if prog.draft_dtype is None else head.astype(prog.draft_dtype)
 
 
+def _pad_tree(tree: DraftTree, n: int) -> DraftTree:
+    """Pad a draft tree to n nodes with padding nodes (parent -2), so trees of several strategies with the
+    same tokens_to_verify have one shape."""
+    extra = n - tree.tokens.shape[1]
+    if extra <= 0:
+        return tree
+    b = tree.tokens.shape[0]
+    pad = lambda x, v: jnp.concatenate([x, jnp.full((b, extra), v, jnp.int32)], axis=1)  # noqa: E731
+    return tree.replace(tokens=pad(tree.tokens, 0), parents=pad(tree.parents, -2), depth=pad(tree.depth, 0))
+
+
 def run_chunk(
     prog: ChunkProgram,
     params: Any,
@@ -135,50 +158,72 @@ def run_chunk(
     bank: ngram_lib.NgramBank | None,
     draft_vocab: jax.Array | None,
     exit_live: jax.Array,
+    arm: jax.Array | int = 0,
 ) -> ChunkOut:
-    """Up to `prog.steps` plain steps or speculative rounds of `prog.mode` on `state` (see the module doc).
+    """Up to `prog.steps` plain steps or speculative rounds on `state` (see the module docstring).
 
     exit_live: int32 scalar; the chunk ends (after at least one step) once the fullest shard has at most
     this many live rows (-1: never). bank: the n-gram sibling bank (n-gram modes), updated every round.
-    draft_vocab: [Vd] token ids of the learned drafter's reduced head (None: the full head).
+    draft_vocab: [Vd] token ids of the learned drafter's reduced head (None: the full head). arm: int32
+    scalar, which of `prog.modes` drafts this chunk's rounds.
     """
     target = nnx.merge(prog.target, params)
     drafter = nnx.merge(prog.drafter, dparams) if prog.drafter is not None and dparams is not None else None
-    mode, sp = prog.mode, prog.sampling
-    depth = 0 if mode is None else mode.strategy.max_depth
-    draft_head = (
-        _draft_head(prog, target, draft_vocab) if mode is not None and mode.drafter == "eagle" else None
-    )
+    sp, depth = prog.sampling, prog.max_depth
+    draft_head = _draft_head(prog, target, draft_vocab) if "eagle" in prog.uses else None
 
-    def round_(st: DecodeState, bank: ngram_lib.NgramBank | None) -> tuple[DecodeState, Any]:
-        if mode is None:
-            return plain_step(target, drafter, st, eos_ids, sp, prog.attn_impl), None
+    def drafter_of(mode: SpecMode) -> Any:
+        """(state, bank) -> (this mode's draft tree padded to tokens_to_verify nodes, the drafter cache)."""
         strat = mode.strategy
-        dcache = None
-        if mode.drafter == "eagle":
-            sampled = mode.rejection and not sp.greedy
-            tree, dcache = eagle_draft(
-                target,
-                drafter,
-                st.aux.drafter_cache,
-                st.last_token,
-                st.aux.hidden,
-                strat,
-                prog.attn_impl,
-                # draft randomness: the row's token key folded with a salt, independent of the acceptance
-                # uniforms (drawn from the row's token key itself)
-                sample_keys=jax.vmap(jax.random.fold_in, (0, None))(row_keys(st), DRAFT_SALT)
-                if sampled
-                else None,
-                sp=sp if sampled else None,
-                draft_vocab=draft_vocab,
-                draft_head=draft_head,
-            )
-        else:
+
+        def draft(st: DecodeState, bank: ngram_lib.NgramBank | None) -> tuple[DraftTree, Any]:
+            if mode.drafter == "eagle":
+                sampled = mode.rejection and not sp.greedy
+                return eagle_draft(
+                    target,
+                    drafter,
+                    st.aux.drafter_cache,
+                    st.last_token,
+                    st.aux.hidden,
+                    strat,
+                    prog.attn_impl,
+                    # draft randomness: the row's token key folded with a salt, independent of the
+                    # acceptance uniforms (drawn from the row's token key itself)
+                    sample_keys=jax.vmap(jax.random.fold_in, (0, None))(row_keys(st), DRAFT_SALT)
+                    if sampled
+                    else None,
+                    sp=sp if sampled else None,
+                    draft_vocab=draft_vocab,
+                    draft_head=draft_head,
+                )
             num_nodes = min(strat.tokens_to_verify, 1 + strat.topk * strat.max_depth)
             tree = ngram_lib.draft_ngram(st, bank, strat.max_depth, strat.topk, num_nodes, prog.ngram)
+            dcache = None if st.aux.drafter_cache is None else st.aux.drafter_cache
+            return _pad_tree(tree, strat.tokens_to_verify), dcache
+
+        return draft
+
+    def round_(st: DecodeState, bank: ngram_lib.NgramBank | None) -> tuple[DecodeState, Any]:
+        if not prog.modes:
+            return plain_step(target, drafter, st, eos_ids, sp, prog.attn_impl), None
+        branches = [drafter_of(m) for m in prog.modes]
+        if len(branches) == 1:
+            tree, dcache = branches[0](st, bank)
+        else:
+            tree, dcache = jax.lax.switch(arm, branches, st, bank)
+        lead = prog.modes[0]
         return verify_round(
-            target, drafter, st, tree, sp, eos_ids, mode=mode, attn_impl=prog.attn_impl, drafter_cache=dcache
+            target,
+            drafter,
+            st,
+            tree,
+            sp,
+            eos_ids,
+            max_depth=depth,
+            attn_impl=prog.attn_impl,
+            acceptance=lead.acceptance,
+            accept_rule=lead.accept_rule,
+            drafter_cache=dcache,
         )
 
     def cond(c: tuple) -> jax.Array:
@@ -214,10 +259,9 @@ def run_chunk(
 
 def idle_chunk(prog: ChunkProgram, state: DecodeState, bank: ngram_lib.NgramBank | None) -> ChunkOut:
     """What a device with no live row returns in a fused chunk: its state unchanged, no steps."""
-    depth = 0 if prog.mode is None else prog.mode.strategy.max_depth
     zero = jnp.zeros((), jnp.int32)
     running = jnp.full((prog.steps,), -1, jnp.int32)
-    hist = jnp.zeros((depth + 2,), jnp.int32)
+    hist = jnp.zeros((prog.max_depth + 2,), jnp.int32)
     return ChunkOut(state=state, running=running, emitted=zero, rows=zero, hist=hist, bank=bank)
 
 

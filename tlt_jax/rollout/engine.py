@@ -1,21 +1,13 @@
-"""Rollout engine: batched prompts -> sampled responses, as a host scheduler over device-side chunks.
+"""Rollout engine: batched prompts -> sampled responses, with speculative modes, over a device mesh.
 
-The device work is the pure bodies of `rollout.decode` (prefill, plain and speculative chunks), compiled
-once per shape by `rollout.programs.ProgramCache`. Between chunks this host loop
-- reports sequences that finished (`RolloutHooks.on_finished`: tokens, log-probs, a bounded window of the
-  target's hidden states) while the rest still decode;
-- compacts the live rows into the smallest batch bucket that holds them, WITHIN each data-axis shard (rows
-  never move between devices), so the long tail runs at a small batch and a device whose rows have all
-  finished becomes idle (`ChunkView.idle_shards`: the spot trainer's devices);
-- grows the cache-length bucket just enough for the next chunk (attention reads only the live part);
-- asks the hooks for the next chunk's mode ("plain" or a registered speculative mode; default: the
-  `SpecConfig` threshold switch);
-- checks stop strings and records the running-batch timeline (`RolloutStats`).
-A chunk itself ends early once compaction would pay (`decode.run_chunk`'s exit_live).
-
-Each sequence owns a PRNG stream (its key folded with its token index) and verification is coupled to it
-(`SpecConfig.acceptance = "coupled"`), so compaction, sharding and speculative decoding leave every sample
-unchanged (up to float rounding between a verify pass and a decode step).
+The engine owns the weights (policy and EAGLE drafter), the registered speculative modes, the buckets and the
+device programs: the pure bodies of `rollout.decode` (prefill, plain and speculative chunks), compiled once
+per shape by `rollout.programs.ProgramCache` (strategies with the same tokens_to_verify share a program), and
+the data-axis programs of `rollout.spmd`. The host loop between chunks is `rollout.scheduler.generate`:
+streamed harvest of finished sequences, compaction within each data shard, the hooks' mode choice and idle-
+device work, cache growth. Each sequence owns a PRNG stream and verification is coupled to it
+(`SpecConfig.acceptance = "coupled"`), so compaction, sharding and speculation leave every sample unchanged
+(up to float rounding between a verify pass and a decode step).
 
     engine = RolloutEngine(model, EngineConfig(spec=SpecConfig(enabled=True, drafter="eagle",
                            strategy="3_1_4", threshold=32)), eos_ids, drafter=drafter)
@@ -23,7 +15,6 @@ unchanged (up to float rounding between a verify pass and a decode step).
     out.stats.mean_accept_length, out.stats.summary(), engine.programs.summary()
 More modes: `name = engine.add_mode("eagle" | "ngram", "4_2_8")`, chosen by a hook's `choose_mode`.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +34,7 @@ from tlt_jax import sharding as shd
 from tlt_jax.kernels import small_m_linear
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rollout import decode, scheduler
+from tlt_jax.rollout import decode, scheduler, spmd
 from tlt_jax.rollout.hooks import IdleWork, RolloutHooks
 from tlt_jax.rollout.ngram import NgramBank, NgramParams
 from tlt_jax.rollout.programs import ProgramCache
@@ -69,6 +60,9 @@ class EngineConfig:
     # from the rollout with no second target forward; the window bounds device and host memory
     record_hidden: bool = False
     hidden_window: int = 512
+    # strategies with the same tokens_to_verify share one program per (batch bucket, cache bucket): the
+    # strategy is a runtime operand (`RolloutEngine.mode_group`); False: one program per strategy
+    share_programs: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.chunk_steps < 1 or self.hidden_window < 1:
@@ -248,53 +242,36 @@ class RolloutEngine:
             sampling=sampling,
             attn_impl=self.config.attn_impl,
             steps=self.config.chunk_steps,
-            mode=None if mode == "plain" else self.modes[mode],
+            modes=() if mode == "plain" else tuple(self.modes[m] for m in self.mode_group(mode)),
             ngram=NgramParams(s.ngram_max, s.ngram_min, s.ngram_siblings),
             shards=self.data_size if shards is None else shards,
             draft_dtype=self.drafter_weight_dtype,
         )
 
+    def mode_group(self, mode: str) -> tuple[str, ...]:
+        """The registered modes that share `mode`'s chunk programs: with `EngineConfig.share_programs`, every
+        mode with the same tokens_to_verify and acceptance rule (rejection-sampled chains and custom rules
+        compile alone), so a bucket needs one program per tokens_to_verify, not one per strategy (the
+        paper's Table 5); the strategy is a runtime operand."""
+        m = self.modes[mode]
+        if not self.config.share_programs or m.rejection or m.accept_rule is not None:
+            return (mode,)
+        tv = m.strategy.tokens_to_verify
+        return tuple(
+            n
+            for n, o in sorted(self.modes.items())
+            if not o.rejection
+            and o.accept_rule is None
+            and o.acceptance == m.acceptance
+            and o.strategy.tokens_to_verify == tv
+        )
+
     def _chunk_fn(self, prog: decode.ChunkProgram) -> Any:
-        def fn(params, dparams, state, eos_ids, bank, draft_vocab, exit_live):  # noqa: ANN001, ANN202
-            out = decode.run_chunk(prog, params, dparams, state, eos_ids, bank, draft_vocab, exit_live)
+        def fn(params, dparams, state, eos_ids, bank, draft_vocab, exit_live, arm):  # noqa: ANN001, ANN202
+            out = decode.run_chunk(prog, params, dparams, state, eos_ids, bank, draft_vocab, exit_live, arm)
             return out.replace(state=self._constrain(out.state), bank=self._replicate(out.bank))
 
         return fn
-
-    def _fused_fn(
-        self, prog: decode.ChunkProgram, work: IdleWork, state: DecodeState, with_bank: bool
-    ) -> Any:
-        """ONE SPMD program over the data axis: devices with live rows run the chunk, the others run `work`
-        (a per-device `lax.cond`, so each device executes only its branch; collectives stay outside it)."""
-        if self.mesh.shape["model"] != 1:
-            raise ValueError("idle-device work needs a mesh without a model axis (config.mesh.model=1)")
-        specs = jax.tree.map(lambda s: s.spec, shd.shard_pytree_batch(state, self.mesh))
-
-        def per_device(params, dparams, st, eos_ids, bank, draft_vocab, exit_live, operands):  # noqa: ANN001, ANN202
-            live = jnp.any(~st.done)
-            out = jax.lax.cond(
-                live,
-                lambda: decode.run_chunk(prog, params, dparams, st, eos_ids, bank, draft_vocab, exit_live),
-                lambda: decode.idle_chunk(prog, st, bank),
-            )
-            work_out = work.fn(operands, ~live)
-            merged = None
-            if bank is not None:  # each device updated its own sequences' rows: merge the deltas
-                merged = jax.tree.map(lambda a, b: a + jax.lax.psum(b - a, "data"), bank, out.bank)
-            emitted, rows, hist = (jax.lax.psum(x, "data") for x in (out.emitted, out.rows, out.hist))
-            return out.replace(emitted=emitted, rows=rows, hist=hist, bank=merged), work_out
-
-        out_specs = decode.ChunkOut(
-            state=specs, running=P("data"), emitted=P(), rows=P(), hist=P(), bank=P() if with_bank else None
-        )
-        in_specs = (P(), P(), specs, P(), P(), P(), P(), work.in_specs)
-        return jax.shard_map(
-            per_device,
-            mesh=self.mesh,
-            in_specs=in_specs,
-            out_specs=(out_specs, work.out_specs),
-            check_vma=False,
-        )
 
     def decode_chunk(
         self,
@@ -312,7 +289,7 @@ class RolloutEngine:
         the drafter's weights (default: the engine's current ones). work: idle-device work fused into the
         chunk's program (`hooks.IdleWork`); its outputs go to `work.on_done`."""
         prog = self.chunk_program(mode, sampling, shards=1 if work is not None else None)
-        is_ngram = prog.mode is not None and prog.mode.drafter == "ngram"
+        is_ngram = "ngram" in prog.uses
         if is_ngram and bank is None:
             raise ValueError("an n-gram mode needs the sibling bank: pass bank=NgramBank.empty(...)")
         bank_in = bank if is_ngram else None
@@ -322,8 +299,8 @@ class RolloutEngine:
             "chunk",
             b,
             cap,
-            1 if prog.mode is None else prog.mode.strategy.tokens_to_verify,
-            mode,
+            1 if not prog.modes else prog.modes[0].strategy.tokens_to_verify,
+            tuple(m.name for m in prog.modes),
             dataclasses.astuple(sampling),
             state.out_tokens.shape[1],
             use_drafter,
@@ -331,7 +308,8 @@ class RolloutEngine:
             state.out_hidden is not None,
             None if bank_in is None else (bank_in.tokens.shape, bank_in.group_size),
         )
-        uses_vocab = prog.mode is not None and prog.mode.drafter == "eagle"
+        uses_vocab = "eagle" in prog.uses
+        arm = 0 if mode == "plain" else [m.name for m in prog.modes].index(mode)
         dparams = self.drafter_params if drafter_params is None else drafter_params
         args = (
             self.params,
@@ -341,12 +319,13 @@ class RolloutEngine:
             bank_in,
             self.draft_vocab if uses_vocab else None,
             jax.device_put(np.int32(exit_live), self.replicated),
+            jax.device_put(np.int32(arm), self.replicated),
         )
         t0 = time.perf_counter()
         if work is None:
             out, compiled = self.programs.run(key, self._chunk_fn(prog), args, donate=(2, 4))
         else:
-            fused = self._fused_fn(prog, work, state, bank_in is not None)
+            fused = spmd.tick_program(self.mesh, prog, work, state, bank_in is not None)
             (out, work_out), compiled = self.programs.run(
                 ("tick", *key[1:], work.key), fused, (*args, work.operands), donate=(2, 4)
             )
@@ -364,10 +343,10 @@ class RolloutEngine:
             steps=len(running),
             running_start=running[0] if running else 0,
             seconds=dt,
-            accepted_tokens=int(emitted) if prog.mode is not None else 0,
-            verify_rounds=int(rows) if prog.mode is not None else 0,
-            strategy="" if prog.mode is None else prog.mode.strategy.name,
-            accept_hist=tuple(int(x) for x in hist) if prog.mode is not None else (),
+            accepted_tokens=int(emitted) if prog.modes else 0,
+            verify_rounds=int(rows) if prog.modes else 0,
+            strategy="" if mode == "plain" else self.modes[mode].strategy.name,
+            accept_hist=tuple(int(x) for x in hist) if prog.modes else (),
             running=running,
             compiled=compiled,
         )
@@ -375,19 +354,10 @@ class RolloutEngine:
 
     def gather_rows(self, state: DecodeState, sel: np.ndarray, pad: np.ndarray) -> DecodeState:
         """Compaction within shards: `sel` holds each shard's kept rows as LOCAL indices (shard-major)."""
-        d = self.data_size
-        b_old, b_new = state.done.shape[0], len(sel)
-        if d == 1:
-            fn = lambda st, rows, padm: self._constrain(decode.gather_rows(st, rows, padm))  # noqa: E731
-        else:
-            specs = jax.tree.map(lambda s: s.spec, shd.shard_pytree_batch(state, self.mesh))
-            body = jax.shard_map(
-                decode.gather_rows, mesh=self.mesh, in_specs=(specs, P("data"), P("data")), out_specs=specs
-            )
-            fn = lambda st, rows, padm: self._constrain(body(st, rows, padm))  # noqa: E731
-        bs = shd.batch_sharding(self.mesh, 1, b_new)
+        fn = spmd.gather_program(self.mesh, state, self._constrain)
+        bs = shd.batch_sharding(self.mesh, 1, len(sel))
         args = (state, jax.device_put(sel.astype(np.int32), bs), jax.device_put(pad, bs))
-        key = ("gather", b_old, b_new, state.cache.capacity, self.needs(), state.out_hidden is not None)
+        key = ("gather", state.done.shape[0], len(sel), state.cache.capacity, self.needs())
         return self.programs.run(key, fn, args)[0]
 
     def resize_cache(self, state: DecodeState, seq_len: int) -> DecodeState:

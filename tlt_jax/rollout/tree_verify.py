@@ -32,7 +32,7 @@ from tlt_jax.rollout.acceptance import (
 from tlt_jax.rollout.eagle_draft import drafter_advance
 from tlt_jax.rollout.record import record_hidden, record_tokens, truncate_emitted
 from tlt_jax.rollout.sampling import SamplingParams, target_probs
-from tlt_jax.rollout.strategy import SpecMode
+from tlt_jax.rollout.strategy import AcceptRule
 from tlt_jax.rollout.types import DecodeState, DraftTree, row_keys
 
 
@@ -81,24 +81,26 @@ def _chain_rejection_row(
 
 
 def accept(
-    mode: SpecMode,
+    acceptance: str,
+    accept_rule: AcceptRule | None,
     state: DecodeState,
     tree: DraftTree,
     logits_bnv: jax.Array,
     sp: SamplingParams,
     max_depth: int,
 ) -> tuple[TreeAcceptance, jax.Array | None]:
-    """Run the mode's acceptance rule on the verify logits; returns (acceptance, target probs or None)."""
+    """Run an acceptance rule (`strategy.ACCEPTANCE`) on the verify logits; returns (acceptance, target
+    probs or None)."""
     if sp.greedy:
         argmax = jnp.argmax(logits_bnv, axis=-1).astype(jnp.int32)
         return tree_accept_greedy(tree.tokens, tree.parents, argmax, max_depth), None
     probs = target_probs(logits_bnv, sp)
     if tree.draft_probs is not None:  # a sampled chain: rejection sampling against its draft distributions
         return jax.vmap(_chain_rejection_row)(row_keys(state), tree.tokens, tree.draft_probs, probs), probs
-    if mode.acceptance == "coupled":
+    if acceptance == "coupled":
         keys = node_keys(state, tree.depth)
         return tree_accept_coupled(keys, tree.tokens, tree.parents, probs, max_depth), probs
-    rule = mode.accept_rule or tree_accept
+    rule = accept_rule or tree_accept
 
     def one(key: jax.Array, tok: jax.Array, par: jax.Array, p: jax.Array) -> TreeAcceptance:
         return jax.tree_util.tree_map(lambda x: x[0], rule(key, tok[None], par[None], p[None], max_depth))
@@ -114,17 +116,21 @@ def verify_round(
     sp: SamplingParams,
     eos_ids: jax.Array,
     *,
-    mode: SpecMode,
+    max_depth: int,
     attn_impl: str,
+    acceptance: str = "coupled",
+    accept_rule: AcceptRule | None = None,
     drafter_cache: KVCache | None = None,
 ) -> tuple[DecodeState, RoundStats]:
     """Verify each row's draft tree with one target forward, accept losslessly, commit, update caches.
 
-    drafter_cache: the drafter cache to extend (the one `eagle_draft` returned; defaults to the state's).
+    max_depth: the deepest draft depth (static; trees of several strategies sharing a program use their
+    maximum: a shallower tree simply has no deeper children). acceptance / accept_rule: the rule at
+    temperature > 0 (`SpecMode`). drafter_cache: the drafter cache to extend (the one `eagle_draft`
+    returned; defaults to the state's).
     """
     b, n = tree.tokens.shape
     chex.assert_shape([tree.parents, tree.depth], (b, n))
-    max_depth = mode.strategy.max_depth
     rows = jnp.arange(b)
     live = ~state.done
     cache = state.cache
@@ -135,7 +141,7 @@ def verify_round(
         tree_visibility(tree.parents, max_depth),
         attn_impl=attn_impl,
     )
-    acc, probs = accept(mode, state, tree, out.logits, sp, max_depth)
+    acc, probs = accept(acceptance, accept_rule, state, tree, out.logits, sp, max_depth)
 
     path = jnp.clip(acc.path, 0)  # [B, D+1] node of each committed position (root first)
     tok = jnp.clip(acc.tokens, 0)  # [B, D+1] emitted tokens

@@ -1,0 +1,74 @@
+"""Programs over the mesh's data axis in `jax.shard_map`: per-device work with each device's own rows.
+
+- `gather_program`: compaction WITHIN each data shard (local row indices), so rows never move between
+  devices and a device whose rows have all finished becomes idle instead of receiving others' rows.
+- `tick_program`: the spot trainer's tick, ONE SPMD program in which the devices with live rows run the
+  decode chunk and the others run idle-device work (drafter micro-steps). Each device takes its own branch
+  of a per-device `lax.cond`; collectives (the work's gradient psum, the chunk's counters) stay outside it.
+  Measured on the CPU backend: two programs dispatched on disjoint device sets serialise, one SPMD program
+  with a per-device branch overlaps (JAX_NOTES.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from tlt_jax import sharding as shd
+from tlt_jax.rollout import decode
+from tlt_jax.rollout.hooks import IdleWork
+from tlt_jax.rollout.types import DecodeState
+
+
+def state_specs(state: DecodeState, mesh: Mesh) -> Any:
+    """The PartitionSpecs of a decode state's leaves (batch over "data", KV heads over "model")."""
+    return jax.tree.map(lambda s: s.spec, shd.shard_pytree_batch(state, mesh))
+
+
+def gather_program(mesh: Mesh, state: DecodeState, constrain: Callable[[Any], Any]) -> Callable:
+    """(state, rows, pad) -> the state's rows `rows` (LOCAL indices per shard, shard-major), padding rows
+    marked done; a plain gather on one data shard."""
+    if mesh.shape["data"] == 1:
+        return lambda st, rows, pad: constrain(decode.gather_rows(st, rows, pad))
+    specs = state_specs(state, mesh)
+    body = jax.shard_map(
+        decode.gather_rows, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=specs
+    )
+    return lambda st, rows, pad: constrain(body(st, rows, pad))
+
+
+def tick_program(
+    mesh: Mesh, prog: decode.ChunkProgram, work: IdleWork, state: DecodeState, with_bank: bool
+) -> Callable:
+    """(params, dparams, state, eos_ids, bank, draft_vocab, exit_live, arm, work operands) -> (ChunkOut,
+    work outputs): busy devices run `decode.run_chunk` (per-device `prog`, shards=1), idle ones `work.fn`."""
+    if mesh.shape["model"] != 1:
+        raise ValueError("idle-device work needs a mesh without a model axis (config.mesh.model=1)")
+    specs = state_specs(state, mesh)
+
+    def per_device(params, dparams, st, eos_ids, bank, draft_vocab, exit_live, arm, operands):  # noqa: ANN001, ANN202
+        live = jnp.any(~st.done)
+        out = jax.lax.cond(
+            live,
+            lambda: decode.run_chunk(prog, params, dparams, st, eos_ids, bank, draft_vocab, exit_live, arm),
+            lambda: decode.idle_chunk(prog, st, bank),
+        )
+        work_out = work.fn(operands, ~live)
+        merged = None
+        if bank is not None:  # each device updated its own sequences' rows: merge the deltas
+            merged = jax.tree.map(lambda a, b: a + jax.lax.psum(b - a, "data"), bank, out.bank)
+        emitted, rows, hist = (jax.lax.psum(x, "data") for x in (out.emitted, out.rows, out.hist))
+        return out.replace(emitted=emitted, rows=rows, hist=hist, bank=merged), work_out
+
+    out_specs = decode.ChunkOut(
+        state=specs, running=P("data"), emitted=P(), rows=P(), hist=P(), bank=P() if with_bank else None
+    )
+    in_specs = (P(), P(), specs, P(), P(), P(), P(), P(), work.in_specs)
+    return jax.shard_map(
+        per_device, mesh=mesh, in_specs=in_specs, out_specs=(out_specs, work.out_specs), check_vma=False
+    )
