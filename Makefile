@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup kernels run test lint bench clean
+.PHONY: setup kernels run test lint bench clean gpu-bundle
 
 # The venv is rebuilt only when setup.py changes (the stamp records the install).
 $(STAMP): setup.py
@@ -58,3 +58,8 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) $(CACHE) .pytest_cache tlt_jax/kernels/cpu/build
+
+# What a lent GPU machine (no network) needs beyond its image: wheels (ml-collections, gguf, reasoning-gym and
+# their missing dependencies) and the SmolLM2 GGUF split in two parts, one per device call (docs/gpu.md).
+gpu-bundle: $(GGUF)
+	$(PY) experiments/gpu_bundle.py build

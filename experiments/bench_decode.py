@@ -1,21 +1,29 @@
-"""Plain-decode throughput: tlt_jax vs HF transformers (torch CPU) on the same SmolLM2 GGUF, side by side.
+"""Plain-decode throughput: tlt_jax vs HF transformers on the same SmolLM2 GGUF and device, side by side.
 
 For each batch size, both generate the same number of greedy tokens (EOS ignored) after the same ~450-token
 chat prompt; decode time excludes prefill (ours: the engine's decode phase; HF: generate(G) - generate(1)).
-The batch-1 roofline is memory bandwidth (measured in this run: a jitted reduction over 1 GiB) divided by the
-weight bytes one decode step reads. Final line: `RESULT key=value ...`.
+HF runs on the same device as JAX (torch CUDA on a GPU, with a synchronize around each timing; CPU
+otherwise), in the same dtype (`--dtype`). The batch-1 roofline is memory bandwidth (measured in this run:
+on CPU a jitted reduction over 1 GiB; on a GPU a jitted copy-like pass over 1 GiB, bytes read + written)
+divided by the weight bytes one decode step reads; `roofline_kv_frac_bs{B}` also counts the B rows' KV-cache
+reads at the mean context. Final line: `RESULT key=value ...`; `--json FILE` also writes every row as it
+completes (a run cut short keeps its finished batches).
 
     python experiments/bench_decode.py --quick      # batch 1 and 4, < 5 minutes on 2 cores
     python experiments/bench_decode.py              # batch 1, 4, 16, 64
+    python experiments/bench_decode.py --dtype bfloat16 --batches 1,4,16,64 --json decode.json   # a GPU
+    python experiments/bench_decode.py --tiny --new 4   # tiny random model (+ same weights in HF): smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tlt_jax.models.llama import from_hf_tensors  # noqa: E402
-from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
+from tlt_jax.models.config import ModelConfig, tiny_config  # noqa: E402
+from tlt_jax.models.llama import Transformer, from_hf_tensors  # noqa: E402
+from tlt_jax.models.loading import DEFAULT_GGUF_PATH, expected_shapes, load_gguf  # noqa: E402
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -34,10 +43,17 @@ PASSAGE = (
 )
 
 
+def on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
 def measure_bandwidth(gib: float = 1.0, reps: int = 10) -> float:
-    """GB/s of a jitted float32 sum over `gib` GiB (reads each byte once; uses all cores)."""
+    """Device memory GB/s, best of `reps`. CPU: a jitted float32 sum over `gib` GiB (reads each byte once;
+    uses all cores). GPU: a jitted `x + 1` over `gib` GiB, counting the bytes read and written (a device
+    copy: what a GPU's memory system sustains; one reduction launch cannot keep every SM busy enough)."""
     x = jnp.ones((int(gib * (1 << 30)) // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
+    gpu = on_gpu()
+    f = jax.jit(lambda a: a + 1.0) if gpu else jax.jit(jnp.sum)
     f(x).block_until_ready()
     best = float("inf")
     for _ in range(reps):
@@ -45,7 +61,7 @@ def measure_bandwidth(gib: float = 1.0, reps: int = 10) -> float:
         f(x).block_until_ready()
         best = min(best, time.perf_counter() - t)
     del x
-    return gib * (1 << 30) / best / 1e9
+    return (2 if gpu else 1) * gib * (1 << 30) / best / 1e9
 
 
 def build_prompt(tok, target_len: int) -> list[int]:  # noqa: ANN001
@@ -69,21 +85,56 @@ def ours_tok_s(engine: RolloutEngine, prompt: list[int], batch: int, new: int, r
 def hf_tok_s(hf, prompt: list[int], batch: int, new: int, reps: int) -> float:  # noqa: ANN001
     import torch
 
-    ids = torch.tensor([prompt] * batch)
+    ids = torch.tensor([prompt] * batch, device=hf.device)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    sync = torch.cuda.synchronize if hf.device.type == "cuda" else (lambda: None)
 
     def run(n: int) -> float:
+        sync()
         t = time.perf_counter()
         with torch.no_grad():
             hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        sync()
         return time.perf_counter() - t
 
     run(2)  # warm-up
-    best = 0.0
+    best = float("nan")
     for _ in range(reps):
         t_full, t_one = run(new), run(1)
-        best = max(best, batch * (new - 1) / max(t_full - t_one, 1e-9))
+        if t_full > t_one:  # timing noise can exceed a tiny model's decode time: such a rep says nothing
+            best = max(x for x in (best, batch * (new - 1) / (t_full - t_one)) if x == x)
     return best
+
+
+def tiny_models(dtype: str, with_hf: bool) -> tuple[ModelConfig, Transformer, Any]:
+    """A tiny random Llama (2 layers) for smoke runs, and the same weights as an HF model (or None)."""
+    cfg = tiny_config(vocab_size=256, dtype=dtype)
+    if not with_hf:
+        rng = np.random.default_rng(0)
+        tensors = {
+            k: 0.05 * rng.standard_normal(v, dtype=np.float32) for k, v in expected_shapes(cfg).items()
+        }
+        return cfg, from_hf_tensors(cfg, tensors), None
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+        max_position_embeddings=4096,
+    )
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    tensors = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    return cfg, from_hf_tensors(cfg, tensors), hf
 
 
 def main() -> None:
@@ -94,37 +145,76 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=None, help="tokens generated per row")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="ours and HF's")
+    ap.add_argument("--attn-impl", default="auto", help="EngineConfig.attn_impl (auto: Pallas on a GPU)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of the GGUF (smoke)")
+    ap.add_argument("--json", default="", help="write the meta and every finished row here")
     args = ap.parse_args()
     batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,4,16,64")).split(",")]
     new = args.new or (32 if args.quick else 48)
     reps = 2 if args.quick else 3
 
-    loaded = load_gguf(args.gguf)
-    cfg = loaded.config
-    model = from_hf_tensors(cfg, loaded.tensors)
-    prompt = build_prompt(loaded.tokenizer, args.prompt_len)
+    hf = None
+    if args.tiny:
+        cfg, model, hf = tiny_models(args.dtype, with_hf=not args.no_hf)
+        prompt = np.random.default_rng(0).integers(1, cfg.vocab_size, size=args.prompt_len).tolist()
+        name = "tiny random Llama"
+    else:
+        loaded = load_gguf(args.gguf, dtype=args.dtype)
+        cfg = loaded.config
+        model = from_hf_tensors(cfg, loaded.tensors)
+        prompt = build_prompt(loaded.tokenizer, args.prompt_len)
+        name = "SmolLM2-135M"
     cache_len = 1 << int(np.ceil(np.log2(len(prompt) + new + 1)))
     engine = RolloutEngine(
-        model, EngineConfig(max_new_tokens=new, max_cache_len=cache_len, chunk_steps=16), eos_ids=[]
+        model,
+        EngineConfig(max_new_tokens=new, max_cache_len=cache_len, chunk_steps=16, attn_impl=args.attn_impl),
+        eos_ids=[],
     )
-    weight_bytes = cfg.num_params() * jnp.dtype(cfg.dtype).itemsize
-    bw = measure_bandwidth()
+    itemsize = jnp.dtype(cfg.dtype).itemsize
+    weight_bytes = cfg.num_params() * itemsize
+    # KV-cache bytes one row reads per step at the mean context of the run (all layers, K and V)
+    kv_row_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (len(prompt) + new / 2) * itemsize
+    bw = measure_bandwidth(1.0 / 16 if args.tiny else 1.0)
     roofline = bw * 1e9 / weight_bytes
+    device = jax.devices()[0]
     print(
-        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M fp32, "
-        f"{weight_bytes / 1e6:.0f} MB of weights per step; bandwidth {bw:.1f} GB/s -> batch-1 roofline "
-        f"{roofline:.1f} tok/s; context {len(prompt)}..{len(prompt) + new}"
+        f"jax {jax.__version__} on {device.platform} ({device.device_kind}), {os.cpu_count()} cores; {name} "
+        f"{args.dtype}, attn {args.attn_impl}, {weight_bytes / 1e6:.0f} MB of weights per step; bandwidth "
+        f"{bw:.1f} GB/s -> batch-1 roofline {roofline:.1f} tok/s; context {len(prompt)}..{len(prompt) + new}"
     )
 
-    hf = None
-    if not args.no_hf:
+    if not args.no_hf and hf is None:
         import torch
         import transformers
 
         gguf = pathlib.Path(args.gguf)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, args.dtype)
         ).eval()
+    if hf is not None:
+        import torch
+
+        hf = hf.to(
+            device="cuda" if on_gpu() and torch.cuda.is_available() else "cpu",
+            dtype=getattr(torch, args.dtype),
+        )
+        print(f"HF transformers {__import__('transformers').__version__} on {hf.device} ({args.dtype})")
+    meta = {
+        "model": name,
+        "dtype": args.dtype,
+        "attn_impl": args.attn_impl,
+        "jax": jax.__version__,
+        "platform": device.platform,
+        "device": device.device_kind,
+        "bandwidth_gb_s": bw,
+        "weight_bytes": weight_bytes,
+        "kv_row_bytes": kv_row_bytes,
+        "context": [len(prompt), len(prompt) + new],
+        "new_tokens": new,
+        "hf_device": str(hf.device) if hf is not None else None,
+    }
+    rows: list[dict[str, float]] = []
 
     results: dict[str, float] = {}
     print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}")
@@ -134,10 +224,27 @@ def main() -> None:
         results[f"ours_tok_s_bs{b}"] = ours
         results[f"hf_tok_s_bs{b}"] = theirs
         results[f"ratio_vs_hf_bs{b}"] = ours / theirs if hf is not None else float("nan")
+        bound = b * bw * 1e9 / (weight_bytes + b * kv_row_bytes)  # tok/s if every step streamed at bw
+        results[f"roofline_kv_frac_bs{b}"] = ours / bound
         print(f"{b:>5} {ours:>11.1f} {theirs:>9.1f} {results[f'ratio_vs_hf_bs{b}']:>6.2f}", flush=True)
+        rows.append(
+            {
+                "batch": b,
+                "ours_tok_s": ours,
+                "hf_tok_s": theirs,
+                "roofline_tok_s": bound,
+                "roofline_frac": ours / bound,
+            }
+        )
+        if args.json:  # rewritten after every batch: a run stopped midway keeps what finished
+            pathlib.Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     if 1 in batches:
         results["roofline_frac_bs1"] = results["ours_tok_s_bs1"] / roofline
     results["bandwidth_gb_s"] = bw
+    if args.json:
+        pathlib.Path(args.json).write_text(
+            json.dumps({"meta": meta, "rows": rows, "results": results}, indent=2)
+        )
     keys = ["ours_tok_s_bs1", "hf_tok_s_bs1", "ratio_vs_hf_bs1", "roofline_frac_bs1"]
     keys += [k for k in results if k not in keys]
     print("RESULT " + " ".join(f"{k}={results[k]:.3f}" for k in keys if k in results))

@@ -48,11 +48,11 @@ from tlt_jax.drafter.draft_vocab import load_draft_vocab  # noqa: E402
 from tlt_jax.drafter.warmup import DRAFTER_DIR, init_drafter, load_drafter  # noqa: E402
 from tlt_jax.models.llama import from_hf_tensors  # noqa: E402
 from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
-from tlt_jax.tasks.datasets import ReasoningGymTask  # noqa: E402
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 from tlt_jax.rollout.hooks import FixedMode  # noqa: E402
+from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 from tlt_jax.rollout.strategy import Strategy  # noqa: E402
+from tlt_jax.tasks.datasets import ReasoningGymTask  # noqa: E402
 
 WARMUP_CMD = "python -m tlt_jax.main --config configs/drafter_warmup.py --workdir workdirs/drafter_warmup"
 TASK_KWARGS = {

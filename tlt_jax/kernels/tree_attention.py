@@ -34,7 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import os
+import pathlib
+from collections.abc import Mapping
 from typing import Any
 
 import chex
@@ -126,6 +130,40 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {val}")
         if self.kv_splits < 1:
             raise ValueError(f"BlockSizes.kv_splits must be >= 1, got {self.kv_splits}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: Mapping[str, Any]) -> BlockSizes:
+        """From `to_dict()`'s output; unknown keys are errors (a typo must not fall back silently)."""
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"BlockSizes: unknown fields {sorted(unknown)}")
+        return cls(**fields)
+
+
+# Tuned block sizes (the tuning hook): `experiments/bench_tree_attention.py --tune --tuned-out FILE` writes
+# {"by_dtype": {"bfloat16": {...BlockSizes fields...}}, ...} for the device it ran on; pointing this variable
+# at FILE (or holding that JSON inline) makes every caller that passes no `block_sizes` use them for that
+# dtype (other dtypes keep `BlockSizes()`). experiments/gpu_suite.py sets it for the phases after tuning.
+BLOCK_SIZES_ENV = "TLT_TREE_ATTENTION_BLOCK_SIZES"
+
+
+@functools.cache
+def default_block_sizes(dtype: str) -> BlockSizes:
+    """The kernel's block sizes when a caller gives none: `BlockSizes()`, or the tuned entry for `dtype` (a
+    dtype name, e.g. "bfloat16") in `$TLT_TREE_ATTENTION_BLOCK_SIZES`. Read once per process and dtype
+    (traced programs are cached by jit anyway); a malformed file raises rather than silently untuned."""
+    spec = os.environ.get(BLOCK_SIZES_ENV, "").strip()
+    if not spec:
+        return BlockSizes()
+    try:
+        tuned = json.loads(spec if spec.startswith("{") else pathlib.Path(spec).read_text())
+        entry = tuned.get("by_dtype", {}).get(dtype)
+        return BlockSizes() if entry is None else BlockSizes.from_dict(entry)
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"${BLOCK_SIZES_ENV}={spec[:200]!r}: not a tuned block-size file ({e})") from e
 
 
 def _tree_attention_kernel(
@@ -371,12 +409,15 @@ def tree_attention_pallas(
 ) -> jax.Array:
     """Pallas (Triton) tree attention; same contract and result as `tree_attention_reference`.
 
-    Differentiable: the backward pass recomputes through the reference, so a trainer forward may use it too.
+    `block_sizes=None`: `default_block_sizes(cache dtype)` (tuned sizes from $TLT_TREE_ATTENTION_BLOCK_SIZES,
+    else `BlockSizes()`). Differentiable: the backward pass recomputes through the reference, so a trainer
+    forward may use it too.
     Rows whose query sees no key at all (not a valid tree) return zeros where the reference averages V.
     """
     _check_inputs(q, k, v, lengths, tree_mask)
     chex.assert_type([k, v], k.dtype)
-    return _pallas_with_grad(q, k, v, lengths, tree_mask, block_sizes or BlockSizes(), interpret)
+    block_sizes = block_sizes or default_block_sizes(jnp.dtype(k.dtype).name)
+    return _pallas_with_grad(q, k, v, lengths, tree_mask, block_sizes, interpret)
 
 
 def _cpu_ffi_call(
