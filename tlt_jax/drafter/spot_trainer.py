@@ -164,7 +164,8 @@ class SpotTrainer(RolloutHooks):
         self.cfg, self.engine = cfg, engine
         self.tx, self.loss_cfg = cfg.optimizer(), cfg.loss_config()
         self.trainer = tr.DrafterTrainer(self.tx, self.loss_cfg, seed=cfg.seed)
-        self.state = self.trainer.init_state(drafter)
+        # replicated over the engine's mesh, like the target's embedding and head it trains against
+        self.state = jax.device_put(self.trainer.init_state(drafter), engine.replicated)
         self.buffer = DrafterBuffer(cfg.buffer_tokens, cfg.window, cfg.context, seed=cfg.seed)
         self.rl_step = 0
         self._probe = jax.jit(topk_hits, static_argnums=(0,))
@@ -349,7 +350,7 @@ class SpotTrainer(RolloutHooks):
         return {"state": self.state}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.state = d["state"]
+        self.state = jax.device_put(d["state"], self.engine.replicated)
 
     def on_start(self, info: RolloutInfo) -> None:
         del info
