@@ -12,11 +12,18 @@ last number) plus 0.2 for using the `Answer:` line, so a 135M model has a signal
 32 sequences per step (8 prompts x 4) put the rollout's end at 1-3 running rows, where speculation pays on
 this CPU (docs/benchmarks.md: SD gains only at batch 1-2 here; a GPU pays up to batch ~32).
 
+TLT's two halves are on by default: the spot trainer keeps the EAGLE drafter fresh on the rollouts' own
+hidden states (one CPU device has no idle devices, so it trains between tail chunks and its cost shows in
+`spot/added_seconds`), and BEG-MAB picks each chunk's mode among plain, two EAGLE chains and the n-gram
+drafter per running-batch bucket (plain is an arm: it learns where speculation pays on this CPU).
+
 Args (`configs/tlt.py:drafter=ngram,steps=12,seed=0`):
   drafter: auto (the warmed EAGLE drafter in `drafter_path` if present, else n-gram; the default), eagle,
            ngram, none
   drafter_path: the EAGLE warm-up workdir (default workdirs/drafter_tlt; create it with
            `python -m tlt_jax.main --config configs/drafter_warmup.py:tlt --workdir workdirs/drafter_tlt`)
+  spot: between_chunks (default), idle_devices (needs --config.mesh.data >= 2), after_rollout, off
+  bandit: beg_mab (default), egreedy, ucb1, sglang, threshold, fixed, off (SpecConfig's threshold switch)
   steps, seed, quick (3 steps of 4 prompts x 4: the e2e benchmark's --quick).
 """
 
@@ -40,7 +47,15 @@ DEFAULT_DRAFTER_PATH = str(REPO_ROOT / "workdirs" / "drafter_tlt")
 
 def get_config(arg: str | None = None):
     arg = config_lib.parse_arg(
-        arg, drafter="auto", steps=12, seed=0, drafter_path=DEFAULT_DRAFTER_PATH, quick=False, runlocal=False
+        arg,
+        drafter="auto",
+        steps=12,
+        seed=0,
+        drafter_path=DEFAULT_DRAFTER_PATH,
+        spot="between_chunks",
+        bandit="beg_mab",
+        quick=False,
+        runlocal=False,
     )
     c = config_lib.base_config()
     c.seed = arg.seed
@@ -70,6 +85,23 @@ def get_config(arg: str | None = None):
     c.spec.threshold = 2
     c.spec.min_steps_below = 0
     c.spec.acceptance = "coupled"  # samples identical to plain decoding (see README)
+
+    # the adaptive drafter: trained online between tail chunks (this CPU has one device), at most 8 updates
+    # per rollout on 2 x 512-token packed micro-batches (~1.3 s each here)
+    plain = arg.drafter == "none"  # the baseline: no drafter, no speculation, nothing to train or choose
+    c.spot.mode = "off" if plain else arg.spot
+    c.spot.threshold = 2
+    c.spot.steps_per_chunk = 1
+    c.spot.max_steps_per_rollout = 8
+    c.spot.window = MAX_NEW_TOKENS
+    c.spot.context = 128
+
+    # the adaptive engine: BEG-MAB over plain, two EAGLE chains and the n-gram drafter, per running bucket
+    c.bandit.algorithm = "off" if plain else arg.bandit
+    c.bandit.arms = ("plain", "2_1_3", "3_1_4", "ngram_4_1_5")
+    c.bandit.bucket_bounds = (1, 2, 4, 8)
+    c.bandit.epsilon = 0.1
+    c.bandit.window = 64
 
     c.rl.prompts_per_step = 4 if arg.quick else 8
     c.rl.samples_per_prompt = 4

@@ -57,7 +57,9 @@ def main() -> None:
     configs = {}
     for arm, mode in (("static", "off"), ("adaptive", args.mode)):
         cfg = lockstep.quiet(
-            config_lib.load_config_file(args.config, "drafter=eagle" + (",quick" if args.quick else "")),
+            config_lib.load_config_file(
+                args.config, "drafter=eagle,bandit=off" + (",quick" if args.quick else "")
+            ),
             steps,
         )
         if args.drafter_path:

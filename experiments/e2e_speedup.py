@@ -37,6 +37,14 @@ from tlt_jax import config_lib  # noqa: E402
 from tlt_jax.rl import lockstep  # noqa: E402
 
 ARMS = ("none", "ngram", "eagle")
+# the config args of each arm: drafter none / ngram / eagle with SpecConfig's threshold switch and no online
+# training (what issue #12 compares), and "tlt": the full system (spot trainer + BEG-MAB) on the eagle drafter
+ARM_ARGS = {
+    "none": "drafter=none,spot=off,bandit=off",
+    "ngram": "drafter=ngram,spot=off,bandit=off",
+    "eagle": "drafter=eagle,spot=off,bandit=off",
+    "tlt": "drafter=eagle",
+}
 
 
 def bucket_times(metrics: list[dict[str, float]], tag: str) -> dict[int, tuple[float, float]]:
@@ -68,7 +76,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="configs/tlt.py:quick (3 steps of 16 rows per arm)")
     ap.add_argument("--config", default=str(ROOT / "configs" / "tlt.py"))
     ap.add_argument("--steps", type=int, default=None, help="RL steps per arm (default 3 quick, else 8)")
-    ap.add_argument("--arms", default=",".join(ARMS), help="drafter kinds to compare (none is the baseline)")
+    ap.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help=f"arms to compare, from {sorted(ARM_ARGS)} (none is the baseline)",
+    )
     ap.add_argument("--drafter-path", default=None, help="EAGLE warm-up workdir (default: the config's)")
     ap.add_argument("--out", default=None, help="workdirs, metrics and the plot (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
@@ -83,7 +95,7 @@ def main() -> None:
 
     configs = {}
     for arm in arms:
-        arg = f"drafter={arm},seed={args.seed}" + (",quick" if args.quick else "")
+        arg = f"{ARM_ARGS[arm]},seed={args.seed}" + (",quick" if args.quick else "")
         cfg = lockstep.quiet(config_lib.load_config_file(args.config, arg), steps)
         if args.drafter_path:
             cfg.drafter.path = args.drafter_path

@@ -169,6 +169,25 @@ def base_config() -> mlc.ConfigDict:
     # idle devices ("idle_devices"), between tail chunks on one device ("between_chunks"), after the rollout
     # ("after_rollout"), or not at all ("off")
     c.spot = mlc.ConfigDict(dataclasses.asdict(SpotConfig()))
+    # The adaptive engine (tlt_jax.rollout.adaptive): a selector picks each chunk's mode among `arms`
+    # ("plain", EAGLE strategies "3_1_4", n-gram "ngram_4_1_5") per running-batch bucket; "off": the
+    # SpecConfig threshold switch
+    c.bandit = mlc.ConfigDict(
+        dict(
+            algorithm="off",  # off | beg_mab | egreedy | ucb1 | fixed | sglang | threshold
+            arms=("plain", "3_1_4"),
+            bucket_bounds=(1, 2, 4, 8),  # inclusive upper bounds of the running-row buckets (+ the rest)
+            all_arms=True,  # every arm in every bucket (False: BEG-MAB's grouping by tokens_to_verify)
+            bucket_targets=(),
+            epsilon=0.1,
+            window=64,
+            fixed_table=(),
+            threshold=32,
+            min_steps_below=10,
+            sd_arm="",
+            sglang_ladder=(),
+        )
+    )
 
     c.rl = mlc.ConfigDict()
     c.rl.prompts_per_step = 8

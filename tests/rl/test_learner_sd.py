@@ -43,7 +43,13 @@ def save_drafter(directory: pathlib.Path, target_cfg, seed: int = 3) -> pathlib.
 
 
 def leaves(tree) -> list[np.ndarray]:
-    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+    """Every leaf as a NumPy array (typed PRNG keys as their key data)."""
+    out = []
+    for x in jax.tree.leaves(tree):
+        out.append(
+            np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+        )
+    return out
 
 
 @pytest.mark.slow

@@ -41,6 +41,7 @@ from tlt_jax.rl.trainer import (
     build_train_batch,
     micro_weights,
 )
+from tlt_jax.rollout.adaptive import build_policy
 from tlt_jax.rollout.hooks import ProgressHook
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, make_task
@@ -120,6 +121,15 @@ class Learner:
         )
         self.monitor = RolloutMonitor(float(config.drafter.min_accept_len))
         self.spot = SpotTrainer(spot_cfg, engine_drafter, self.engine) if spot_cfg.mode != "off" else None
+        self.adaptive = None  # the adaptive engine's mode selector (config.bandit), kept across steps
+        if config.bandit.algorithm != "off":
+            eagle_arms = [a for a in config.bandit.arms if a != "plain" and not a.startswith("ngram_")]
+            if eagle_arms and engine_drafter is None:
+                raise ValueError(
+                    f"config.bandit.arms {eagle_arms} need an EAGLE drafter: set config.drafter.kind=eagle "
+                    "(a warmed drafter) or config.spot.mode (train one online), or keep plain/ngram_* arms."
+                )
+            self.adaptive = build_policy(config.bandit, self.engine, seed=int(config.seed))
         self.sampling = config_lib.sampling_from(config)
         fused = bool(config.trainer.fuse_old_logprobs) and int(rl.mini_batches) == 1
         loss = LossConfig(
@@ -178,6 +188,7 @@ class Learner:
             "opt_state": self.trainer.opt_state,
             "drafter": self.drafter_params,
             "spot": None if self.spot is None else self.spot.state_dict(),
+            "bandit": None if self.adaptive is None else self.adaptive.policy.state_dict(),
             "rng": self.base_key,
         }
 
@@ -188,6 +199,8 @@ class Learner:
         state, meta = self.ckpt.restore(latest, self._state())
         self.trainer.params, self.trainer.opt_state = state["params"], state["opt_state"]
         self.drafter_params, self.base_key = state["drafter"], state["rng"]
+        if self.adaptive is not None:
+            self.adaptive.policy.load_state_dict(state["bandit"])
         if self.spot is not None:
             self.spot.load_state_dict(state["spot"])
             self.spot.buffer.load(self._buffer_dir(latest))
@@ -233,7 +246,7 @@ class Learner:
         with RolloutProgress(
             total=self.rows, desc=f"rollout {self.step + 1}", disable=None if show else True
         ) as bar:
-            hooks = [ProgressHook(bar), self.monitor, self.spot]
+            hooks = [self.adaptive, ProgressHook(bar), self.monitor, self.spot]
             return self.engine.generate(prompts, n=self.group, key=key, sampling=self.sampling, hooks=hooks)
 
     def train_step(self) -> dict[str, float]:
@@ -353,6 +366,8 @@ class Learner:
             metrics.update(self.monitor.metrics(step))
         if self.spot is not None:
             metrics.update(self.spot.metrics())
+        if self.adaptive is not None:
+            metrics.update(self.adaptive.metrics())
         for k, v in stats.summary().items():
             metrics.setdefault(k, v)
         metrics["programs/count"] = float(self.engine.compile_count)

@@ -1,0 +1,107 @@
+"""The adaptive engine's policy hook (tlt_jax/rollout/adaptive.py): BEG-MAB choosing each chunk's mode.
+
+A tiny target and a drafter that nearly copies it (the `mirror` fixture), sampled at T = 0.9 with coupled
+verification: whatever the bandit chooses, every rollout equals the plain one token for token; the arms
+really switch; compiled chunks never become rewards; and once every arm's programs exist (one rollout per
+arm), rollouts under the bandit compile nothing new while it switches arms.
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from tlt_jax.models.config import tiny_config
+from tlt_jax.rollout.adaptive import AdaptivePolicy, build_policy
+from tlt_jax.rollout.beg_mab import BanditPolicy, SelectorConfig
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.hooks import FixedMode
+from tlt_jax.rollout.sampling import SamplingParams
+
+PROMPTS = [[9, 9, 2], [81, 65, 35, 40, 6, 10, 3, 23], [10, 53, 36, 94]]
+SP = SamplingParams(temperature=0.9, top_p=0.95)
+EOS = [18, 40, 77, 91, 130]  # rows end at different steps: the bandit sees several buckets
+SECTION = dict(
+    algorithm="beg_mab",
+    arms=("plain", "3_1_4", "2_1_3", "ngram_3_1_4"),
+    bucket_bounds=(1, 2, 4, 8),
+    all_arms=True,
+    bucket_targets=(),
+    epsilon=0.3,
+    window=16,
+    fixed_table=(),
+    threshold=32,
+    min_steps_below=10,
+    sd_arm="",
+    sglang_ladder=(),
+)
+
+
+@pytest.fixture(scope="module")
+def setup(mirror):
+    cfg = tiny_config(num_layers=2, tie_embeddings=False)
+    target = mirror.target(cfg)
+    target.lm_head[...] = target.lm_head[...] * 30.0  # a confident target: drafts get accepted
+    engine = RolloutEngine(
+        target,
+        EngineConfig(max_new_tokens=32, max_cache_len=96, chunk_steps=4, min_cache_bucket=16),
+        eos_ids=EOS,
+        drafter=mirror.drafter(target, noise=0.03),
+    )
+    policy = build_policy(ml_collections.ConfigDict(SECTION), engine, seed=0)
+    plain = engine.generate(PROMPTS, n=4, key=jax.random.key(1), sampling=SP, hooks=FixedMode("plain"))
+    assert len(set(plain.lengths.tolist())) > 3, "rows should finish at different steps"
+    return engine, policy, plain
+
+
+def test_first_visits_compile_and_are_not_rewards(setup):
+    engine, policy, plain = setup
+    out = engine.generate(PROMPTS, n=4, key=jax.random.key(1), sampling=SP, hooks=policy)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    compiled = [c for c in out.stats.chunks if c.compiled]
+    assert compiled and policy.skipped_compiled == len(compiled)
+    observed = policy.policy.summary()
+    counted = sum(v for k, v in observed.items() if k.endswith("/count"))
+    assert counted == len(out.stats.chunks) - len(compiled)  # only the chunks that compiled nothing
+
+
+def test_switching_arms_compiles_nothing_after_warmup(setup):
+    """A selector whose choices do not depend on timing (a fixed table: a different arm in each running-batch
+    bucket) runs a rollout (warm-up: it compiles what the trajectory visits), then the identical rollout
+    again: the arms switch as the batch shrinks and nothing compiles. (Program keys are shapes, not arms:
+    strategies sharing tokens_to_verify even share one program, so within a group switching is free.)"""
+    engine, _, plain = setup
+    table = ("3_1_4", "ngram_3_1_4", "2_1_3", "3_1_4", "plain")
+    section = ml_collections.ConfigDict(dict(SECTION, algorithm="fixed", fixed_table=table))
+    policy = build_policy(section, engine, seed=3)
+    first = engine.generate(PROMPTS, n=4, key=jax.random.key(1), sampling=SP, hooks=policy)
+    programs = engine.compile_count
+    again = engine.generate(PROMPTS, n=4, key=jax.random.key(1), sampling=SP, hooks=policy)
+    modes = [c.mode for c in again.stats.chunks]
+    assert modes == [c.mode for c in first.stats.chunks] and len(set(modes)) >= 3, modes
+    assert engine.compile_count == programs and not any(c.compiled for c in again.stats.chunks)
+    for out in (first, again):
+        np.testing.assert_array_equal(out.tokens, plain.tokens)
+        np.testing.assert_array_equal(out.lengths, plain.lengths)
+    m = policy.metrics()
+    assert any(k.endswith("/chosen") for k in m) and m["bandit/skipped_compiled"] == 0
+
+
+def test_fixed_table_policy_and_arm_registration(setup):
+    engine, _, plain = setup
+    # strategies with the same tokens_to_verify share programs: the EAGLE and n-gram 3_1_4 arms share one
+    assert engine.mode_group("3_1_4") == engine.mode_group("ngram_3_1_4") == ("3_1_4", "ngram_3_1_4")
+    cfg = SelectorConfig(
+        arms=("plain", "3_1_4"),
+        tokens_to_verify=(1, 4),
+        bucket_bounds=(1, 2, 4, 2**31 - 1),
+        algorithm="fixed",
+        fixed_table=("3_1_4", "3_1_4", "plain", "plain"),
+    )
+    policy = AdaptivePolicy(BanditPolicy(cfg))
+    out = engine.generate(PROMPTS, n=4, key=jax.random.key(1), sampling=SP, hooks=policy)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    for c in out.stats.chunks:
+        assert c.mode == ("3_1_4" if c.running_start <= 2 else "plain"), (c.running_start, c.mode)

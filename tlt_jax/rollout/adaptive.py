@@ -1,0 +1,106 @@
+"""The adaptive rollout engine's policy: a strategy selector (BEG-MAB by default) choosing each chunk's mode.
+
+`AdaptivePolicy` is a rollout hook around `beg_mab.BanditPolicy`: before each chunk it selects an arm for
+the running-row count ("plain" is an arm, so it learns where speculation pays on this hardware), and after the
+chunk it rewards the arm with the chunk's tokens per second (the paper's accepted tokens / elapsed time; a
+rate, so chunks of different lengths compare). Fair rewards: a chunk whose call compiled a program is not a
+reward (compilation is not the arm's cost); its reward is dropped and counted (`bandit/skipped_compiled`).
+The selector's state lives across rollouts (the learner owns it and checkpoints `state_dict()`).
+
+`build_policy(section, engine)` registers the section's arms as engine modes ("3_1_4" = an EAGLE strategy,
+"ngram_4_1_5" = the n-gram drafter, "plain") and returns the policy.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from tlt_jax.rollout.beg_mab import MAX_RUNNING, PLAIN, BanditPolicy, SelectorConfig, all_arms_eligibility
+from tlt_jax.rollout.hooks import ChunkView, RolloutHooks, RolloutInfo
+
+
+class AdaptivePolicy(RolloutHooks):
+    """Chooses every chunk's mode with a selector and learns from the chunk's tokens per second."""
+
+    def __init__(self, policy: BanditPolicy):
+        self.policy = policy
+        self._pending: tuple[str, int] | None = None
+        self.chosen: Counter[tuple[int, str]] = Counter()  # (bucket, arm) -> chunks, this rollout
+        self.skipped_compiled = 0
+
+    def on_start(self, info: RolloutInfo) -> None:
+        del info
+        self.policy.new_rollout()
+        self.chosen.clear()
+        self.skipped_compiled = 0
+
+    def choose_mode(self, running: int, batch_bucket: int) -> str:
+        del batch_bucket
+        arm = self.policy.select(running)
+        self._pending = (arm, running)
+        return arm
+
+    def on_chunk(self, view: ChunkView) -> None:
+        if self._pending is None or view.record.mode != self._pending[0]:
+            return  # another hook chose this chunk's mode
+        arm, running = self._pending
+        self._pending = None
+        self.chosen[(self.bucket(running), arm)] += 1
+        if view.record.compiled:
+            self.skipped_compiled += 1
+            return
+        rec = view.record
+        self.policy.observe(arm, running, rec.tokens_per_second, rec.accept_length)
+
+    def bucket(self, running: int) -> int:
+        bounds = self.policy.cfg.bucket_bounds
+        return next((i for i, b in enumerate(bounds) if running <= b), len(bounds) - 1)
+
+    def metrics(self) -> dict[str, float]:
+        """The selector's learned statistics plus this rollout's choices per (bucket, arm)."""
+        out = dict(self.policy.summary())
+        for (b, arm), n in sorted(self.chosen.items()):
+            out[f"bandit/b{b}/{arm}/chosen"] = float(n)
+        out["bandit/skipped_compiled"] = float(self.skipped_compiled)
+        return out
+
+
+def build_policy(section: Any, engine: Any, seed: int = 0) -> AdaptivePolicy:
+    """The `bandit` config section -> an AdaptivePolicy over arms registered in `engine`.
+
+    Arms: "plain", an EAGLE strategy like "3_1_4", or "ngram_<strategy>". With `all_arms` every arm is
+    eligible in every bucket (the CPU default: the selector finds where each pays); otherwise BEG-MAB's
+    grouping by tokens_to_verify (`bucket_targets`).
+    """
+    arms = []
+    for name in section.arms:
+        if name == PLAIN:
+            arms.append(PLAIN)
+        elif name.startswith("ngram_"):
+            arms.append(engine.add_mode("ngram", name.removeprefix("ngram_")))
+        else:
+            arms.append(engine.add_mode("eagle", name))
+    tv = tuple(1 if a == PLAIN else engine.modes[a].strategy.tokens_to_verify for a in arms)
+    max_accept = tuple(1 if a == PLAIN else engine.modes[a].tokens_per_step for a in arms)
+    bounds = tuple(int(b) for b in section.bucket_bounds)
+    if bounds[-1] != MAX_RUNNING:
+        bounds = (*bounds, MAX_RUNNING)
+    eligible = all_arms_eligibility(len(bounds), len(arms)) if section.get("all_arms", True) else None
+    cfg = SelectorConfig(
+        arms=tuple(arms),
+        tokens_to_verify=tv,
+        max_accept=max_accept,
+        bucket_bounds=bounds,
+        algorithm=str(section.algorithm),
+        eligible=eligible,
+        bucket_targets=tuple(section.get("bucket_targets", ())) or (48, 32, 16, 8)[: len(bounds)],
+        epsilon=float(section.epsilon),
+        window=int(section.window),
+        fixed_table=tuple(section.fixed_table) or None,
+        threshold=int(section.threshold),
+        min_steps_below=int(section.min_steps_below),
+        sd_arm=str(section.sd_arm) or None,
+        sglang_ladder=tuple(section.sglang_ladder) or None,
+    )
+    return AdaptivePolicy(BanditPolicy(cfg, seed=seed))
