@@ -15,10 +15,11 @@ import pytest
 
 from tlt_jax.models.config import tiny_config
 from tlt_jax.rollout.adaptive import AdaptivePolicy, build_policy
-from tlt_jax.rollout.beg_mab import BanditPolicy, SelectorConfig
+from tlt_jax.rollout.beg_mab import BanditPolicy
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.selector_config import SelectorConfig
 
 PROMPTS = [[9, 9, 2], [81, 65, 35, 40, 6, 10, 3, 23], [10, 53, 36, 94]]
 SP = SamplingParams(temperature=0.9, top_p=0.95)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tlt_jax.rollout import beg_mab as bm
+from tlt_jax.rollout import selector_config as sc
 from tlt_jax.utils.checkpoint import Checkpointer
 
 ARMS = ("plain", "7_1_8", "4_4_16", "15_1_16", "6_4_32", "8_4_48")
@@ -55,8 +56,8 @@ _select = jax.jit(bm.select, static_argnums=0)
 _update = jax.jit(bm.update, static_argnums=0)
 
 
-def _cfg(**kw) -> bm.SelectorConfig:
-    return bm.SelectorConfig(ARMS, TTV, **kw)
+def _cfg(**kw) -> sc.SelectorConfig:
+    return sc.SelectorConfig(ARMS, TTV, **kw)
 
 
 def _swap_best(means: np.ndarray, eligible) -> np.ndarray:
@@ -128,8 +129,8 @@ def test_beg_eligibility_is_the_papers_grouping_plus_plain():
         (True, True, False, False, False, False),  # >= 21 -> 8
     ]
     assert [list(r) for r in cfg.eligible] == [list(r) for r in want]
-    assert bm.beg_eligibility((1, 12, 20, 40), (16,)) == ((True, True, True, False),)  # a tie keeps both
-    assert _cfg(algorithm="egreedy").eligible == bm.all_arms_eligibility(4, len(ARMS))
+    assert sc.beg_eligibility((1, 12, 20, 40), (16,)) == ((True, True, True, False),)  # a tie keeps both
+    assert _cfg(algorithm="egreedy").eligible == sc.all_arms_eligibility(4, len(ARMS))
 
 
 def test_each_eligible_arm_is_tried_once_first_in_index_order():
@@ -145,7 +146,7 @@ def test_each_eligible_arm_is_tried_once_first_in_index_order():
 
 
 def test_window_keeps_the_last_rewards_and_greedy_ranks_by_it():
-    cfg = bm.SelectorConfig(("plain", "3_1_4"), (1, 4), algorithm="egreedy", epsilon=0.0, window=5)
+    cfg = sc.SelectorConfig(("plain", "3_1_4"), (1, 4), algorithm="egreedy", epsilon=0.0, window=5)
     state = bm.init(cfg)
     for x in range(13):
         state = _update(cfg, state, 12, 1, float(x), 2.0)
@@ -163,7 +164,7 @@ def test_window_keeps_the_last_rewards_and_greedy_ranks_by_it():
     state = _update(cfg, state, 1, 0, 1000.0, 0.0)  # window mean of plain becomes (4 * 1 + 1000) / 5
     assert int(_select(cfg, state, 1, jax.random.PRNGKey(0))) == 0
     # ucb1 counts plays in the bucket's last `window` plays: an arm pushed out of it is re-measured
-    cfg = bm.SelectorConfig(("plain", "3_1_4"), (1, 4), algorithm="ucb1", window=5)
+    cfg = sc.SelectorConfig(("plain", "3_1_4"), (1, 4), algorithm="ucb1", window=5)
     state = bm.init(cfg)
     for arm, x in [(0, 1.0), (1, 100.0)] + [(1, 100.0)] * 3:
         state = _update(cfg, state, 1, arm, x, 2.0)
@@ -180,7 +181,7 @@ def test_bucket_index_and_fixed_table_follow_the_bounds():
     for running, b in cases.items():
         assert int(bm.bucket_index(cfg, running)) == b
         assert ARMS[int(_select(cfg, state, running, jax.random.PRNGKey(running)))] == table[b]
-    narrow = bm.SelectorConfig(ARMS, TTV, bucket_bounds=(8,), algorithm="fixed", fixed_table=("plain",))
+    narrow = sc.SelectorConfig(ARMS, TTV, bucket_bounds=(8,), algorithm="fixed", fixed_table=("plain",))
     assert int(bm.bucket_index(narrow, 1000)) == 0  # above the last bound -> the last bucket
 
 
@@ -215,8 +216,8 @@ def test_threshold_rule_is_exact_sticky_and_reset_per_rollout(min_below):
 SG_ARMS = ("plain", "1_1_2", "3_1_4", "7_1_8")
 
 
-def _sg_cfg(**kw) -> bm.SelectorConfig:
-    return bm.SelectorConfig(SG_ARMS, (1, 2, 4, 8), algorithm="sglang", sglang_ladder=SG_ARMS, **kw)
+def _sg_cfg(**kw) -> sc.SelectorConfig:
+    return sc.SelectorConfig(SG_ARMS, (1, 2, 4, 8), algorithm="sglang", sglang_ladder=SG_ARMS, **kw)
 
 
 def _chain_accept(arm: int, alpha: float) -> float:
@@ -300,7 +301,7 @@ def test_sglang_hysteresis_does_not_oscillate_between_thresholds():
     assert len(_moves(rungs)) == 1 and rungs[-1] == 2 and rungs == _sglang_reference(cfg, table)
 
 
-@pytest.mark.parametrize("algorithm", bm.ALGORITHMS)
+@pytest.mark.parametrize("algorithm", sc.ALGORITHMS)
 def test_select_and_update_compile_once_for_traced_values(algorithm):
     cfg = _cfg(
         algorithm=algorithm,
@@ -420,11 +421,11 @@ def test_policy_api_summary_new_rollout_and_no_recompiles():
 def test_config_errors_name_the_field_and_the_fix(kw, match):
     base = dict(arms=ARMS, tokens_to_verify=TTV)
     with pytest.raises(ValueError, match=match):
-        bm.SelectorConfig(**{**base, **kw})
+        sc.SelectorConfig(**{**base, **kw})
 
 
 def test_config_is_hashable_and_lists_become_tuples():
-    a = bm.SelectorConfig(list(ARMS), list(TTV), bucket_bounds=[1, 4, 20, 2**31 - 1])
+    a = sc.SelectorConfig(list(ARMS), list(TTV), bucket_bounds=[1, 4, 20, 2**31 - 1])
     b = _cfg()
     assert a == b and hash(a) == hash(b)
     assert jnp.asarray(a.eligible).shape == (4, len(ARMS))

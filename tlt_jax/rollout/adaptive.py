@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from tlt_jax.rollout.beg_mab import MAX_RUNNING, PLAIN, BanditPolicy, SelectorConfig, all_arms_eligibility
+from tlt_jax.rollout.beg_mab import BanditPolicy
 from tlt_jax.rollout.hooks import ChunkView, RolloutHooks, RolloutInfo
+from tlt_jax.rollout.selector_config import MAX_RUNNING, PLAIN, SelectorConfig, all_arms_eligibility
 
 
 class AdaptivePolicy(RolloutHooks):

@@ -15,6 +15,7 @@ device work, cache growth. Each sequence owns a PRNG stream and verification is 
     out.stats.mean_accept_length, out.stats.summary(), engine.programs.summary()
 More modes: `name = engine.add_mode("eagle" | "ngram", "4_2_8")`, chosen by a hook's `choose_mode`.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,12 +23,9 @@ from tlt_jax.rollout.ngram import NgramBank
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.types import Rollout, RolloutStats
 
-if TYPE_CHECKING:
-    from tlt_jax.rollout.engine import RolloutEngine
-
 
 def generate(
-    engine: RolloutEngine,
+    engine: Any,
     prompts: Sequence[Sequence[int]],
     *,
     n: int,
@@ -37,7 +34,8 @@ def generate(
     max_new_tokens: int | None,
     hooks: RolloutHooks | Iterable[RolloutHooks | None] | None,
 ) -> Rollout:
-    """Sample `n` responses for each prompt with `engine` (see the module docstring)."""
+    """Sample `n` responses for each prompt with `engine` (a `RolloutEngine`, which calls this; see the module
+    docstring)."""
     cfg = engine.config
     max_new = max_new_tokens or cfg.max_new_tokens
     t_start = time.perf_counter()

@@ -9,13 +9,10 @@ traced int32 scalar), so `beg_mab.select` / `beg_mab.update` stay one small jitt
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:
-    from tlt_jax.rollout.beg_mab import SelectorConfig, SelectorState
+from tlt_jax.rollout.selector_config import SelectorConfig, SelectorState
 
 
 def bandit_arm(cfg: SelectorConfig, state: SelectorState, b: jax.Array, key: jax.Array) -> jax.Array:
