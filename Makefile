@@ -8,12 +8,12 @@ CACHE := .cache
 MODEL_DIR := $(CACHE)/models
 GGUF := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 STAMP := $(VENV)/.installed
-WORKDIR ?= workdirs/default
+WORKDIR ?= workdirs/tlt
 TEST_WORKERS ?= 2
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup kernels run test lint bench clean gpu-bundle
+.PHONY: setup kernels run warmup test lint bench clean gpu-bundle
 
 # The venv is rebuilt only when setup.py changes (the stamp records the install).
 $(STAMP): setup.py
@@ -40,8 +40,14 @@ kernels: $(STAMP)
 
 setup: $(STAMP) $(GGUF) kernels
 
+# TLT: GRPO with speculative rollouts on a long-tail task (configs/tlt.py; ~25 min here). Without a warmed EAGLE
+# drafter in workdirs/drafter_tlt it drafts with the n-gram drafter and trains an EAGLE drafter online; the
+# warm-up command it prints makes one (`make warmup`).
 run: setup
-	$(PY) -m tlt_jax.main --config configs/default.py --workdir $(WORKDIR) $(RUN_ARGS)
+	$(PY) -m tlt_jax.main --config configs/tlt.py --workdir $(WORKDIR) $(RUN_ARGS)
+
+warmup: setup
+	$(PY) -m tlt_jax.main --config configs/drafter_warmup.py:tlt --workdir workdirs/drafter_tlt
 
 # pytest exit code 5 means no test was collected: that is a broken suite, not a pass. Two xdist workers
 # (TEST_WORKERS): most test time is single-threaded XLA compilation, so two processes use both cores.

@@ -114,5 +114,5 @@ def get_config(arg: str | None = None):
 
     c.trainer.micro_batch_size = 8
     c.trainer.train_layers = 10  # the top 10 of 30 layers: ~2x cheaper update on this CPU
-    c.trainer.seq_bucket = 64
+    c.trainer.seq_bucket = 128  # prompts -> 128, responses -> 128 / 256 / 384: at most 3 update programs
     return c

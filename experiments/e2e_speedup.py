@@ -6,7 +6,8 @@
 Three learners share the config and seed and differ only in `config.drafter.kind`; their steps run
 interleaved (step 1 of each, then step 2 of each, ...) so a drift of the machine's speed hits all three alike.
 With coupled verification the three see the same samples, so their rewards coincide (what differs, and why,
-is printed). Step 1 compiles every program and is excluded from the timings.
+is printed). Step 1 compiles most programs and is excluded from the timings; the compile time of programs
+first met in a later step (a new batch/cache bucket) is measured (`time/compile_rollout`) and subtracted.
 
 The bound, from physics: SD changes only the decode time spent in the batch buckets where it is used. From the
 plain run's own decode time per batch bucket t_b and this run's per-bucket SD speedup s_b (SD tokens/s in
@@ -58,9 +59,14 @@ def bucket_times(metrics: list[dict[str, float]], tag: str) -> dict[int, tuple[f
     return {b: (s, t) for b, (s, t) in out.items()}
 
 
+def net(m: dict[str, float], key: str) -> float:
+    """A step's time without the compilation of rollout programs first met in it."""
+    return m[key] - m.get("time/compile_rollout", 0.0)
+
+
 def bound(plain: list[dict[str, float]], spec: list[dict[str, float]]) -> tuple[float, dict[int, float]]:
     """(e2e bound, per-bucket SD speedup) from the plain run's time per bucket and both runs' speeds."""
-    t_plain = sum(m["time/step"] for m in plain)
+    t_plain = sum(net(m, "time/step") for m in plain)
     p_b, s_b = bucket_times(plain, "plain"), bucket_times(spec, "sd")
     speed = {}
     saved = 0.0
@@ -104,6 +110,7 @@ def main() -> None:
     def report(step: int, arm: str, m: dict[str, float]) -> None:
         print(
             f"step {step} {arm:>5}: step {m['time/step']:6.1f}s rollout {m['time/rollout']:6.1f}s "
+            f"(compile {m.get('time/compile_rollout', 0.0):5.1f}s) "
             f"tail<=2 {m['rollout/time_running_le2']:5.1f}s reward {m['reward/mean']:.3f} "
             f"accept {m.get('spec/accept_len', 0.0):.2f} "
             f"len p50/max {m['length/p50']:.0f}/{m['length/max']:.0f}",
@@ -115,16 +122,16 @@ def main() -> None:
 
     timed = {a: h[1:] if len(h) > 1 else h for a, h in history.items()}  # step 1 compiles
     base = timed["none"]
-    t_none = sum(m["time/step"] for m in base)
-    r_none = sum(m["time/rollout"] for m in base)
+    t_none = sum(net(m, "time/step") for m in base)
+    r_none = sum(net(m, "time/rollout") for m in base)
     result: dict[str, float] = {}
     rewards = {a: np.asarray([m["reward/mean"] for m in h]) for a, h in history.items()}
     cols = ("arm", "step s", "rollout s", "tail<=2 s", "e2e", "bound", "rollout", "SD-phase", "accept")
     print("\n" + " ".join(f"{c:>9}" for c in cols))
     for arm in arms:
         h = timed[arm]
-        t = sum(m["time/step"] for m in h)
-        r = sum(m["time/rollout"] for m in h)
+        t = sum(net(m, "time/step") for m in h)
+        r = sum(net(m, "time/rollout") for m in h)
         tail = sum(m["rollout/time_running_le2"] for m in h)
         e2e, roll = t_none / max(t, 1e-9), r_none / max(r, 1e-9)
         accept = float(np.mean([m.get("spec/accept_len", 0.0) for m in h]))

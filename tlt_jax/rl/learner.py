@@ -258,6 +258,7 @@ class Learner:
         t_step = time.perf_counter()
 
         t0 = time.perf_counter()
+        compile0 = self.engine.programs.compile_seconds
         problems, next_position = self.task.batch(self.data_position, int(rl.prompts_per_step))
         if self.spot is not None:
             self.spot.begin_step(step)
@@ -362,8 +363,7 @@ class Learner:
             metrics["logprob/engine_gap"] = float(gap.mean())
             metrics["logprob/engine_gap_max"] = float(gap.max())
         stats = rollout.stats
-        if self.engine.config.spec.enabled:
-            metrics.update(self.monitor.metrics(step))
+        metrics.update(self.monitor.metrics(step))
         if self.spot is not None:
             metrics.update(self.spot.metrics())
         if self.adaptive is not None:
@@ -371,6 +371,7 @@ class Learner:
         for k, v in stats.summary().items():
             metrics.setdefault(k, v)
         metrics["programs/count"] = float(self.engine.compile_count)
+        metrics["time/compile_rollout"] = self.engine.programs.compile_seconds - compile0
         total = time.perf_counter() - t_step
         for k, v in times.items():
             metrics[f"time/{k}"] = v

@@ -154,7 +154,8 @@ class RolloutMonitor(RolloutHooks):
         self.records.append(view.record)
 
     def metrics(self, step: int) -> dict[str, float]:
-        """Speculation metrics of the rollout just finished; logs the alarm when acceptance collapsed."""
+        """Metrics of the rollout just finished: speculation (accept length, per mode; the alarm, logged when
+        acceptance collapsed) and decode speed per batch bucket for plain and SD chunks."""
         sd = [c for c in self.records if c.mode != "plain"]
         rounds = sum(c.verify_rounds for c in sd)
         out: dict[str, float] = {"spec/verify_rounds": float(rounds)}
@@ -178,8 +179,14 @@ class RolloutMonitor(RolloutHooks):
             r = sum(c.verify_rounds for c in sel)
             out[f"spec/mode/{name}/accept_len"] = sum(c.accepted_tokens for c in sel) / max(r, 1)
             out[f"spec/mode/{name}/seconds"] = sum(c.seconds for c in sel)
-        for bucket in sorted({c.batch_bucket for c in self.records}):
-            for tag, sel in (("plain", [c for c in self.records if c.mode == "plain"]), ("sd", sd)):
+        # speed per batch bucket (chunks that compiled a program are left out: compilation is not speed)
+        timed = [c for c in self.records if not c.compiled]
+        out["rollout/compiled_chunk_seconds"] = sum(c.seconds for c in self.records if c.compiled)
+        for bucket in sorted({c.batch_bucket for c in timed}):
+            for tag, sel in (
+                ("plain", [c for c in timed if c.mode == "plain"]),
+                ("sd", [c for c in timed if c.mode != "plain"]),
+            ):
                 chunks = [c for c in sel if c.batch_bucket == bucket]
                 if chunks:
                     secs = sum(c.seconds for c in chunks)

@@ -81,6 +81,11 @@ class ProgramCache:
     def compile_count(self) -> int:
         return len(self._programs)
 
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling so far (each program once)."""
+        return sum(i.compile_seconds for i in self._info.values())
+
     def compile(self, key: tuple, fn: Callable, args: tuple, donate: tuple[int, ...] = ()) -> Any:
         """The compiled program for `key` and `args`' shapes (compiling `fn` for them if new). `key` names
         the program for the reports; the arguments' tree and avals are part of its identity, so two calls
