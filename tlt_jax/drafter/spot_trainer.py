@@ -35,12 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from tlt_jax.drafter import trainer as tr
 from tlt_jax.drafter.buffer import DrafterBuffer
 from tlt_jax.drafter.chain import shift_left
-from tlt_jax.drafter.loss import LossConfig, normalize_metrics
+from tlt_jax.drafter.loss import LossConfig, loss_sums, normalize_metrics
 from tlt_jax.drafter.packing import DrafterSample, PackedBatch, eagle_inputs, pack_samples, to_device
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.hooks import ChunkView, FinishedSequences, IdleWork, RolloutHooks, RolloutInfo
@@ -131,8 +132,6 @@ def topk_hits(
 ) -> dict[str, jax.Array]:
     """Staleness probe: how often the token the target really sampled two positions on is the drafter's
     top-1 / in its top-3 (its first draft's acceptance under coupled verification), over the batch's pairs."""
-    from flax import nnx
-
     e = eagle_inputs(batch)
     drafter = nnx.merge(graphdef, params)
     h, _ = drafter(embed_w[e.next_tokens], e.hidden_in, e.positions, None, e.mask)
@@ -243,8 +242,6 @@ class SpotTrainer(RolloutHooks):
         self.stats["spot/stale_loss"] = float(normalize_metrics(sums)["loss"])
 
     def _loss_sums(self, params: Any, batch: PackedBatch, embed_w: jax.Array, head_w: jax.Array) -> Any:
-        from tlt_jax.drafter.loss import loss_sums
-
         return loss_sums(params, self.trainer.graphdef, batch, embed_w, head_w, self.loss_cfg)[1]
 
     def _batch(self, tick: int, device: int, micro: int) -> PackedBatch:
