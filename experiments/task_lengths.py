@@ -88,8 +88,8 @@ def main() -> None:
         "lengths  p10/p50/p90/max: " + "/".join(f"{np.percentile(lengths, q):.0f}" for q in (10, 50, 90, 100))
     )
     print(
-        f"hit the cap {100 * res['cap_frac']:.0f}%; reward {res['reward']:.3f}, accuracy {100 * res['accuracy']:.0f}%, "
-        f"Answer: format {100 * res['format']:.0f}%"
+        f"hit the cap {100 * res['cap_frac']:.0f}%; reward {res['reward']:.3f}, "
+        f"accuracy {100 * res['accuracy']:.0f}%, Answer: format {100 * res['format']:.0f}%"
     )
     print(
         "decode time at <= 32 / 8 / 2 running rows: "
