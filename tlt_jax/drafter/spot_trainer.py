@@ -163,8 +163,9 @@ class SpotTrainer(RolloutHooks):
         self.cfg, self.engine = cfg, engine
         self.tx, self.loss_cfg = cfg.optimizer(), cfg.loss_config()
         self.trainer = tr.DrafterTrainer(self.tx, self.loss_cfg, seed=cfg.seed)
-        # replicated over the engine's mesh, like the target's embedding and head it trains against
-        self.state = jax.device_put(self.trainer.init_state(drafter), engine.replicated)
+        # replicated over the engine's mesh, like the target's embedding and head it trains against; a copy
+        # (may_alias=False): the train step donates its state, and the engine may hold the same buffers
+        self.state = jax.device_put(self.trainer.init_state(drafter), engine.replicated, may_alias=False)
         self.buffer = DrafterBuffer(cfg.buffer_tokens, cfg.window, cfg.context, seed=cfg.seed)
         self.rl_step = 0
         self._probe = jax.jit(topk_hits, static_argnums=(0,))
@@ -347,7 +348,7 @@ class SpotTrainer(RolloutHooks):
         return {"state": self.state}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.state = jax.device_put(d["state"], self.engine.replicated)
+        self.state = jax.device_put(d["state"], self.engine.replicated, may_alias=False)
 
     def on_start(self, info: RolloutInfo) -> None:
         del info

@@ -148,7 +148,10 @@ class RolloutEngine:
         `generate`: a rollout drafts with one snapshot of the drafter throughout."""
         if self.drafter_graphdef is None:
             raise ValueError("this engine has no drafter: pass RolloutEngine(..., drafter=Drafter(...))")
-        self.drafter_params = jax.device_put(self._cast_drafter(params), self._drafter_shardings)
+        # a copy: the caller (the spot trainer) keeps training, and donates, the arrays it pushed
+        self.drafter_params = jax.device_put(
+            self._cast_drafter(params), self._drafter_shardings, may_alias=False
+        )
 
     def _cast_drafter(self, params: Any) -> Any:
         """The drafter's weight matrices in `drafter_weight_dtype` (norm scales and biases stay as is)."""
