@@ -139,16 +139,23 @@ def test_acceptance_collapse_alarm_fires_on_a_broken_drafter_push(mirror, caplog
 
 @pytest.mark.slow
 def test_spot_trained_run_resumes_identically(tmp_path) -> None:
-    """Spot training between chunks on the smoke config: 4 steps in one go vs 2 steps, a new Learner on the
-    same workdir (restoring policy, drafter train state and the data buffer), then 2 more: the same drafter
-    weights, optimizer state and metrics."""
+    """TLT on the smoke config: a saved EAGLE drafter drafts (a fixed-table selector: EAGLE at <= 4 running
+    rows, n-gram above) while the spot trainer trains it between chunks and pushes it after every step.
+    4 steps in one go vs 2 steps, a new Learner on the same workdir (restoring the policy, the drafter's train
+    state and data buffer, the selector), then 2 more: the same drafter weights, optimizer state, metrics."""
+    cfg = tiny_config(**{**dict(config_lib.tiny_random_model("llama")), "dtype": "float32"})
+    drafter_dir = save_drafter(tmp_path / "warm", cfg)
 
     def config():
-        c = smoke("steps=4,spec=true")
+        c = smoke("steps=4")
         c.checkpoint_every = 2
+        c.drafter.kind, c.drafter.path = "eagle", str(drafter_dir)
         c.spot.mode, c.spot.threshold = "between_chunks", 1024
         c.spot.window, c.spot.context, c.spot.ce_tokens = 16, 8, 16
         c.spot.ttt_steps, c.spot.ttt_positions, c.spot.eval_samples = 1, 8, 4
+        c.bandit.algorithm, c.bandit.arms = "fixed", ("plain", "3_1_4", "ngram_3_1_4")
+        c.bandit.bucket_bounds = (4, 8)
+        c.bandit.fixed_table = ("3_1_4", "ngram_3_1_4", "ngram_3_1_4")
         return c
 
     whole = Learner(config(), str(tmp_path / "whole"))
@@ -170,10 +177,13 @@ def test_spot_trained_run_resumes_identically(tmp_path) -> None:
         got_state = second.spot.state
     finally:
         second.close()
-    assert ref[-1]["spot/drafter_step"] > 0
+    assert ref[-1]["spot/drafter_step"] > 0 and ref[-1]["spec/verify_rounds"] > 0
     for a, b in zip(ref, part, strict=True):
-        for k in ("reward/mean", "spot/steps", "spot/loss", "buffer/tokens"):
-            if k in a:
-                assert a[k] == pytest.approx(b[k], rel=1e-5), k
+        # the selector's choices per bucket and arm (a fixed table: deterministic); what it learned is not
+        # compared: rewards are timings, and a restarted engine's first chunks compile (skipped as rewards)
+        choices = {k for k in a if k.startswith("bandit/") and k.endswith("/chosen")}
+        keys = {"reward/mean", "spot/steps", "spot/loss", "buffer/tokens"} | choices
+        for k in sorted(keys & set(a)):
+            assert a[k] == pytest.approx(b[k], rel=1e-5), k
     for x, y in zip(leaves(ref_state), leaves(got_state), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
