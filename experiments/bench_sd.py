@@ -46,7 +46,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from tlt_jax.drafter.draft_vocab import load_draft_vocab  # noqa: E402
 from tlt_jax.drafter.warmup import DRAFTER_DIR, init_drafter, load_drafter  # noqa: E402
-from tlt_jax.models.llama import from_hf_tensors  # noqa: E402
+from tlt_jax.models.drafter import Drafter  # noqa: E402
+from tlt_jax.models.llama import Transformer, from_hf_tensors  # noqa: E402
 from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from tlt_jax.rollout.hooks import FixedMode  # noqa: E402
@@ -168,6 +169,38 @@ def measure_pairs(
     return out
 
 
+def load_drafter_or_exit(
+    args: argparse.Namespace, model: Transformer
+) -> tuple[Drafter, str, np.ndarray | None, str]:
+    """The EAGLE drafter of `args.drafter` (a warm-up workdir or its drafter/), or an untrained one with
+    `args.random_drafter`; exits with the warm-up command when there is none. Also its draft vocabulary per
+    `args.draft_vocab` ('auto' | 'none' | a .npy file). Returns (drafter, its name, vocabulary, a note).
+    Shared with the sibling scripts (sd_heatmaps.py, case_study.py)."""
+    drafter_path = pathlib.Path(args.drafter)
+    missing = (
+        f"error: no drafter checkpoint under {drafter_path} (expected {drafter_path / DRAFTER_DIR}). "
+        f"Warm up the drafter first:\n    {WARMUP_CMD}\n"
+        "or pass --random-drafter to smoke-test this script (its acceptance is meaningless)."
+    )
+    if not args.random_drafter and not (drafter_path / DRAFTER_DIR).is_dir() and not drafter_path.is_dir():
+        sys.exit(missing)
+    if args.random_drafter:
+        drafter, dname = init_drafter(model, args.seed), "random (smoke test)"
+    else:
+        try:
+            drafter, dname = load_drafter(drafter_path, model.cfg), str(drafter_path)
+        except FileNotFoundError as e:
+            sys.exit(f"{missing}\n({e})")
+    if args.draft_vocab == "none" or args.random_drafter:
+        draft_vocab = None
+    elif args.draft_vocab == "auto":
+        draft_vocab = load_draft_vocab(drafter_path)
+    else:
+        draft_vocab = np.load(args.draft_vocab)
+    vocab_note = "full head" if draft_vocab is None else f"draft vocabulary {len(draft_vocab)} tokens"
+    return drafter, dname, draft_vocab, vocab_note
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batch 1, TV 3/4/8/16, short generations (< 10 min)")
@@ -218,33 +251,10 @@ def main() -> None:
     new = args.new or (64 if args.quick else 128)
     n_prompts = max(args.prompts or (8 if args.quick else 4), max(batches))
 
-    drafter_path = pathlib.Path(args.drafter)
-    missing = (
-        f"error: no drafter checkpoint under {drafter_path} (expected {drafter_path / DRAFTER_DIR}). "
-        f"Warm up the drafter first:\n    {WARMUP_CMD}\n"
-        "or pass --random-drafter to smoke-test this script (its acceptance is meaningless)."
-    )
-    if not args.random_drafter and not (drafter_path / DRAFTER_DIR).is_dir() and not drafter_path.is_dir():
-        sys.exit(missing)
-
     loaded = load_gguf(args.gguf)
     cfg, tok = loaded.config, loaded.tokenizer
     model = from_hf_tensors(cfg, loaded.tensors)
-    if args.random_drafter:
-        drafter, dname = init_drafter(model, args.seed), "random (smoke test)"
-    else:
-        try:
-            drafter, dname = load_drafter(drafter_path, cfg), str(drafter_path)
-        except FileNotFoundError as e:
-            sys.exit(f"{missing}\n({e})")
-
-    if args.draft_vocab == "none" or args.random_drafter:
-        draft_vocab = None
-    elif args.draft_vocab == "auto":
-        draft_vocab = load_draft_vocab(drafter_path)
-    else:
-        draft_vocab = np.load(args.draft_vocab)
-    vocab_note = "full head" if draft_vocab is None else f"draft vocabulary {len(draft_vocab)} tokens"
+    drafter, dname, draft_vocab, vocab_note = load_drafter_or_exit(args, model)
 
     task = ReasoningGymTask(args.task, size=5000, seed=0, dataset_kwargs=TASK_KWARGS[args.task])
     problems, _ = task.batch(args.task_offset, n_prompts)

@@ -1,0 +1,234 @@
+"""How many speculative chunk programs a strategy set compiles, and their memory (cf. TLT Table 5).
+
+The paper captures one CUDA graph per (strategy, batch size) in the naive layout (30.4 GB) and shares the
+target graphs between strategies with the same tokens_to_verify in the bucketed one (10.7 GB). The JAX
+counterpart is the engine's compiled chunk programs (`rollout.programs.ProgramCache`): one per (batch bucket,
+cache bucket, program group). Three layouts of the same engine, for a fixed set of batch buckets and ONE
+cache bucket:
+  * single: one strategy registered (`--single`): what a fixed-strategy engine needs;
+  * naive:  every strategy of `--strategies` registered, `EngineConfig(share_programs=False)`: one program per
+            strategy and bucket;
+  * shared: the same strategies, `share_programs=True` (the default): strategies with the same
+            tokens_to_verify (and acceptance rule) run in ONE program per bucket, the strategy a runtime
+            operand (`lax.switch` over the drafters).
+Sharing only merges strategies with equal tokens_to_verify: with the default set (TVs 3, 4, 8, 5, 6, 16, all
+distinct) shared == naive, which is the honest answer for that set; `--strategies 3_1_4,ngram_3_1_4,7_1_8,
+3_2_8,ngram_7_1_8,8_2_16,4_3_16` (three TV groups) shows the merge.
+
+How it compiles: each layout's engine prefills a batch once; for every batch bucket the state's first rows are
+copied, marked done and grown to the cache bucket, and `engine.decode_chunk` runs on it once per mode, so the
+program keys, shapes and donation are exactly the engine's own; with every row done the chunk's
+`lax.while_loop` runs zero rounds, so only compilation costs time. Plain chunk programs (the same in every
+layout) are not compiled. The drafter's weights do not change a program (shapes do): a random drafter with a
+`--draft-vocab`-token head (the warm-up's 8192 by default) is used, so no warmed drafter is needed.
+Footprint = `ProgramInfo.footprint_bytes`: XLA's temporaries + outputs not aliased to donated inputs +
+generated code (weights and the donated state are arguments, shared by all programs and not counted), the
+JAX analogue of the memory a CUDA-graph capture pins. On XLA:CPU the temporaries are the buffers of the
+verify forward; on a GPU they are the analogue of the graph pools.
+
+    python experiments/program_layouts.py --tiny            # tiny random model (seconds; smoke test)
+    python experiments/program_layouts.py --quick           # SmolLM2, batch buckets 1,2
+    python experiments/program_layouts.py                   # SmolLM2, batch buckets 1,2,4,8
+Final line: `RESULT programs_single=.. programs_naive=.. programs_shared=.. mib_single=.. mib_naive=..
+mib_shared=.. compile_s_single=.. compile_s_naive=.. compile_s_shared=..`; a bar chart in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tlt_jax.models.config import tiny_config  # noqa: E402
+from tlt_jax.models.drafter import Drafter  # noqa: E402
+from tlt_jax.models.llama import Transformer, from_hf_tensors  # noqa: E402
+from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from tlt_jax.rollout.ngram import NgramBank  # noqa: E402
+from tlt_jax.rollout.programs import ProgramInfo  # noqa: E402
+from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
+from tlt_jax.rollout.types import DecodeState  # noqa: E402
+
+DEFAULT_STRATEGIES = "2_1_3,3_1_4,7_1_8,ngram_4_1_5,3_2_6,8_2_16"
+LAYOUTS = ("single", "naive", "shared")
+PAPER = "paper Table 5 (Qwen, H100): per-strategy CUDA graphs 30.4 GB -> bucketed 10.7 GB (2.84x less)"
+
+
+def register(engine: RolloutEngine, names: list[str]) -> list[str]:
+    """Register "ngram_<strategy>" / "<strategy>" (EAGLE) modes; returns the engine's mode names."""
+    out = []
+    for name in names:
+        if name.startswith("ngram_"):
+            out.append(engine.add_mode("ngram", name.removeprefix("ngram_")))
+        else:
+            out.append(engine.add_mode("eagle", name))
+    return out
+
+
+def rows_of(state: DecodeState, b: int, cache: int, engine: RolloutEngine) -> DecodeState:
+    """A fresh copy of the state's first b rows, every row done (the chunk then runs zero rounds), with the
+    cache grown to `cache` slots (a copy: decode_chunk donates its state)."""
+    sub = jax.tree.map(lambda x: jnp.array(x[:b], copy=True), state)
+    sub = sub.replace(done=jnp.ones_like(sub.done))
+    return engine.resize_cache(sub, cache) if sub.cache.capacity != cache else sub
+
+
+def compile_layout(
+    engine: RolloutEngine, batches: list[int], cache: int, prompt: list[int], max_new: int
+) -> list[ProgramInfo]:
+    """Compile the speculative chunk program of every (registered mode, batch bucket) at one cache bucket;
+    returns the chunk programs' infos (plain chunk programs are never compiled here)."""
+    sp = SamplingParams(temperature=0.9)
+    top = max(batches)
+    n = min(4, top)
+    state, _ = engine.prefill(
+        [prompt] * (top // n), n=n, key=jax.random.key(0), sampling=sp, max_new_tokens=max_new
+    )
+    bank = None
+    if engine.needs()[1]:
+        bank = jax.device_put(NgramBank.empty(top, n, max_new), engine.replicated)
+    for b in batches:
+        sub = rows_of(state, b, cache, engine)
+        for mode in engine.modes:
+            sub, record, bank = engine.decode_chunk(sub, mode, sp, bank, exit_live=-1)
+            assert record.steps == 0, record  # every row is done: nothing ran
+    return [i for i in engine.programs.infos("chunk") if i.key[4]]  # key[4]: the program's modes (plain: ())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2 (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="batch buckets 1,2 (default --batches 1,2,4,8)")
+    ap.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated; ngram_<s> = n-gram")
+    ap.add_argument("--single", default="3_1_4", help="the strategy of the single-strategy layout")
+    ap.add_argument("--batches", default=None, help="comma-separated batch buckets (powers of two)")
+    ap.add_argument(
+        "--cache", type=int, default=512, help="the cache bucket (configs/tlt.py's max_cache_len)"
+    )
+    ap.add_argument(
+        "--max-new", type=int, default=384, help="response budget (sets the state's token buffers)"
+    )
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="drafter head rows (0: the full head)")
+    ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
+    ap.add_argument("--out", default=str(ROOT / "workdirs" / "program_layouts"))
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    batches = [int(b) for b in (args.batches or ("1,2" if args.quick else "1,2,4,8")).split(",")]
+    if any(b & (b - 1) for b in batches):
+        sys.exit(f"--batches must be powers of two (batch buckets), got {batches}")
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if args.tiny:
+        cfg = tiny_config("llama", vocab_size=264)
+        model, mname = Transformer(cfg, nnx.Rngs(0)), "tiny random Llama"
+        max_new, cache = min(args.max_new, 32), min(args.cache, 64)
+    else:
+        loaded = load_gguf(args.gguf)
+        cfg, mname = loaded.config, "SmolLM2-135M fp32"
+        model = from_hf_tensors(cfg, loaded.tensors)
+        max_new, cache = args.max_new, args.cache
+    drafter = Drafter(cfg, nnx.Rngs(1))
+    dv = min(args.draft_vocab, cfg.vocab_size)
+    vocab = np.arange(dv) if dv > 0 else None
+    prompt = [1 + (7 * i) % (cfg.vocab_size - 1) for i in range(24)]
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; {mname}; "
+        f"batch buckets {batches}; cache bucket {cache}; draft head {dv or 'full'} rows; strategies {names}; "
+        f"single {args.single}"
+    )
+
+    infos: dict[str, list[ProgramInfo]] = {}
+    for layout in LAYOUTS:
+        ecfg = EngineConfig(
+            max_new_tokens=max_new,
+            max_cache_len=cache,
+            min_cache_bucket=min(64, cache),
+            share_programs=layout != "naive",
+        )
+        engine = RolloutEngine(model, ecfg, eos_ids=[], drafter=drafter, draft_vocab=vocab)
+        modes = register(engine, [args.single] if layout == "single" else names)
+        if layout == "shared":
+            groups = sorted({engine.mode_group(m) for m in modes})
+            print("program groups (same tokens_to_verify): " + "; ".join("+".join(g) for g in groups))
+        t0 = time.perf_counter()
+        infos[layout] = compile_layout(engine, batches, cache, prompt, max_new)
+        print(
+            f"{layout}: {len(infos[layout])} chunk programs compiled in {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
+
+    mib = {k: sum(i.footprint_bytes for i in v) / 2**20 for k, v in infos.items()}
+    secs = {k: sum(i.compile_seconds for i in v) for k, v in infos.items()}
+    print(
+        "\nper program (batch bucket, tokens_to_verify, modes): footprint MiB (= temp + outputs + code), "
+        "compile seconds"
+    )
+    for layout, items in infos.items():
+        for i in sorted(items, key=lambda i: (i.key[1], i.key[3])):
+            parts = (i.temp_bytes, max(i.output_bytes - i.alias_bytes, 0), i.code_bytes)
+            print(
+                f"  {layout:>6} b={i.key[1]:<3} tv={i.key[3]:<3} {'+'.join(i.key[4]):<34} "
+                f"{i.footprint_bytes / 2**20:8.2f} MiB (temp {parts[0] / 2**20:.2f}, "
+                f"out {parts[1] / 2**20:.2f}, code {parts[2] / 2**20:.2f})  {i.compile_seconds:6.1f} s"
+            )
+    print(f"\n{'layout':>8} {'programs':>8} {'MiB':>9} {'compile s':>9}")
+    for layout in LAYOUTS:
+        print(f"{layout:>8} {len(infos[layout]):>8} {mib[layout]:>9.1f} {secs[layout]:>9.1f}")
+    ratio = mib["naive"] / max(mib["shared"], 1e-9)
+    print(f"naive / shared footprint: {ratio:.2f}x; {PAPER}")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    png = plot(infos, mib, secs, out / "program_layouts.png", f"{mname}, buckets {batches}, cache {cache}")
+    print(f"plot: {png}; wall {time.perf_counter() - t_start:.0f} s")
+    res = {f"programs_{k}": len(v) for k, v in infos.items()}
+    res |= {f"mib_{k}": round(v, 3) for k, v in mib.items()} | {
+        f"compile_s_{k}": round(v, 1) for k, v in secs.items()
+    }
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in res.items()))
+
+
+def plot(
+    infos: dict[str, list[ProgramInfo]],
+    mib: dict[str, float],
+    secs: dict[str, float],
+    path: pathlib.Path,
+    title: str,
+) -> pathlib.Path:
+    """Three bar panels per layout: chunk programs, footprint MiB, compile seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
+    colors = ["#888888", "#d62728", "#2ca02c"]
+    for ax, (label, vals) in zip(
+        axes,
+        (
+            ("chunk programs", {k: len(v) for k, v in infos.items()}),
+            ("footprint (MiB)", mib),
+            ("compile seconds", secs),
+        ),
+        strict=True,
+    ):
+        bars = ax.bar(list(LAYOUTS), [vals[k] for k in LAYOUTS], color=colors)
+        ax.bar_label(bars, fmt="%.3g")
+        ax.set_title(label)
+    fig.suptitle(f"speculative chunk programs per layout ({title})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    main()
