@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup kernels run warmup test lint bench clean gpu-bundle
+.PHONY: setup kernels run warmup test test-experiments lint bench clean gpu-bundle
 
 # The venv is rebuilt only when setup.py changes (the stamp records the install).
 $(STAMP): setup.py
@@ -52,8 +52,17 @@ warmup: setup
 # pytest exit code 5 means no test was collected: that is a broken suite, not a pass. Two xdist workers
 # (TEST_WORKERS): most test time is single-threaded XLA compilation, so two processes use both cores.
 test: setup
-	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS) tests; rc=$$?; \
+	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not experiments" \
+	  $(PYTEST_ARGS) tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5); failing."; exit 1; fi; exit $$rc
+
+# The experiment scripts' smoke runs (each a subprocess compiling SmolLM2 programs: ~6 min on 2 cores). They
+# check the scripts, not the system, so CI's `make test` leaves them out; run them before changing a script.
+test-experiments: setup
+	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q -n $(TEST_WORKERS) -m experiments \
+	  $(PYTEST_ARGS) tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-experiments: pytest collected no tests (exit 5); failing."; exit 1; fi; \
+	exit $$rc
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -30,6 +30,7 @@ def _run(script: str, *args: str, timeout: int = 600) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.experiments
 def test_bench_sd_smoke(smollm_gguf_path):
     """bench_sd with an untrained drafter: one prompt, a few tokens, one interleaved plain/SD pair."""
     res = _run(

@@ -24,6 +24,7 @@ import gpu_suite  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.experiments
 def test_dry_run_end_to_end(tmp_path: pathlib.Path) -> None:
     """Every phase runs through the same code as on a GPU and reports ok (e2e: skipped while its script does
     not exist); JSON, PNGs, report and RESULT lines appear and hold sane numbers."""

@@ -229,8 +229,10 @@ def eagle_draft(
         }
         return buf, cand, front
 
-    # one compiled body for every depth: compile time does not grow with the strategy's depth
-    buf, cand, _ = jax.lax.fori_loop(1, d, expand, (buf, cand, front))
+    # one compiled body for every depth: compile time does not grow with the strategy's depth (a depth-1
+    # tree has no frontier forward: its body, traced even for zero trips, would not fit the 1-slot buffer)
+    if d > 1:
+        buf, cand, _ = jax.lax.fori_loop(1, d, expand, (buf, cand, front))
     c_depth = [np.full(k, 1)] + [np.full(k * k, j + 1) for j in range(1, d)]
 
     all_tok, all_score, all_parent = cand["tok"], cand["score"], cand["parent"]

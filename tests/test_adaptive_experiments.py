@@ -39,6 +39,7 @@ def _run(script: str, *args: str, timeout: int = 600) -> tuple[dict[str, str], s
 
 
 @pytest.mark.slow
+@pytest.mark.experiments
 def test_program_layouts_tiny(tmp_path):
     """Three strategies, two of them with tokens_to_verify 4: the shared layout compiles one program per TV
     group (2), the naive one per strategy (3), the single layout one; the merged program costs less memory
@@ -64,6 +65,7 @@ def test_program_layouts_tiny(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.experiments
 def test_sd_heatmaps_smoke(smollm_gguf_path, tmp_path):
     """One measured cell (batch 1, 2_1_3) fills Table 4 and Fig 13's depth-2 row; depth 3 > TV - 1 stays
     empty. A random drafter accepts almost nothing: only the shape and sanity of the numbers are checked."""
@@ -95,6 +97,7 @@ def test_sd_heatmaps_smoke(smollm_gguf_path, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.experiments
 def test_case_study_smoke(smollm_gguf_path, tmp_path):
     """4 requests x 8 tokens, two fixed arms switched on from the first chunk (threshold >= batch), one
     learning rollout per selector: every rollout samples the plain tokens (up to rounding flips), the best
