@@ -77,6 +77,17 @@ def bound(plain: list[dict[str, float]], spec: list[dict[str, float]]) -> tuple[
     return t_plain / max(t_plain - saved, 1e-9), speed
 
 
+def sd_phase_speedup(plain: list[dict[str, float]], spec: list[dict[str, float]]) -> float:
+    """The SD phase's speedup: the time plain decoding needs for the SD chunks' tokens (at the plain run's
+    tokens/s in each batch bucket) over the SD chunks' time. The bucket metrics leave out chunks that compiled
+    a program, so compilation never lands in either side; nan when the arm never ran SD."""
+    sd, pl = bucket_times(spec, "sd"), bucket_times(plain, "plain")
+    common = [b for b in sd if b in pl and sd[b][0] > 0 and pl[b][1] > 0]
+    sd_time = sum(sd[b][0] for b in common)
+    plain_time = sum(sd[b][1] * pl[b][0] / pl[b][1] for b in common)
+    return plain_time / sd_time if sd_time else float("nan")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="configs/tlt.py:quick (3 steps of 16 rows per arm)")
@@ -136,11 +147,7 @@ def main() -> None:
         e2e, roll = t_none / max(t, 1e-9), r_none / max(r, 1e-9)
         accept = float(np.mean([m.get("spec/accept_len", 0.0) for m in h]))
         b, speeds = (1.0, {}) if arm == "none" else bound(base, h)
-        sd_s = sum(m.get("rollout/sd_seconds", 0.0) for m in h)
-        # the plain run's decode time in the buckets where this arm ran SD, over this arm's SD time
-        sd_buckets = set(bucket_times(h, "sd"))
-        plain_same = sum(s for bk, (s, _) in bucket_times(base, "plain").items() if bk in sd_buckets)
-        sd_phase = plain_same / sd_s if sd_s else float("nan")
+        sd_phase = sd_phase_speedup(base, h)
         row = (f"{t:.1f}", f"{r:.1f}", f"{tail:.1f}", f"{e2e:.2f}x", f"{b:.2f}x", f"{roll:.2f}x")
         print(" ".join(f"{c:>9}" for c in (arm, *row, f"{sd_phase:.2f}x", f"{accept:.2f}")))
         if arm != "none":
