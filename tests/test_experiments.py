@@ -1,6 +1,9 @@
 """The benchmark scripts run end to end as a user runs them (a tiny configuration of each; the numbers they
-print are checked for shape and sanity, not speed: performance lives in the scripts, not in tests)."""
+print are checked for shape and sanity, not speed: performance lives in the scripts, not in tests). The
+subprocesses share the test session's persistent compilation cache (.cache/jax_test_cache), so reruns skip
+most XLA compilation. Marked `experiments`: `make test-experiments` runs them, CI's `make test` does not."""
 
+import math
 import os
 import pathlib
 import subprocess
@@ -11,10 +14,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str, timeout: int = 600) -> dict[str, str]:
-    """Run experiments/<script> in a fresh process on one CPU device (no test-session XLA flags, like a user);
-    returns its final RESULT line as a dict."""
+def _run(script: str, *args: str, timeout: int = 600) -> tuple[dict[str, str], str]:
+    """Run experiments/<script> on one CPU device; returns (its RESULT line as a dict, its stdout)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax_test_cache"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / script), *args],
         cwd=ROOT,
@@ -23,17 +28,17 @@ def _run(script: str, *args: str, timeout: int = 600) -> dict[str, str]:
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT "), proc.stdout[-2000:]
-    return dict(item.split("=", 1) for item in last.split()[1:])
+    return dict(item.split("=", 1) for item in last.split()[1:]), proc.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.experiments
 def test_bench_sd_smoke(smollm_gguf_path):
     """bench_sd with an untrained drafter: one prompt, a few tokens, one interleaved plain/SD pair."""
-    res = _run(
+    res, _ = _run(
         "bench_sd.py",
         "--random-drafter",
         "--batches",
@@ -59,3 +64,102 @@ def test_bench_sd_smoke(smollm_gguf_path):
     assert speedups[res["best_bs1"]] == max(speedups.values())
     assert float(res["sd_speedup_bs1"]) == speedups[res["best_bs1"]]
     assert float(res["plain_tok_s_bs1"]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.experiments
+def test_program_layouts_tiny(tmp_path):
+    """Three strategies, two of them with tokens_to_verify 4: the shared layout compiles one program per TV
+    group (2), the naive one per strategy (3), the single layout one; the merged program costs less memory
+    than the two it replaces."""
+    res, out = _run(
+        "program_layouts.py",
+        "--tiny",
+        "--batches",
+        "1",
+        "--strategies",
+        "3_1_4,ngram_3_1_4,2_1_3",
+        "--single",
+        "3_1_4",
+        "--out",
+        str(tmp_path),
+    )
+    assert (res["programs_single"], res["programs_naive"], res["programs_shared"]) == ("1", "3", "2")
+    mib = {k: float(res[f"mib_{k}"]) for k in ("single", "naive", "shared")}
+    assert 0 < mib["single"] < mib["shared"] < mib["naive"], mib
+    assert all(float(res[f"compile_s_{k}"]) > 0 for k in mib)
+    assert "ngram_3_1_4+3_1_4" in out or "3_1_4+ngram_3_1_4" in out  # the printed TV-4 group
+    assert (tmp_path / "program_layouts.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.experiments
+def test_sd_heatmaps_smoke(smollm_gguf_path, tmp_path):
+    """One measured cell (batch 1, 2_1_3) fills Table 4 and Fig 13's depth-2 row; depth 3 > TV - 1 stays
+    empty. A random drafter accepts almost nothing: only the shape and sanity of the numbers are checked."""
+    res, _ = _run(
+        "sd_heatmaps.py",
+        "--random-drafter",
+        "--batches",
+        "1",
+        "--tv",
+        "3",
+        "--depths",
+        "2,3",
+        "--prompts",
+        "1",
+        "--new",
+        "4",
+        "--reps",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
+    assert res["best_t4"] == "2_1_3@bs1" and res["best_f13"] == "2_1_3"
+    assert "f13_d3_tv3" not in res  # depth 3 cannot be drafted with 2 draft slots: an empty cell
+    assert res["t4_bs1_tv3"] == res["f13_d2_tv3"] == res["best_t4_speedup"]  # one measurement, reused
+    assert 0 < float(res["t4_bs1_tv3"]) < 10
+    assert float(res["best_f13_accept"]) >= 1.0  # accepted drafts + the bonus token
+    for png in ("table4_heatmap.png", "fig13_heatmap.png"):
+        assert (tmp_path / png).stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.experiments
+def test_case_study_smoke(smollm_gguf_path, tmp_path):
+    """4 requests x 8 tokens, two fixed arms switched on from the first chunk (threshold >= batch), one
+    learning rollout per selector: every rollout samples the plain tokens (up to rounding flips), the best
+    fixed arm is the fastest of the fixed ones, and the headline ratios agree with each other."""
+    res, out = _run(
+        "case_study.py",
+        "--random-drafter",
+        "--requests",
+        "4",
+        "--samples",
+        "2",
+        "--max-new",
+        "8",
+        "--arms",
+        "3_1_4,ngram_3_1_4",
+        "--threshold",
+        "4",
+        "--learn",
+        "1",
+        "--no-fresh",
+        "--out",
+        str(tmp_path),
+    )
+    # coupled verification: tokens equal plain's up to float-rounding flips (a real divergence exits non-zero)
+    assert res["same_tokens"] == ("1" if res["flips"] == "0" else "0") and int(res["flips"]) >= 0
+    assert "diverge for real" in out and "A REAL DIVERGENCE" not in out
+    fixed = {k: float(res[f"{k}_vs_plain"]) for k in ("3_1_4", "ngram_3_1_4")}
+    assert res["best_fixed"] in ("3_1_4@thr4", "ngram_3_1_4@thr4")
+    assert float(res["best_fixed_vs_plain"]) == max(fixed.values())
+    assert float(res["best_fixed_sd_share"]) > 0.5  # speculative from the first chunk
+    assert float(res["best_fixed_accept"]) >= 1.0
+    ratios = {k: float(res[k]) for k in ("adaptive_vs_plain", "adaptive_vs_best_fixed", "adaptive_vs_ema")}
+    assert all(0 < v < 100 for v in ratios.values()), ratios
+    # adaptive_vs_plain = (plain / best fixed) x (best fixed / adaptive), up to the 3-decimal rounding
+    derived = float(res["best_fixed_vs_plain"]) * ratios["adaptive_vs_best_fixed"]
+    assert math.isclose(derived, ratios["adaptive_vs_plain"], rel_tol=5e-3, abs_tol=2e-3)
+    assert (tmp_path / "case_study.png").stat().st_size > 0
