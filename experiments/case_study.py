@@ -405,6 +405,12 @@ def report(
         print(
             f"{name} per bucket b0.. (<= {args.buckets}, rest), arm: median tok/s (chunks): {', '.join(text)}"
         )
+    for name, c in fixed.items():
+        if sd_share(c.median_run()) == 0.0:
+            print(
+                f"{name}: never reached <= {args.threshold} running rows, so it decoded exactly as plain "
+                "(same programs, same tokens): its ratio to plain is timing noise, not a speedup"
+            )
     bound, best_b = oracle_bound(plain, [r for c in configs.values() for r in c.runs])
     tail = plain.stats.seconds_at_running(args.threshold) / max(plain.stats.decode_seconds, 1e-9)
     lens = plain.lengths
