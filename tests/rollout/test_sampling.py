@@ -66,6 +66,31 @@ def test_target_probs_hand_values() -> None:
     np.testing.assert_array_equal(target_probs(logits, SamplingParams(0.0)), [[1, 0, 0, 0, 0]])
 
 
+def sorted_reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The textbook definition, by sorting: top-k logits, then the smallest prefix with mass >= top_p."""
+    z = logits.astype(np.float64) / temperature
+    out = np.zeros_like(z)
+    for r in range(z.shape[0]):
+        order = np.argsort(-z[r], kind="stable")[: top_k or None]
+        p = np.exp(z[r, order] - z[r, order].max())
+        p /= p.sum()
+        keep = np.cumsum(p) - p < top_p
+        out[r, order[keep]] = p[keep] / p[keep].sum()
+    return out
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.95), (0, 0.5), (50, 0.9), (0, 0.999)])
+def test_threshold_masks_equal_the_sorted_definition(top_k: int, top_p: float) -> None:
+    """target_probs masks by threshold (a bisection, no sort): the same kept set and probabilities as the
+    sort-based definition on 64 rows x 4096 tokens, from flat to peaked rows (logit scales 0.3-8)."""
+    rng = np.random.default_rng(top_k + int(top_p * 1000))
+    logits = rng.normal(size=(64, 4096)) * np.geomspace(0.3, 8.0, 64)[:, None]
+    got = np.asarray(target_probs(jnp.asarray(logits, jnp.float32), SamplingParams(0.9, top_k, top_p)))
+    want = sorted_reference(logits.astype(np.float32), 0.9, top_k, top_p)
+    np.testing.assert_array_equal(got > 0, want > 0)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-9)
+
+
 @pytest.mark.parametrize(
     "v, block",
     [

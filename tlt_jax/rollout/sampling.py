@@ -37,35 +37,52 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def _top_p_keep(sorted_probs: jax.Array, top_p: float) -> jax.Array:
-    """Keep mask over probabilities sorted in descending order: the smallest prefix with mass >= top_p."""
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    return mass_before < top_p
+def _top_p_floor(probs: jax.Array, top_p: float) -> jax.Array:
+    """[..., V] probabilities -> [..., 1] the smallest kept probability of the top-p set.
+
+    Top-p keeps token i iff the mass of the tokens more probable than i is < top_p, i.e. M(p_i) < top_p with
+    M(t) = sum_j p_j [p_j > t]. M is non-increasing in t, so the kept set is {i : p_i >= tau} with tau the
+    smallest float where M(tau) < top_p (tau is one of the p_j). Non-negative float32 values order like their
+    bit patterns, so a lower-bound bisection over the bits finds tau exactly in 31 masked sums over V. The
+    textbook version sorts the vocabulary instead: 800 ms per step at batch 64, V = 49,152 on a 2-core CPU
+    (13 ms at batch 1) against ~40 ms for this. Tokens tied at tau are all kept (a sort keeps an arbitrary
+    subset of them); otherwise the two agree up to the rounding of their mass sums.
+    """
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
+    lo = jnp.zeros(probs.shape[:-1] + (1,), jnp.int32)
+    hi = jnp.max(bits, axis=-1, keepdims=True)  # M(max p) = 0 < top_p
+
+    def step(_, lo_hi):
+        lo, hi = lo_hi
+        mid = lo + (hi - lo) // 2
+        above = jnp.sum(jnp.where(bits > mid, probs, 0.0), axis=-1, keepdims=True)
+        ok = above < top_p
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    lo, _ = jax.lax.fori_loop(0, 31, step, (lo, hi))
+    return jax.lax.bitcast_convert_type(lo, jnp.float32)
 
 
 def target_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """[..., V] logits -> [..., V] float32 probabilities of the sampling distribution.
 
     Greedy gives a one-hot on the argmax, so acceptance rules see it as the deterministic distribution it is.
+    Top-k and top-p are masks by threshold (no sort of the vocabulary; see `_top_p_floor`); logits tied with
+    the k-th largest are all kept.
     """
     logits = logits.astype(jnp.float32)
     v = logits.shape[-1]
     if params.greedy:
         return jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
     scaled = logits / params.temperature
-    if params.top_k == 0 and params.top_p >= 1.0:
-        return jax.nn.softmax(scaled, axis=-1)
-    k = params.top_k if 0 < params.top_k < v else v
-    vals, idx = jax.lax.top_k(scaled, k)  # sorted descending
-    probs_k = jax.nn.softmax(vals, axis=-1)
+    if 0 < params.top_k < v:
+        kth = jax.lax.top_k(scaled, params.top_k)[0][..., -1:]
+        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    probs = jax.nn.softmax(scaled, axis=-1)
     if params.top_p < 1.0:
-        probs_k = jnp.where(_top_p_keep(probs_k, params.top_p), probs_k, 0.0)
-        probs_k = probs_k / jnp.sum(probs_k, axis=-1, keepdims=True)
-    flat_p = probs_k.reshape(-1, k)
-    flat_i = idx.reshape(-1, k)
-    out = jnp.zeros((flat_p.shape[0], v), jnp.float32)
-    out = out.at[jnp.arange(flat_p.shape[0])[:, None], flat_i].set(flat_p)
-    return out.reshape(logits.shape)
+        probs = jnp.where(probs >= _top_p_floor(probs, params.top_p), probs, 0.0)
+        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    return probs
 
 
 def categorical(key: jax.Array, weights_bv: jax.Array, block: int = 256) -> jax.Array:
