@@ -15,12 +15,14 @@ from flax import nnx
 
 from tlt_jax import sharding as shd
 from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer
+from tlt_jax.drafter.trainer import TRAIN_STATE_DIR
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.hooks import ChunkView, RolloutHooks
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.utils.checkpoint import Checkpointer
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 44]]
 EOS = list(range(100, 120))
@@ -98,6 +100,8 @@ def test_idle_devices_train_busy_devices_decode_unchanged(model):
     assert views.views[-1].live_rows == 0
     m = spot.metrics()
     assert m["spot/idle_device_s"] > 0 and m["spot/used_device_s"] > 0 and m["spot/trained_tokens"] > 0
+    # used is counted over the same devices and chunks as the idle time on offer, so it cannot exceed it
+    assert m["spot/used_device_s"] <= m["spot/idle_device_s"] * (1 + 1e-9), m
 
     # a second rollout (the next RL step): nothing recompiles, training resumes from the same state
     programs = eng.compile_count
@@ -107,7 +111,7 @@ def test_idle_devices_train_busy_devices_decode_unchanged(model):
     assert int(spot.state.step) > steps_at_end
 
 
-def test_between_chunks_trains_only_in_the_tail_and_reports_its_cost(model):
+def test_between_chunks_trains_only_in_the_tail_and_reports_its_cost(model, tmp_path):
     eng = engine(model, 1)
     cfg = SpotConfig(mode="between_chunks", threshold=4, steps_per_chunk=1, **SPOT)
     spot = SpotTrainer(cfg, Drafter(model.cfg, nnx.Rngs(1)), eng)
@@ -128,6 +132,21 @@ def test_between_chunks_trains_only_in_the_tail_and_reports_its_cost(model):
     assert int(after.state.step) == 0  # nothing during the rollout
     after.after_rollout()
     assert int(after.state.step) == 3 and after.metrics()["spot/added_seconds"] > 0
+
+    # warm start: a new spot trainer takes a saved train state's AdamW moments (not its params or step)
+    ckpt = Checkpointer(tmp_path / TRAIN_STATE_DIR, async_save=False)
+    ckpt.save(3, after.state)
+    ckpt.close()
+    fresh = SpotTrainer(SpotConfig(mode="after_rollout", **SPOT), Drafter(model.cfg, nnx.Rngs(2)), eng)
+    params = leaves(fresh.params)
+    assert not fresh.warm_start(tmp_path / "missing")
+    assert fresh.warm_start(tmp_path / TRAIN_STATE_DIR)
+    for a, b in zip(leaves(fresh.state.opt_state), leaves(after.state.opt_state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(np.abs(x).max() > 0 for x in leaves(fresh.state.opt_state))
+    for a, b in zip(leaves(fresh.params), params, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(fresh.state.step) == 0
 
 
 def test_spot_config_and_mesh_errors(model):

@@ -28,6 +28,7 @@ Where the updates run (`SpotConfig.mode`):
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import time
 from typing import Any
 
@@ -45,6 +46,7 @@ from tlt_jax.drafter.loss import LossConfig, loss_sums, normalize_metrics
 from tlt_jax.drafter.packing import DrafterSample, PackedBatch, eagle_inputs, pack_samples, to_device
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.hooks import ChunkView, FinishedSequences, IdleWork, RolloutHooks, RolloutInfo
+from tlt_jax.utils.checkpoint import Checkpointer
 
 SPOT_MODES = ("off", "idle_devices", "between_chunks", "after_rollout")
 
@@ -172,6 +174,34 @@ class SpotTrainer(RolloutHooks):
         self._eval = jax.jit(lambda p, b, e, h: self._loss_sums(p, b, e, h))
         self._new_stats()
 
+    def warm_start(self, train_state_dir: str | pathlib.Path) -> bool:
+        """Carry the warm-up's AdamW moments (and their step count) into the spot trainer's optimizer.
+
+        The drafter's weights come from the warm-up; without its moments the first online steps are Adam's
+        cold-start steps of ~lr * sign(g) on 2-row micro-batches, which move a converged drafter off its
+        optimum (measured: -6% acceptance over 4 RL steps with fresh moments, docs/benchmarks.md). Needs the
+        warm-up's `train_state/` (same optimizer chain: clipping + AdamW); returns False, changing nothing,
+        when there is none. Params, step and key stay the spot trainer's own.
+        """
+        d = pathlib.Path(train_state_dir)
+        if not d.is_dir():
+            return False
+        ckpt = Checkpointer(d, max_to_keep=1)
+        try:
+            if ckpt.latest_step() is None:
+                return False
+            try:
+                warm = self.trainer.restore(ckpt, like=self.state)
+            except (ValueError, KeyError) as e:
+                raise ValueError(
+                    f"the warm-up optimizer state in {d} does not fit the spot trainer's optimizer "
+                    f"(clip_norm / weight decay chain or drafter shapes differ): {e}"
+                ) from e
+        finally:
+            ckpt.close()
+        self.state = self.state.replace(opt_state=warm.opt_state)
+        return True
+
     # ---- the learner's side ----
     @property
     def params(self) -> Any:
@@ -198,6 +228,7 @@ class SpotTrainer(RolloutHooks):
         self._updates: list[dict[str, float]] = []  # normalised metrics of each update
         self._fresh: list[DrafterSample] = []
         self._rollout_steps = 0
+        self._idle_at_start = 0  # devices with no live row at the start of the next chunk
 
     def metrics(self) -> dict[str, float]:
         """This step's spot-training metrics (loss / accuracy of its updates, staleness, cost, buffer)."""
@@ -274,9 +305,12 @@ class SpotTrainer(RolloutHooks):
         self.stats["spot/added_seconds"] += time.perf_counter() - t0
 
     def on_chunk(self, view: ChunkView) -> None:
-        idle = len(view.idle_shards)
-        if view.live_rows and idle:
-            self.stats["spot/idle_device_s"] += idle * view.record.seconds
+        # idle device-seconds on offer: the devices that had no live row when this chunk started (counted by
+        # `idle_work`, which the scheduler calls before every chunk on a data axis > 1), for the chunk's
+        # duration; a device whose rows end inside a chunk is counted from the next one. `used_device_s`
+        # counts the same devices when they trained, so used <= idle, and used / idle is the share taken.
+        self.stats["spot/idle_device_s"] += self._idle_at_start * view.record.seconds
+        self._idle_at_start = 0
         if self.cfg.mode == "between_chunks" and 0 < view.live_rows <= self.cfg.threshold:
             self._host_steps(self.cfg.steps_per_chunk)
 
@@ -288,6 +322,7 @@ class SpotTrainer(RolloutHooks):
     # ---- several devices: micro-steps on idle devices, fused into the next chunk ----
     def idle_work(self, live_per_shard: tuple[int, ...]) -> IdleWork | None:
         active = [n == 0 for n in live_per_shard]
+        self._idle_at_start = sum(active) if not all(active) else 0
         if self.cfg.mode != "idle_devices" or not any(active) or all(active) or not self._budget_left():
             return None
         self._staleness()
@@ -353,3 +388,4 @@ class SpotTrainer(RolloutHooks):
     def on_start(self, info: RolloutInfo) -> None:
         del info
         self._rollout_steps = 0
+        self._idle_at_start = 0

@@ -57,6 +57,8 @@ from tlt_jax.utils.checkpoint import Checkpointer, SaveInfo
 # ----------------------------------------------------------------------------------------------------------
 # Optimizer
 
+TRAIN_STATE_DIR = "train_state"  # a drafter workdir's full train state (params + optimizer), orbax
+
 
 def make_schedule(
     lr: float, total_steps: int, warmup_steps: int, schedule: str = "cosine", end_lr_ratio: float = 0.1

@@ -49,7 +49,7 @@ from tlt_jax.drafter.packing import (
     pack_samples,
     to_device,
 )
-from tlt_jax.drafter.trainer import DrafterTrainer, TrainState, optimizer_from_config
+from tlt_jax.drafter.trainer import TRAIN_STATE_DIR, DrafterTrainer, TrainState, optimizer_from_config
 from tlt_jax.drafter.warmup_data import PhaseTimes, build_data, write_json
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
@@ -59,7 +59,6 @@ from tlt_jax.utils.checkpoint import Checkpointer, DrafterCheckpointer
 from tlt_jax.utils.tracking import JsonlTracker
 
 DRAFTER_DIR = "drafter"
-TRAIN_STATE_DIR = "train_state"
 DATA_DIR = "data"
 EVAL_BEFORE_FILE = "eval_before.json"
 RESULT_FILE = "drafter_eval.json"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import time
 from typing import Any
@@ -28,6 +29,7 @@ from flax import nnx
 
 from tlt_jax import config_lib
 from tlt_jax.drafter.spot_trainer import SpotTrainer
+from tlt_jax.drafter.trainer import TRAIN_STATE_DIR
 from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rl import config as rl_config
@@ -121,6 +123,11 @@ class Learner:
         )
         self.monitor = RolloutMonitor(float(config.drafter.min_accept_len))
         self.spot = SpotTrainer(spot_cfg, engine_drafter, self.engine) if spot_cfg.mode != "off" else None
+        if self.spot is not None and self.rollout_drafter.kind == "eagle":
+            # the warmed drafter's optimizer moments too (its workdir's train_state/, when there is one)
+            warm = pathlib.Path(self.rollout_drafter.path).parent / TRAIN_STATE_DIR
+            if self.spot.warm_start(warm) and self.is_main:
+                logging.info("spot trainer: AdamW moments carried over from %s", warm)
         self.adaptive = None  # the adaptive engine's mode selector (config.bandit), kept across steps
         if config.bandit.algorithm != "off":
             eagle_arms = [a for a in config.bandit.arms if a != "plain" and not a.startswith("ngram_")]
