@@ -8,7 +8,7 @@ Models are tiny and built so that speculation does real work:
   unit RMS, so the target's input norm is the identity): it predicts the target almost exactly, and noise on
   its fusion weights sets the acceptance rate; random drafters (low acceptance) are the other extreme.
 
-Statistical protocol (as tests/rollout/test_acceptance.py): 65,536 samples of one prompt in one engine call
+Statistical protocol (as tests/rollout/test_acceptance.py): 32,768 samples of one prompt in one engine call
 per variant; Pearson chi-square of the joint of the first three response tokens against the exact joint the
 target computes by teacher forcing (`target_probs`, temperature 0.9, top-k 20 < V = 32, top-p 0.95);
 cells with expected count < 5 pooled; zero-probability cells must stay empty. Exact variants pass at
@@ -401,7 +401,7 @@ SAMPLE_CFG = tiny_config(
     tie_embeddings=False,
 )
 SAMPLING = SamplingParams(temperature=0.9, top_k=20, top_p=0.95)
-NUM_SAMPLES = 65_536
+NUM_SAMPLES = 32_768  # the biased rule still gives p ~ 0 (underflow); 65,536 did too at twice the time
 PASS_P, POWER_P = 1e-3, 1e-6
 
 
@@ -488,7 +488,7 @@ def _sample(engine, prompt: list[int], mode: str, seed: int):
 
 @pytest.mark.slow
 def test_speculative_sampling_is_lossless(sampling_setup):
-    """65,536 samples of the first three response tokens per variant, chi-square against the target's exact
+    """32,768 samples of the first three response tokens per variant, chi-square against the target's exact
     joint (p > 1e-3), for every acceptance rule: coupled verification (chain and tree: every token is plain
     decoding's own draw), the target-only walk (argmax chain and tree), rejection sampling of a chain with
     sampled drafts; the rejection chain and the trees again with a confident random drafter, and the
@@ -539,7 +539,7 @@ def test_speculative_sampling_is_lossless(sampling_setup):
     assert results["tree_bad_drafter"][1] < results["tree"][1], results
     assert results["chain_bad_drafter"][1] < results["chain"][1], results
     # coupled and target-only verification accept a drafted child with the same probability (its target
-    # mass): ~196k row-rounds each, so the accept lengths agree to well within 0.02
+    # mass): ~100k row-rounds each, so the accept lengths agree to well within 0.02
     assert abs(results["tree_coupled"][1] - results["tree"][1]) < 0.02, results
     assert abs(results["chain_coupled"][1] - results["chain_argmax"][1]) < 0.02, results
     # rejection sampling accepts a draft with probability sum_x min(p, q) = 1 - TV(p, q), close to 1 for this
