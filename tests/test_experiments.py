@@ -163,3 +163,13 @@ def test_case_study_smoke(smollm_gguf_path, tmp_path):
     derived = float(res["best_fixed_vs_plain"]) * ratios["adaptive_vs_best_fixed"]
     assert math.isclose(derived, ratios["adaptive_vs_plain"], rel_tol=5e-3, abs_tol=2e-3)
     assert (tmp_path / "case_study.png").stat().st_size > 0
+
+
+@pytest.mark.experiments
+def test_bench_sampling_smoke(tmp_path):
+    """bench_sampling on a 4,096-token vocabulary: both versions keep the same sets (the script checks) and
+    report positive times and their ratio."""
+    res, _ = _run("bench_sampling.py", "--quick", "--vocab", "4096", "--reps", "1", "--out", str(tmp_path))
+    assert set(res) == {"speedup_b1", "speedup_b64", "ms_ours_b64", "ms_sort_b64"}
+    assert all(float(v) > 0 for v in res.values())
+    assert (tmp_path / "bench_sampling.png").exists()

@@ -37,6 +37,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+FLOOR_BLOCK_ROWS = 8  # rows per block of the top-p search (cache-sized at V ~ 50k; see _top_p_floor_rows)
+
+
 def _top_p_floor(probs: jax.Array, top_p: float) -> jax.Array:
     """[..., V] probabilities -> [..., 1] the smallest kept probability of the top-p set.
 
@@ -63,6 +66,22 @@ def _top_p_floor(probs: jax.Array, top_p: float) -> jax.Array:
     return jax.lax.bitcast_convert_type(lo, jnp.float32)
 
 
+def _top_p_floor_rows(probs: jax.Array, top_p: float, block: int = FLOOR_BLOCK_ROWS) -> jax.Array:
+    """`_top_p_floor` over [..., V] in blocks of `block` rows (a sequential `lax.map`), so that the 31 passes
+    over a block's probabilities hit the cache instead of memory: at V = 49,152 a verify pass over 64 rows x
+    3 tokens took 264 ms vectorised over all rows and takes 56 ms in blocks of 8 (2-core AVX2 CPU). Every
+    block has the same shape (rows are padded), so a row's floor does not depend on the batch it is in."""
+    lead, v = probs.shape[:-1], probs.shape[-1]
+    flat = probs.reshape(-1, v)
+    n = flat.shape[0]
+    if n <= block:
+        return _top_p_floor(flat, top_p).reshape(lead + (1,))
+    nb = -(-n // block)
+    padded = jnp.pad(flat, ((0, nb * block - n), (0, 0)), constant_values=1.0 / v)
+    floors = jax.lax.map(lambda rows: _top_p_floor(rows, top_p), padded.reshape(nb, block, v))
+    return floors.reshape(-1, 1)[:n].reshape(lead + (1,))
+
+
 def target_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """[..., V] logits -> [..., V] float32 probabilities of the sampling distribution.
 
@@ -80,7 +99,7 @@ def target_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
         scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
     probs = jax.nn.softmax(scaled, axis=-1)
     if params.top_p < 1.0:
-        probs = jnp.where(probs >= _top_p_floor(probs, params.top_p), probs, 0.0)
+        probs = jnp.where(probs >= _top_p_floor_rows(probs, params.top_p), probs, 0.0)
         probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
     return probs
 
