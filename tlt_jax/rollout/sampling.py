@@ -155,6 +155,12 @@ def sample_rows(
     keys_b: jax.Array, logits_bv: jax.Array, params: SamplingParams
 ) -> tuple[jax.Array, jax.Array]:
     """`sample` with one PRNG key per row, so a row's draws do not depend on which batch it runs in
-    (compaction into smaller buckets, sharding and speculative decoding leave each stream alone)."""
-    tok, lp = jax.vmap(lambda k, lg: sample(k, lg[None], params))(keys_b, logits_bv)
-    return tok[:, 0], lp[:, 0]
+    (compaction into smaller buckets, sharding and speculative decoding leave each stream alone). The
+    distribution is computed for the whole batch (the top-p search runs in cache-sized row blocks, which a
+    per-row vmap would undo); only the draw is per row."""
+    chex.assert_rank(logits_bv, 2)
+    if params.greedy:
+        return sample(keys_b[0], logits_bv, params)  # argmax: the keys are not used
+    probs = target_probs(logits_bv, params)
+    tok = jax.vmap(lambda k, p: categorical(k, p[None])[0])(keys_b, probs)
+    return tok, jnp.log(jnp.take_along_axis(probs, tok[:, None], axis=-1)[:, 0])
