@@ -40,7 +40,7 @@ kernels: $(STAMP)
 
 setup: $(STAMP) $(GGUF) kernels
 
-# TLT: GRPO with speculative rollouts on a long-tail task (configs/tlt.py; ~25 min here). Without a warmed EAGLE
+# TLT: GRPO with speculative rollouts on a long-tail task (configs/tlt.py; ~35-44 min here, measured 2026-11-23). Without a warmed EAGLE
 # drafter in workdirs/drafter_tlt it drafts with the n-gram drafter and trains an EAGLE drafter online; the
 # warm-up command it prints makes one (`make warmup`).
 run: setup

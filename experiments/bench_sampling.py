@@ -58,12 +58,17 @@ def main() -> None:
     }
     rng = np.random.default_rng(0)
     logits, times = {}, {(name, b): [] for name in fns for b in batches}
+    differing = 0  # rows whose kept sets differ by a boundary token
     for b in batches:  # language-model-like rows: a few peaked, most flat (logit scales 1-6)
         x = rng.standard_normal((b, args.vocab)).astype(np.float32) * np.linspace(1.0, 6.0, b)[:, None]
         logits[b] = jnp.asarray(x)
         got, want = (np.asarray(f(logits[b])) for f in fns.values())  # compiles both
-        if not np.array_equal(got > 0, want > 0):
-            raise SystemExit(f"batch {b}: the kept sets differ ({(got > 0).sum()} vs {(want > 0).sum()})")
+        # the two sum the mass above a token in different orders, so a token whose mass-before lies within
+        # float rounding of top_p can fall on either side: at most that one token per row may differ
+        diff = ((got > 0) != (want > 0)).sum(axis=-1)
+        if diff.max() > 1:
+            raise SystemExit(f"batch {b}: kept sets differ by {diff.max()} tokens in a row (rounding: 1)")
+        differing += int((diff > 0).sum())
     for _ in range(reps):
         for b in batches:
             for name, f in fns.items():
@@ -71,6 +76,7 @@ def main() -> None:
                 f(logits[b]).block_until_ready()
                 times[(name, b)].append(time.perf_counter() - t)
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    print(f"rows whose kept set differs from the sort's by one boundary token: {differing} of {sum(batches)}")
     print(f"{'batch':>6} {'ours ms':>9} {'sort ms':>9} {'sort/ours':>9}")
     for b in batches:
         ours, srt = ms[("ours", b)], ms[("sort", b)]
