@@ -96,8 +96,8 @@ def get_config(arg: str | None = None):
     c.spot.window = MAX_NEW_TOKENS
     c.spot.context = 128
     # the warm-up's final lr (1e-3 cosine-decayed to 1e-4), continuing from its AdamW moments (the learner
-    # carries them over from the warm-up workdir's train_state/); a drafter trained from scratch online
-    # (no warm-up) learns faster at the SpotConfig default 3e-4
+    # carries them over from the warm-up workdir's train_state/). Not tuned: a drafter trained from scratch
+    # online (no warm-up) uses the same lr here
     c.spot.lr = 1e-4
 
     # the adaptive engine: BEG-MAB over plain, two EAGLE chains and the n-gram drafter, per running bucket

@@ -167,8 +167,8 @@ def test_case_study_smoke(smollm_gguf_path, tmp_path):
 
 @pytest.mark.experiments
 def test_bench_sampling_smoke(tmp_path):
-    """bench_sampling on a 4,096-token vocabulary: both versions keep the same sets (the script checks) and
-    report positive times and their ratio."""
+    """bench_sampling on a 4,096-token vocabulary: both versions keep the same sets up to one boundary token
+    per row (the script checks) and report positive times and their ratio."""
     res, _ = _run("bench_sampling.py", "--quick", "--vocab", "4096", "--reps", "1", "--out", str(tmp_path))
     assert set(res) == {"speedup_b1", "speedup_b64", "ms_ours_b64", "ms_sort_b64"}
     assert all(float(v) > 0 for v in res.values())

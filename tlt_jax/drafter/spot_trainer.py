@@ -388,4 +388,3 @@ class SpotTrainer(RolloutHooks):
     def on_start(self, info: RolloutInfo) -> None:
         del info
         self._rollout_steps = 0
-        self._idle_at_start = 0
