@@ -17,7 +17,7 @@ hidden states (one CPU device has no idle devices, so it trains between tail chu
 `spot/added_seconds`), and BEG-MAB picks each chunk's mode among plain, two EAGLE chains and the n-gram
 drafter per running-batch bucket (plain is an arm: it learns where speculation pays on this CPU).
 
-Args (`configs/tlt.py:drafter=ngram,steps=12,seed=0`):
+Args (`configs/tlt.py:drafter=ngram,steps=10,seed=0`):
   drafter: auto (the warmed EAGLE drafter in `drafter_path` if present, else n-gram; the default), eagle,
            ngram, none
   drafter_path: the EAGLE warm-up workdir (default workdirs/drafter_tlt; create it with
@@ -49,7 +49,7 @@ def get_config(arg: str | None = None):
     arg = config_lib.parse_arg(
         arg,
         drafter="auto",
-        steps=12,
+        steps=10,
         seed=0,
         drafter_path=DEFAULT_DRAFTER_PATH,
         spot="between_chunks",

@@ -198,7 +198,8 @@ def test_sigkill_mid_save_leaves_previous_step_restorable(tmp_path):
     np.testing.assert_array_equal(state["w"], np.arange(4.0))
     np.testing.assert_array_equal(jax.random.key_data(state["rng"]), jax.random.key_data(jax.random.key(1)))
     assert meta == {"data_position": 10}
-    assert not any("tmp" in n for n in os.listdir(ckdir))  # the half-written step was cleaned up on open
+    left = os.listdir(ckdir)
+    assert not any("tmp" in n for n in left), left  # the half-written step was cleaned up on open
     assert ckpt.save(2, {"w": jnp.ones(4), "rng": jax.random.key(3)}, {"data_position": 20}).saved
     assert ckpt.latest_step() == 2
     assert ckpt.restore(2)[1] == {"data_position": 20}

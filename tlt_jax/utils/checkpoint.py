@@ -12,7 +12,9 @@ typed key round-trips as a typed key (raw uint32 keys are ordinary arrays and ro
 
 Crash safety comes from orbax: a step is written into `<step>.orbax-checkpoint-tmp` and renamed to `<step>`
 only once complete, so a process killed mid-save leaves the previous step restorable; half-written temporary
-directories are ignored, and removed when the next `Checkpointer` opens the directory.
+directories are ignored, and removed when the next `Checkpointer` opens the directory (synchronously:
+orbax's own cleanup runs in a background thread, so a directory listed right after opening could still
+hold them).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -178,6 +181,16 @@ def _to_json(meta: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"checkpoint meta must be JSON (numbers, strings, lists, dicts): {e}") from e
 
 
+def _remove_half_written_steps(directory: str) -> None:
+    """Delete `<step>.orbax-checkpoint-tmp*` directories left by a process killed mid-save (process 0 only;
+    never a finalised `<step>` directory)."""
+    if jax.process_index() != 0 or not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        if ".orbax-checkpoint-tmp" in name:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
 class Checkpointer:
     """Saves and restores the training state (arrays) plus JSON metadata; keeps the last `max_to_keep` steps.
 
@@ -187,6 +200,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, async_save: bool = True):
         self.directory = os.path.abspath(os.fspath(directory))
+        _remove_half_written_steps(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
