@@ -9,12 +9,15 @@ a rollout without the spot trainer, stop when the rollout ends, and compile noth
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from tlt_jax import sharding as shd
-from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer
+from tlt_jax.drafter.chain import shift_left
+from tlt_jax.drafter.packing import eagle_inputs, pack_samples, to_device
+from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer, topk_hits
 from tlt_jax.drafter.trainer import TRAIN_STATE_DIR
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
@@ -156,3 +159,35 @@ def test_spot_config_and_mesh_errors(model):
         SpotTrainer(
             SpotConfig(mode="idle_devices", **SPOT), Drafter(model.cfg, nnx.Rngs(1)), engine(model, 1)
         )
+
+
+def test_staleness_probe_ranks_equal_top_k(random_samples):
+    """The staleness probe counts by the target token's rank (no vocabulary sort); its hits equal a
+    `lax.top_k` reference over the full head and over a reduced draft vocabulary (where a token outside the
+    vocabulary is a miss). The head is scaled down so the target token often ranks in the top 3."""
+    cfg = tiny_config("llama")
+    target = Transformer(cfg, nnx.Rngs(0))
+    drafter = Drafter(cfg, nnx.Rngs(3))
+    samples = random_samples(target, [20, 24, 30, 17], [4, 5, 3, 6], seed=2)
+    batch = to_device(pack_samples(samples, 32, 4)[0])
+    graphdef, params = nnx.split(drafter, nnx.Param)
+    embed = target.embed[...]
+    head = target.head_weight() * 0.05  # a flat-ish head: the target token is often in the top 3
+    rng = np.random.default_rng(0)
+    vocab = jnp.asarray(np.sort(rng.choice(cfg.vocab_size, cfg.vocab_size // 2, replace=False)), jnp.int32)
+
+    def reference(head_w, vocab):
+        e = eagle_inputs(batch)
+        h, _ = nnx.merge(graphdef, params)(embed[e.next_tokens], e.hidden_in, e.positions, None, e.mask)
+        top = jax.lax.top_k(h @ head_w.T, 3)[1]
+        top = top if vocab is None else vocab[top]
+        nxt, ok = shift_left(e.next_tokens, -1), e.valid & shift_left(e.valid, False)
+        hit1 = (top[..., 0] == nxt) & ok
+        hit3 = jnp.any(top == nxt[..., None], axis=-1) & ok
+        return {"top1": int(hit1.sum()), "top3": int(hit3.sum()), "count": int(ok.sum())}
+
+    for head_w, v in ((head, None), (jnp.take(head, vocab, axis=0), vocab)):
+        hits = jax.jit(topk_hits, static_argnums=0)(graphdef, params, batch, embed, head_w, v)
+        got = {k: int(x) for k, x in hits.items()}
+        want = reference(head_w, v)
+        assert got == want and want["top3"] > 0 and want["top3"] > want["top1"], (got, want)
