@@ -17,7 +17,9 @@ Where the updates run (`SpotConfig.mode`):
   function that it fuses into the next chunk: ONE SPMD program in `jax.shard_map` in which busy devices run
   the decode chunk and idle devices run `micro_steps` drafter micro-batches; the idle devices' gradient sums
   are psum'd (busy devices contribute exact zeros) and the update is applied once, replicated. Preemption:
-  when the rollout ends there is no next chunk, so training stops at the end of a tick's micro-steps.
+  when the rollout ends there is no next chunk, so training stops at the end of a tick's micro-steps. The
+  host's part (the staleness probe, packing the micro-batches) is not overlapped and goes into
+  `spot/added_seconds`.
 - "between_chunks": one device has no idle devices; after each chunk that ended with at most `threshold`
   running rows, `steps_per_chunk` optimizer steps run before the next chunk. Their time is the spot
   trainer's cost and is reported (`spot/added_seconds`), never hidden.
@@ -333,6 +335,7 @@ class SpotTrainer(RolloutHooks):
         self._idle_at_start = sum(active) if not all(active) else 0
         if self.cfg.mode != "idle_devices" or not any(active) or all(active) or not self._budget_left():
             return None
+        t0 = time.perf_counter()  # host work before the fused chunk (probe, packing) is added to the step
         self._staleness()
         d, k = len(live_per_shard), self.cfg.micro_steps
         tick = self._rollout_steps
@@ -340,6 +343,7 @@ class SpotTrainer(RolloutHooks):
         stacked = jax.tree.map(
             lambda *xs: np.stack(xs), *[jax.tree.map(lambda *ys: np.stack(ys), *row) for row in batches]
         )
+        self.stats["spot/added_seconds"] += time.perf_counter() - t0
         graphdef, tx, loss_cfg = self.trainer.graphdef, self.tx, self.loss_cfg
 
         def per_device(ops: tuple, active_here: jax.Array) -> tuple:
