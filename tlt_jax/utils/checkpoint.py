@@ -12,9 +12,9 @@ typed key round-trips as a typed key (raw uint32 keys are ordinary arrays and ro
 
 Crash safety comes from orbax: a step is written into `<step>.orbax-checkpoint-tmp` and renamed to `<step>`
 only once complete, so a process killed mid-save leaves the previous step restorable; half-written temporary
-directories are ignored, and removed when the next `Checkpointer` opens the directory (synchronously:
-orbax's own cleanup runs in a background thread, so a directory listed right after opening could still
-hold them).
+directories are ignored, and removed when the next `Checkpointer` opens the directory (synchronously, by
+`_remove_half_written_steps`: orbax's own cleanup runs in a background thread, so a directory listed right
+after opening could still hold them; it is switched off).
 """
 
 from __future__ import annotations
@@ -204,7 +204,9 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,  # drop half-written `<step>.orbax-checkpoint-tmp` dirs
+            # half-written `<step>.orbax-checkpoint-tmp` dirs are removed above, before opening; orbax's own
+            # cleanup would do it again in a background thread, racing a caller that lists the directory
+            cleanup_tmp_directories=False,
             create=True,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
