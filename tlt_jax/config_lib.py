@@ -189,6 +189,10 @@ def base_config() -> mlc.ConfigDict:
         )
     )
 
+    # Held-out evaluation (tlt_jax.rl.evaluation): the same problems and sampling keys before training and
+    # every `every` steps, a paired measure of learning; 0 = off
+    c.eval = mlc.ConfigDict(dict(every=0, prompts=16, samples=2))
+
     c.rl = mlc.ConfigDict()
     c.rl.prompts_per_step = 8
     c.rl.samples_per_prompt = 8  # GRPO group size

@@ -12,6 +12,7 @@ from tlt_jax import config_lib
 from tlt_jax.drafter.spot_trainer import SpotConfig
 from tlt_jax.models.build import DTYPES
 from tlt_jax.rl import grpo
+from tlt_jax.rl.evaluation import EvalConfig
 
 
 def rl_problems(config: Any) -> list[str]:
@@ -94,6 +95,14 @@ def spot_config_from(config: Any) -> SpotConfig:
         raise ValueError(f"config.spot is invalid: {e}") from e
 
 
+def eval_config_from(config: Any) -> EvalConfig:
+    """`EvalConfig` from `config.eval` (off when the config has no eval section)."""
+    try:
+        return EvalConfig(**dict(config.get("eval", {})))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.eval is invalid: {e}") from e
+
+
 def validate(config: Any, check_paths: bool = True) -> None:
     """Every problem of a GRPO config (shared sections and the job's own), in one ValueError."""
     problems = []
@@ -103,6 +112,10 @@ def validate(config: Any, check_paths: bool = True) -> None:
         problems += [line.strip()[2:] for line in str(e).splitlines()[1:]]
     if config.job == "grpo":
         problems += rl_problems(config)
+        try:
+            eval_config_from(config)
+        except ValueError as e:
+            problems.append(str(e))
         try:
             spot = spot_config_from(config)
         except ValueError as e:

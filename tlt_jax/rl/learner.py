@@ -34,6 +34,7 @@ from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rl import config as rl_config
 from tlt_jax.rl import grpo
+from tlt_jax.rl.evaluation import HeldOutEval
 from tlt_jax.rl.speculation import RolloutMonitor, resolve_drafter
 from tlt_jax.rl.trainer import (
     LossConfig,
@@ -172,6 +173,19 @@ class Learner:
         self.engine.set_params(self.trainer.compute_params())
         self.task = make_task(config.task)
         self._prompt_cache: dict[str, list[int]] = {}
+        eval_cfg = rl_config.eval_config_from(config)
+        self.evaluator = None
+        if eval_cfg.every:
+            self.evaluator = HeldOutEval(
+                eval_cfg,
+                self.task,
+                self._encode,
+                self.tokenizer,
+                self.engine,
+                self.sampling,
+                seed=int(config.seed),
+                train_positions=int(config.num_steps) * int(rl.prompts_per_step),
+            )
         self.base_key = jax.random.key(int(config.seed))
         # the rollout drafter's weights: fixed for a whole rollout (the engine drafts with one snapshot),
         # saved with the checkpoint; the spot trainer (tlt_jax.drafter) updates them between steps
@@ -183,7 +197,9 @@ class Learner:
         self._restore()
         if self.is_main:
             _truncate_jsonl(os.path.join(workdir, SAMPLES_FILE), self.step + 1)
-        self.trackers = make_trackers(config, workdir, resume_step=self.step + 1) if self.is_main else None
+        # a fresh run logs its held-out eval as step 0: a restart before step 1 drops that line too
+        resume = self.step + 1 if self.step else 0
+        self.trackers = make_trackers(config, workdir, resume_step=resume) if self.is_main else None
         if self.trackers is not None:
             self.trackers.log_config(config)
         logging.info("learner ready in %.1fs (start at step %d)", time.perf_counter() - t0, self.step + 1)
@@ -430,8 +446,14 @@ class Learner:
         status = "done"
         try:
             with PreemptionGuard() as guard:
+                if self.step == 0 and self.evaluator is not None:
+                    before = self.evaluator.run()  # the policy before any update
+                    if self.trackers is not None:
+                        self.trackers.log(0, before)
                 while self.step < int(cfg.num_steps):
                     metrics = self.train_step()
+                    if self.evaluator is not None and self.evaluator.cfg.due(self.step, int(cfg.num_steps)):
+                        metrics.update(self.evaluator.run())
                     if self.trackers is not None:
                         self.trackers.log(self.step, metrics)
                     last = self.step == int(cfg.num_steps)

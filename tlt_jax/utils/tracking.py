@@ -217,7 +217,8 @@ def format_step_line(step: int, metrics: Metrics) -> str:
     """One console line for a step; fields whose metrics are absent are left out.
 
     Reads: reward/mean, accuracy, length/{p50,p90,max}, time/<phase> (seconds; time/step is the total),
-    rollout/share (else time/rollout over the total), throughput/tok_per_s, spec/accept_len.
+    rollout/share (else time/rollout over the total), throughput/tok_per_s, spec/accept_len, eval/reward and
+    eval/accuracy (the held-out evaluation).
     """
     m = dict(metrics)
     parts = [f"step {step}"]
@@ -242,6 +243,10 @@ def format_step_line(step: int, metrics: Metrics) -> str:
         parts.append(f"{float(m['throughput/tok_per_s']):.0f} tok/s")
     if "spec/accept_len" in m:
         parts.append(f"accept {float(m['spec/accept_len']):.2f}")
+    if "eval/reward" in m:
+        parts.append(
+            f"held-out reward {_fmt_num(m['eval/reward'])} acc {100 * float(m.get('eval/accuracy', 0)):.1f}%"
+        )
     return " | ".join(parts)
 
 
