@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=None, help="response cap (default: the config's)")
+    ap.add_argument("--temperature", type=float, default=None, help="default: the config's")
     ap.add_argument("--offset", type=int, default=1000, help="task stream position of the first prompt")
     ap.add_argument("--out", default=str(ROOT / "workdirs" / "task_lengths"))
     args = ap.parse_args()
@@ -59,7 +60,7 @@ def main() -> None:
         eos_ids=list(tok.eos_token_ids),
         tokenizer=tok,
     )
-    sp = SamplingParams(float(cfg.rollout.temperature))
+    sp = SamplingParams(args.temperature or float(cfg.rollout.temperature))
     engine.generate(prompts, n=args.n, key=jax.random.key(99), sampling=sp)  # warm-up: compiles
     out = engine.generate(prompts, n=args.n, key=jax.random.key(0), sampling=sp)
     lengths = out.lengths

@@ -17,16 +17,9 @@ from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
+from tlt_jax.rl.batch import TrainBatch, build_train_batch, length_sorted_micro, micro_weights
 from tlt_jax.rl.learner import Learner
-from tlt_jax.rl.trainer import (
-    LossConfig,
-    OptimConfig,
-    PolicyTrainer,
-    TrainBatch,
-    build_train_batch,
-    micro_weights,
-    response_logprobs,
-)
+from tlt_jax.rl.trainer import LossConfig, OptimConfig, PolicyTrainer, response_logprobs
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 
@@ -160,7 +153,7 @@ def test_micro_batching_and_fsdp_do_not_change_the_update() -> None:
         mask = np.asarray(batch.response_mask)
         w = micro_weights(mask.reshape((8 // micro, -1) + mask.shape[1:]), tr.loss.aggregation)
         grads = leaves(tr.gradients(mb, w))
-        metrics, _ = tr.update(mb, w)
+        metrics, _ = tr.update([mb], [w])
         results.append((grads, leaves(tr.params), metrics))
     (g0, p0, m0), *rest = results
     for g, p, m in rest:
@@ -176,12 +169,48 @@ def test_micro_batching_and_fsdp_do_not_change_the_update() -> None:
             np.testing.assert_allclose(a, b, atol=2.5e-2)  # elsewhere: at most ~2 lr (a sign flip)
 
 
+@pytest.mark.parametrize("agg", sorted(grpo.LOSS_AGGREGATIONS))
+def test_length_sorted_micro_batches_equal_the_full_width_update(agg: str) -> None:
+    """Micro-batches sorted by length, each cut to its own Nb bucket (learner's layout), make the same
+    optimizer step as the full-width batch: same loss, gradient norm, parameters and log-probs."""
+    rng = np.random.default_rng(7)
+    lengths = np.asarray([3, 12, 2, 1, 7, 5, 4, 4])  # groups' longest: 12, 2, 7, 4 -> widths 12, 8, 4, 4
+    prompts = [p for g in range(4) for p in [rng.integers(1, CFG.vocab_size, 5 + g).tolist()] * 2]
+    batch = build_train_batch(
+        prompts,
+        rng.integers(1, CFG.vocab_size, (8, 12)),
+        lengths,
+        rng.uniform(-1, 1, 8).astype(np.float32),
+        np.ones(8, bool),
+        group_size=2,
+        seq_bucket=4,
+    )
+    loss = LossConfig(temperature=0.8, aggregation=agg, max_len=12)
+    full, cut = trainer(micro=2, loss=loss), trainer(micro=2, loss=loss)
+    w = micro_weights(np.asarray(batch.response_mask).reshape(4, 1, 2, 12), agg)
+    m_full, (logp_full,) = full.update([full.put_micro(batch)], [w])
+    parts = length_sorted_micro(batch, lengths, 2, 4, agg)
+    widths = [mb.num_response for mb in parts.micro]
+    assert widths == [12, 8, 4, 4], widths
+    assert sum(mb.response.size for mb in parts.micro) < batch.response.size
+    m_cut, logps = cut.update([cut.put_micro(mb) for mb in parts.micro], [x[None] for x in parts.weights])
+    for k in ("loss/pg", "policy/entropy", "optim/grad_norm"):
+        assert m_cut[k] == pytest.approx(m_full[k], rel=1e-4, abs=1e-7), k
+    mask = np.asarray(batch.response_mask).reshape(8, 12) > 0
+    unsorted = parts.unsort([np.asarray(x) for x in logps], 12)
+    np.testing.assert_allclose(unsorted[mask], np.asarray(logp_full).reshape(8, 12)[mask], atol=1e-5)
+    for a, b in zip(leaves(full.params), leaves(cut.params), strict=True):
+        np.testing.assert_allclose(a, b, atol=2.5e-2)  # AdamW's first step ~ lr * sign(g): see above
+    with pytest.raises(ValueError, match="whole groups of 2"):
+        length_sorted_micro(batch, lengths, 3, 4, agg)
+
+
 def test_train_layers_freezes_the_bottom_of_the_model() -> None:
     """train_layers=1 on a 2-layer model: layer 1 and the final norm move; the embedding (tied head) and
     layer 0 stay bit-identical and carry no optimizer state."""
     tr = trainer(micro=8, train_layers=1, loss=LossConfig(fuse_old_logprobs=True))
     before = jax.tree_util.tree_map(np.asarray, tr.params)
-    tr.update(tr.put_micro(random_batch(6)), np.ones((1,), np.float32))
+    tr.update([tr.put_micro(random_batch(6))], [np.ones((1,), np.float32)])
     after = jax.tree_util.tree_map(np.asarray, tr.params)
 
     def moved(part) -> bool:
@@ -212,13 +241,13 @@ def test_no_recompilation_after_warmup() -> None:
     # prompts of 2-9 and responses of 1-12 tokens all land in the 16-token buckets: one shape, new values
     batches = [random_batch(seed, bucket=16) for seed in (2, 3, 4, 5)]
     assert {(b.prompt.shape, b.response.shape) for b in batches} == {((4, 16), (4, 2, 16))}
-    tr.update(tr.put_micro(batches[0]), w)
-    tr.update(tr.put_micro(batches[1]), w)
+    tr.update([tr.put_micro(batches[0])], [w])
+    tr.update([tr.put_micro(batches[1])], [w])
     before = len(compiles)
     for batch in batches[2:]:
-        tr.update(tr.put_micro(batch), w)
+        tr.update([tr.put_micro(batch)], [w])
     assert len(compiles) == before, "the update recompiled for same-bucket batches"
-    assert tr._update._cache_size() == 1
+    assert tr._accum._cache_size() == 1 and tr._apply._cache_size() == 1
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -274,7 +303,7 @@ def test_one_grpo_step_changes_params_and_raises_the_surrogate() -> None:
     w = micro_weights(np.asarray(batch.response_mask).reshape(2, 1, n, -1), "seq_mean_token_mean")
     before_params = leaves(tr.params)
     before = tr.surrogate_loss(mb, w)
-    metrics, _ = tr.update(mb, w)
+    metrics, _ = tr.update([mb], [w])
     after = tr.surrogate_loss(mb, w)
     assert after < before - 1e-4, (before, after)
     assert metrics["loss/pg"] == pytest.approx(before, abs=1e-6)  # KL is 0 at the reference

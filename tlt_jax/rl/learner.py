@@ -34,16 +34,10 @@ from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rl import config as rl_config
 from tlt_jax.rl import grpo
+from tlt_jax.rl.batch import TrainBatch, build_train_batch, length_sorted_micro
 from tlt_jax.rl.evaluation import HeldOutEval
 from tlt_jax.rl.speculation import RolloutMonitor, resolve_drafter
-from tlt_jax.rl.trainer import (
-    LossConfig,
-    OptimConfig,
-    PolicyTrainer,
-    TrainBatch,
-    build_train_batch,
-    micro_weights,
-)
+from tlt_jax.rl.trainer import LossConfig, OptimConfig, PolicyTrainer
 from tlt_jax.rollout.adaptive import build_policy
 from tlt_jax.rollout.hooks import ProgressHook
 from tlt_jax.rollout.types import Rollout
@@ -338,22 +332,29 @@ class Learner:
 
         t0 = time.perf_counter()
         update_metrics: list[dict[str, float]] = []
-        skipped = 0
+        skipped, trained_cols = 0, 0
         mini_groups = self.mini_rows // self.group
         for m in range(int(rl.mini_batches)):
+            rows = slice(m * self.mini_rows, (m + 1) * self.mini_rows)
             mini = _take(batch, slice(m * mini_groups, (m + 1) * mini_groups))
-            num_micro = self.mini_rows // self.trainer.micro_batch_size
-            mask = np.asarray(mini.response_mask)
-            weights = micro_weights(mask.reshape((num_micro, -1) + mask.shape[1:]), rl.loss_agg)
-            if weights.sum() == 0:  # every group filtered out (dynamic sampling): nothing to learn from
+            # micro-batches sorted by length, each padded to its own bucket (tlt_jax.rl.batch)
+            parts = length_sorted_micro(
+                mini,
+                rollout.lengths[rows],
+                self.trainer.micro_batch_size,
+                int(cfg.trainer.seq_bucket),
+                rl.loss_agg,
+            )
+            if parts.weights.sum() == 0:  # every group filtered out (dynamic sampling): nothing to learn from
                 skipped += 1
                 continue
-            um, logp = self.trainer.update(self.trainer.put_micro(mini), weights)
+            um, logps = self.trainer.update(
+                [self.trainer.put_micro(mb) for mb in parts.micro], [w[None] for w in parts.weights]
+            )
             update_metrics.append(um)
+            trained_cols += sum(mb.response.size for mb in parts.micro)
             if self.trainer.loss.fuse_old_logprobs:
-                train_logp[m * self.mini_rows : (m + 1) * self.mini_rows] = np.asarray(logp).reshape(
-                    self.mini_rows, -1
-                )
+                train_logp[rows] = parts.unsort([np.asarray(x) for x in logps], batch.num_response)
         self.engine.set_params(self.trainer.compute_params())
         if self.spot is not None:  # the drafter trained during this rollout drafts for the next one
             self.push_drafter(self.spot.params)
@@ -377,6 +378,9 @@ class Learner:
                 "rl/kept_frac": float(keep.mean()),
                 "rl/skipped_updates": float(skipped),
                 "rl/adv_abs_mean": float(np.abs(adv).mean()),
+                # response columns the update computed (each micro-batch at its own bucket), as a share of
+                # padding every row to the step's longest response
+                "update/column_share": trained_cols / max(self.rows * batch.num_response, 1),
                 "optim/lr": float(rl.lr) * min(1.0, step * int(rl.mini_batches) / (int(rl.warmup_steps) + 1)),
                 "data/position": float(next_position),
                 "throughput/tok_per_s": float(rollout.lengths.sum() / max(times["rollout"], 1e-9)),

@@ -1,9 +1,8 @@
 """The learner's side of GRPO: trainer forward (response log-probs, hidden states) and the jitted update.
 
-Sequence layout (static shapes): each row is `[left-padded prompt | right-padded response]`, the prompt in
-columns [0, Tp) and the response in [Tp, Tp + Nb), with Tp and Nb rounded up to a bucket (`seq_bucket`), so a
-run compiles one program per (Tp, Nb) bucket pair and reuses it. Padding is masked out of attention (and
-positions restart at 0 at the first real token), so a row's log-probs do not depend on its padding.
+Batches come in the host layout of `tlt_jax.rl.batch` (prompt columns [0, Tp), response columns [Tp, Tp+Nb),
+padding masked out of attention and positions restarting at the first real token, so a row's log-probs do not
+depend on its padding).
 
 The log-prob of response token j is read from the hidden state at column Tp - 1 + j; logits are computed only
 for those Nb columns, divided by the rollout temperature (as VeRL does) so that they are comparable with the
@@ -11,15 +10,17 @@ engine's sampling log-probs. Optionally in chunks of `logits_chunk` columns unde
 response never materialises [B, Nb, V] logits for the backward pass.
 
 `PolicyTrainer` owns the policy parameters (float32 masters when the model computes in bfloat16), the optax
-state and an optional frozen reference copy. One `update` is one optimizer step on a mini-batch, with
-gradient accumulation over micro-batches in a `lax.scan`: each micro-batch's loss is weighted by its share of
-the mini-batch (tokens, sequences or rows, by loss aggregation), so the accumulated gradient equals the
-gradient of the whole mini-batch's loss.
+state and an optional frozen reference copy. One `update` is one optimizer step on a mini-batch given as parts
+(device stacks of micro-batches, each part with its own Nb): each part's gradient is accumulated in a
+`lax.scan` into one donated buffer, each micro-batch's loss weighted by its share of the mini-batch (tokens,
+sequences or rows, by loss aggregation), so the accumulated gradient equals the gradient of the whole
+mini-batch's loss; then the optimizer applies it once. Programs: one accumulation per part shape, one apply.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import chex
@@ -36,116 +37,7 @@ from tlt_jax import sharding as shd
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer, causal_mask
 from tlt_jax.rl import grpo
-
-
-@flax.struct.dataclass
-class TrainBatch:
-    """One step's samples, group-major: G prompts x n responses (leading [G], or [K, G/K] once split)."""
-
-    prompt: jax.Array  # [G, Tp] int32, right-padded
-    prompt_len: jax.Array  # [G] int32 (>= 1)
-    response: jax.Array  # [G, n, Nb] int32, right-padded
-    response_mask: jax.Array  # [G, n, Nb] float32: 1 on response tokens that enter the loss
-    advantages: jax.Array  # [G, n] float32
-    old_logp: jax.Array  # [G, n, Nb] float32 (ignored when the update fuses old log-probs)
-    ref_logp: jax.Array  # [G, n, Nb] float32 (ignored without a KL term)
-
-    @property
-    def group_size(self) -> int:
-        return self.response.shape[-2]
-
-    @property
-    def num_response(self) -> int:
-        return self.response.shape[-1]
-
-    def rows(self, x: jax.Array) -> jax.Array:
-        """[..., G, n, ...] per-sample array -> [..., G * n, ...] rows (prompt-major, as the rollout)."""
-        lead = self.prompt.ndim - 2
-        shape = x.shape[:lead] + (-1,) + x.shape[lead + 2 :]
-        return x.reshape(shape)
-
-
-def round_up(x: int, m: int) -> int:
-    return -(-max(int(x), 1) // m) * m
-
-
-def build_train_batch(
-    prompts: list[list[int]],
-    responses_bn: np.ndarray,
-    lengths_b: np.ndarray,
-    advantages_b: np.ndarray,
-    keep_b: np.ndarray,
-    *,
-    group_size: int,
-    seq_bucket: int,
-    max_response: int | None = None,
-) -> TrainBatch:
-    """Host-side (numpy) TrainBatch from a rollout of B = G * n rows (prompt-major groups: `prompts[i]` is
-    the prompt of row i). Prompt and response lengths are rounded up to multiples of `seq_bucket` (the
-    response length capped at `max_response`, the rollout's max_new_tokens, so a cap below the next multiple
-    is one shape, not two); rows with keep=False get an all-zero response mask."""
-    b = len(prompts)
-    chex.assert_shape([lengths_b, advantages_b, keep_b], [(b,)] * 3)
-    if b % group_size:
-        raise ValueError(f"{b} rows are not a whole number of groups of {group_size}")
-    g, n = b // group_size, group_size
-    group_prompts = [prompts[i * n] for i in range(g)]
-    for i in range(b):
-        if prompts[i] != group_prompts[i // n]:
-            raise ValueError(
-                f"row {i} does not share the prompt of its group {i // n}: rows must be prompt-major"
-            )
-    tp = round_up(max(len(p) for p in group_prompts), seq_bucket)
-    nb = round_up(int(lengths_b.max()), seq_bucket)
-    if max_response is not None:
-        if int(lengths_b.max()) > max_response:
-            raise ValueError(
-                f"a response of {int(lengths_b.max())} tokens exceeds max_response={max_response}"
-            )
-        nb = min(nb, max_response)
-    prompt = np.zeros((g, tp), np.int32)
-    for i, p in enumerate(group_prompts):
-        prompt[i, : len(p)] = p
-    response = np.zeros((b, nb), np.int32)
-    m = min(nb, responses_bn.shape[1])
-    response[:, :m] = responses_bn[:, :m]
-    valid = np.arange(nb)[None, :] < lengths_b[:, None]
-    response = np.where(valid, response, 0)
-    zeros = np.zeros((g, n, nb), np.float32)
-    return TrainBatch(
-        prompt=prompt,
-        prompt_len=np.asarray([len(p) for p in group_prompts], np.int32),
-        response=response.reshape(g, n, nb),
-        response_mask=(valid & keep_b[:, None]).astype(np.float32).reshape(g, n, nb),
-        advantages=np.asarray(advantages_b, np.float32).reshape(g, n),
-        old_logp=zeros,
-        ref_logp=zeros,
-    )
-
-
-def split_micro(batch: TrainBatch, num_micro: int) -> TrainBatch:
-    """[G, ...] leaves -> [num_micro, G / num_micro, ...] (consecutive groups per micro-batch)."""
-    return jax.tree_util.tree_map(lambda x: x.reshape((num_micro, -1) + x.shape[1:]), batch)
-
-
-def micro_weights(mask_kgnt: np.ndarray, aggregation: str) -> np.ndarray:
-    """Each micro-batch's share of its mini-batch's loss, so that sum_k w_k * loss_k == loss(mini-batch).
-
-    mask: [K, G/K, n, Nb] response masks of the K micro-batches.
-    """
-    k = mask_kgnt.shape[0]
-    mask = mask_kgnt.reshape(k, -1, mask_kgnt.shape[-1])
-    if aggregation == "token_mean":
-        counts = mask.sum(axis=(1, 2))
-    elif aggregation == "seq_mean_token_mean":
-        counts = (mask.sum(axis=2) > 0).sum(axis=1)
-    elif aggregation == "seq_mean_token_sum_norm":
-        counts = np.full((k,), mask.shape[1])
-    else:
-        raise ValueError(f"unknown loss aggregation {aggregation!r}; valid: {sorted(grpo.LOSS_AGGREGATIONS)}")
-    counts = counts.astype(np.float64)
-    total = counts.sum()
-    return (counts / total if total > 0 else counts).astype(np.float32)
+from tlt_jax.rl.batch import TrainBatch, split_micro
 
 
 @flax.struct.dataclass
@@ -319,8 +211,12 @@ class PolicyTrainer:
             opt_state,
         )
         self.opt_state = jax.device_put(opt_state, self.opt_shardings)
-        self._update = jax.jit(
-            self._update_fn,
+        self._zeros = jax.jit(
+            lambda p: jax.tree_util.tree_map(jnp.zeros_like, p), out_shardings=self.param_shardings
+        )
+        self._accum = jax.jit(self._accum_fn, donate_argnums=(1,), out_shardings=(self.param_shardings, None))
+        self._apply = jax.jit(
+            self._apply_fn,
             donate_argnums=(0, 1),
             out_shardings=(self.param_shardings, self.opt_shardings, None),
         )
@@ -419,45 +315,59 @@ class PolicyTrainer:
         }
         return (pg + lc.kl_coef * kl) * weight, aux
 
-    def _accumulate(self, params: Any, micro: TrainBatch, weights: jax.Array) -> tuple[Any, dict[str, Any]]:
-        """Sum over micro-batches of weight_k * grad(loss_k): the gradient of the whole mini-batch's loss."""
+    def _accumulate(
+        self, params: Any, micro: TrainBatch, weights: jax.Array, init: Any = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """`init` (default zeros) + sum over micro-batches of weight_k * grad(loss_k)."""
 
         def body(acc: Any, xs: tuple[TrainBatch, jax.Array]) -> tuple[Any, dict[str, Any]]:
             mb, w = xs
             (_, aux), g = jax.value_and_grad(self._loss_fn, has_aux=True)(params, mb, w)
             return jax.tree_util.tree_map(jnp.add, acc, g), aux
 
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params) if init is None else init
         return jax.lax.scan(body, zeros, (micro, weights))
 
     def gradients(self, micro: TrainBatch, weights: np.ndarray) -> Any:
-        """The accumulated gradient `update` would apply (for tests and diagnostics; no state change)."""
+        """The accumulated gradient of one part (for tests and diagnostics; no state change)."""
         if not hasattr(self, "_gradients"):
             self._gradients = jax.jit(lambda p, m, w: self._accumulate(p, m, w)[0])
         return self._gradients(self.params, micro, jnp.asarray(weights, jnp.float32))
 
-    def _update_fn(self, params: Any, opt_state: Any, micro: TrainBatch, weights: jax.Array):  # noqa: ANN202
-        grads, aux = self._accumulate(params, micro, weights)
-        grad_norm = optax.global_norm(grads)
+    def _accum_fn(self, params: Any, acc: Any, micro: TrainBatch, weights: jax.Array):  # noqa: ANN202
+        acc, aux = self._accumulate(params, micro, weights, init=acc)
+        stats = {k: jnp.sum(v) for k, v in aux.items() if k != "logp"}
+        return acc, {"stats": stats, "logp": aux["logp"]}
+
+    def _apply_fn(self, params: Any, opt_state: Any, grads: Any):  # noqa: ANN202
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        stats = {k: jnp.sum(v) for k, v in aux.items() if k != "logp"}
-        stats["grad_norm"] = grad_norm
-        stats["update_norm"] = optax.global_norm(updates)
-        return params, opt_state, {"stats": stats, "logp": aux["logp"]}
+        norms = {"grad_norm": optax.global_norm(grads), "update_norm": optax.global_norm(updates)}
+        return params, opt_state, norms
 
-    def update(self, micro: TrainBatch, weights: np.ndarray) -> tuple[dict[str, float], jax.Array]:
-        """One optimizer step on device micro-batches ([K, ...]) with per-micro-batch loss weights [K].
+    def update(
+        self, parts: Sequence[TrainBatch], weights: Sequence[np.ndarray]
+    ) -> tuple[dict[str, float], list[jax.Array]]:
+        """One optimizer step on a mini-batch given as `parts`: device stacks of micro-batches ([K_i, ...]
+        from `put_micro`, Nb may differ between parts) with per-micro-batch loss weights (weights[i]: [K_i],
+        summing to 1 over all parts).
 
-        Returns (metrics, the log-probs of the forward before the step [K, rows, Nb]); metrics: loss/pg,
-        loss/kl, policy/clip_frac, policy/approx_kl, policy/entropy (token means), optim/grad_norm,
-        optim/update_norm.
+        Returns (metrics, the log-probs of the forward before the step, per part [K_i, rows, Nb_i]);
+        metrics: loss/pg, loss/kl, policy/clip_frac, policy/approx_kl, policy/entropy (token means),
+        optim/grad_norm, optim/update_norm.
         """
-        chex.assert_shape(weights, (micro.prompt.shape[0],))
-        self.params, self.opt_state, out = self._update(
-            self.params, self.opt_state, micro, jnp.asarray(weights, jnp.float32)
-        )
-        s = {k: float(v) for k, v in jax.device_get(out["stats"]).items()}
+        if len(parts) != len(weights) or not parts:
+            raise ValueError(f"update needs one weight vector per part: {len(parts)} parts, {len(weights)}")
+        acc = self._zeros(self.params)
+        logps, sums = [], {}
+        for micro, w in zip(parts, weights, strict=True):
+            chex.assert_shape(w, (micro.prompt.shape[0],))
+            acc, out = self._accum(self.params, acc, micro, jnp.asarray(w, jnp.float32))
+            logps.append(out["logp"])
+            for k, v in out["stats"].items():
+                sums[k] = sums.get(k, 0.0) + v
+        self.params, self.opt_state, norms = self._apply(self.params, self.opt_state, acc)
+        s = {k: float(v) for k, v in jax.device_get({**sums, **norms}).items()}
         tokens = max(s["tokens"], 1.0)
         metrics = {
             "loss/pg": s["pg_loss"],
@@ -468,7 +378,7 @@ class PolicyTrainer:
             "optim/grad_norm": s["grad_norm"],
             "optim/update_norm": s["update_norm"],
         }
-        return metrics, out["logp"]
+        return metrics, logps
 
     def surrogate_loss(self, micro: TrainBatch, weights: np.ndarray, params: Any = None) -> float:
         """The weighted loss (policy + KL terms) of `params` (default: the policy) on a batch, no update.

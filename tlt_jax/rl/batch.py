@@ -1,0 +1,196 @@
+"""The GRPO step's samples on the host: the `TrainBatch` layout, micro-batch loss weights, and micro-batches
+sorted by response length so each pays only for its own padding.
+
+Layout (static shapes): each row is `[left-padded prompt | right-padded response]`, the prompt in columns
+[0, Tp) and the response in [Tp, Tp + Nb), both rounded up to a bucket (`seq_bucket`), so the trainer compiles
+one program per (Tp, Nb) bucket pair and reuses it.
+
+Why length-sorted micro-batches (`length_sorted_micro`): on a long-tail task one response at the cap sets
+the whole step's Nb, and every other row pays a forward and backward over that padding: in `configs/tlt.py`
+a step of 32 rows with median 60 tokens is padded to 384 whenever any row hits the cap (most steps). Sorting
+the groups by their longest response and giving each micro-batch its own Nb bucket trains on the same
+tokens with the same loss weights (no loss depends on Nb: Dr.GRPO divides by the constant max length) for
+a fraction of the compute; the trainer accumulates the micro-batches' gradients and applies them once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import flax.struct
+import jax
+import numpy as np
+
+from tlt_jax.rl import grpo
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    """One step's samples, group-major: G prompts x n responses (leading [G], or [K, G/K] once split)."""
+
+    prompt: jax.Array  # [G, Tp] int32, right-padded
+    prompt_len: jax.Array  # [G] int32 (>= 1)
+    response: jax.Array  # [G, n, Nb] int32, right-padded
+    response_mask: jax.Array  # [G, n, Nb] float32: 1 on response tokens that enter the loss
+    advantages: jax.Array  # [G, n] float32
+    old_logp: jax.Array  # [G, n, Nb] float32 (ignored when the update fuses old log-probs)
+    ref_logp: jax.Array  # [G, n, Nb] float32 (ignored without a KL term)
+
+    @property
+    def group_size(self) -> int:
+        return self.response.shape[-2]
+
+    @property
+    def num_response(self) -> int:
+        return self.response.shape[-1]
+
+    def rows(self, x: jax.Array) -> jax.Array:
+        """[..., G, n, ...] per-sample array -> [..., G * n, ...] rows (prompt-major, as the rollout)."""
+        lead = self.prompt.ndim - 2
+        shape = x.shape[:lead] + (-1,) + x.shape[lead + 2 :]
+        return x.reshape(shape)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-max(int(x), 1) // m) * m
+
+
+def build_train_batch(
+    prompts: list[list[int]],
+    responses_bn: np.ndarray,
+    lengths_b: np.ndarray,
+    advantages_b: np.ndarray,
+    keep_b: np.ndarray,
+    *,
+    group_size: int,
+    seq_bucket: int,
+    max_response: int | None = None,
+) -> TrainBatch:
+    """Host-side (numpy) TrainBatch from a rollout of B = G * n rows (prompt-major groups: `prompts[i]` is
+    the prompt of row i). Prompt and response lengths are rounded up to multiples of `seq_bucket` (the
+    response length capped at `max_response`, the rollout's max_new_tokens, so a cap below the next multiple
+    is one shape, not two); rows with keep=False get an all-zero response mask."""
+    b = len(prompts)
+    chex.assert_shape([lengths_b, advantages_b, keep_b], [(b,)] * 3)
+    if b % group_size:
+        raise ValueError(f"{b} rows are not a whole number of groups of {group_size}")
+    g, n = b // group_size, group_size
+    group_prompts = [prompts[i * n] for i in range(g)]
+    for i in range(b):
+        if prompts[i] != group_prompts[i // n]:
+            raise ValueError(
+                f"row {i} does not share the prompt of its group {i // n}: rows must be prompt-major"
+            )
+    tp = round_up(max(len(p) for p in group_prompts), seq_bucket)
+    nb = round_up(int(lengths_b.max()), seq_bucket)
+    if max_response is not None:
+        if int(lengths_b.max()) > max_response:
+            raise ValueError(
+                f"a response of {int(lengths_b.max())} tokens exceeds max_response={max_response}"
+            )
+        nb = min(nb, max_response)
+    prompt = np.zeros((g, tp), np.int32)
+    for i, p in enumerate(group_prompts):
+        prompt[i, : len(p)] = p
+    response = np.zeros((b, nb), np.int32)
+    m = min(nb, responses_bn.shape[1])
+    response[:, :m] = responses_bn[:, :m]
+    valid = np.arange(nb)[None, :] < lengths_b[:, None]
+    response = np.where(valid, response, 0)
+    zeros = np.zeros((g, n, nb), np.float32)
+    return TrainBatch(
+        prompt=prompt,
+        prompt_len=np.asarray([len(p) for p in group_prompts], np.int32),
+        response=response.reshape(g, n, nb),
+        response_mask=(valid & keep_b[:, None]).astype(np.float32).reshape(g, n, nb),
+        advantages=np.asarray(advantages_b, np.float32).reshape(g, n),
+        old_logp=zeros,
+        ref_logp=zeros,
+    )
+
+
+def split_micro(batch: TrainBatch, num_micro: int) -> TrainBatch:
+    """[G, ...] leaves -> [num_micro, G / num_micro, ...] (consecutive groups per micro-batch)."""
+    return jax.tree_util.tree_map(lambda x: x.reshape((num_micro, -1) + x.shape[1:]), batch)
+
+
+def micro_weights(mask_kgnt: np.ndarray, aggregation: str) -> np.ndarray:
+    """Each micro-batch's share of its mini-batch's loss, so that sum_k w_k * loss_k == loss(mini-batch).
+
+    mask: [K, G/K, n, Nb] response masks of the K micro-batches.
+    """
+    k = mask_kgnt.shape[0]
+    mask = mask_kgnt.reshape(k, -1, mask_kgnt.shape[-1])
+    if aggregation == "token_mean":
+        counts = mask.sum(axis=(1, 2))
+    elif aggregation == "seq_mean_token_mean":
+        counts = (mask.sum(axis=2) > 0).sum(axis=1)
+    elif aggregation == "seq_mean_token_sum_norm":
+        counts = np.full((k,), mask.shape[1])
+    else:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; valid: {sorted(grpo.LOSS_AGGREGATIONS)}")
+    counts = counts.astype(np.float64)
+    total = counts.sum()
+    return (counts / total if total > 0 else counts).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SortedMicro:
+    """A mini-batch as micro-batches of whole groups sorted by length, each cut to its own Nb bucket.
+
+    micro: host TrainBatches of `micro_batch_size` rows each ([G_k, ...]; Nb differs between them)
+    weights: [K] each micro-batch's share of the mini-batch's loss (`micro_weights`)
+    groups: [K, G_k] the mini-batch's group indices in each micro-batch (to put per-row results back)
+    """
+
+    micro: list[TrainBatch]
+    weights: np.ndarray
+    groups: np.ndarray
+
+    def unsort(self, per_micro: list[np.ndarray], width: int) -> np.ndarray:
+        """Per-micro-batch row arrays [G_k * n, Nb_k] -> [G * n, width] rows in the mini-batch's order,
+        zero-padded beyond each micro-batch's Nb."""
+        k, gk = self.groups.shape
+        n = self.micro[0].group_size
+        out = np.zeros((k * gk * n, width), np.float32)
+        for groups, x in zip(self.groups, per_micro, strict=True):
+            x = np.asarray(x).reshape(gk, n, -1)
+            for j, g in enumerate(groups):
+                out[g * n : (g + 1) * n, : x.shape[-1]] = x[j, :, :width]
+        return out
+
+
+def length_sorted_micro(
+    batch: TrainBatch, lengths: np.ndarray, micro_batch_size: int, seq_bucket: int, aggregation: str
+) -> SortedMicro:
+    """Split a host mini-batch [G, ...] into micro-batches of `micro_batch_size` rows (whole groups), the
+    groups sorted by their longest response (`lengths`: [G * n] response tokens per row, longest first) and
+    each micro-batch's response columns cut to the bucket of its own longest response. The loss weights are
+    those of the full-width batch (padding carries no token, so the cut changes no loss)."""
+    g, n, nb = batch.response_mask.shape
+    chex.assert_shape(lengths, (g * n,))
+    if micro_batch_size % n or (g * n) % micro_batch_size:
+        raise ValueError(
+            f"micro-batches of {micro_batch_size} rows must hold whole groups of {n} samples and divide the "
+            f"{g * n} rows of a mini-batch: set config.trainer.micro_batch_size to a multiple of "
+            "rl.samples_per_prompt that divides prompts_per_step * samples_per_prompt / mini_batches."
+        )
+    mask = np.asarray(batch.response_mask)
+    lengths = np.asarray(lengths).reshape(g, n).max(-1)  # a group's longest response
+    if lengths.max() > nb:
+        raise ValueError(f"a response of {int(lengths.max())} tokens does not fit the batch's {nb} columns")
+    order = np.argsort(-lengths, kind="stable")
+    k = g * n // micro_batch_size
+    groups = order.reshape(k, -1)
+    weights = micro_weights(mask[groups], aggregation)
+    micro = []
+    for idx in groups:
+        width = min(round_up(int(lengths[idx].max()), seq_bucket), nb)
+        micro.append(
+            jax.tree_util.tree_map(
+                lambda x, w=width: x[idx][..., :w] if x.ndim == 3 else x[idx],  # noqa: B023
+                batch,
+            )
+        )
+    return SortedMicro(micro=micro, weights=weights, groups=groups)
