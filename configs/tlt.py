@@ -8,15 +8,23 @@ prompt and instruction, so most answers are short and a few ramble on: measured 
 with a 384-token cap (experiments/task_lengths.py): p50 60, p90 337 tokens, 8% at the cap, 6% correct, 20%
 in the `Answer:` format. gsm_symbolic gives a similar tail (p50 190, p90 384, 16% at the cap) but ~0 reward
 for this model, so nothing to learn in 10 steps. Reward: the verifier's score of the `Answer:` value (or the
-last number) plus 0.2 for using the `Answer:` line, so a 135M model has a signal to climb in a few steps.
-32 sequences per step (8 prompts x 4) put the rollout's end at 1-3 running rows, where speculation pays on
-this CPU (docs/benchmarks.md: SD gains only at batch 1-2 here; a GPU pays up to batch ~32).
+last number) plus 0.5 for using the `Answer:` line (R1-style format reward). What 10 steps can teach a 135M
+model is the format; correctness does not move measurably in 10 x 32 samples. With a 0.2 bonus at lr 1e-4 the
+policy instead learned to drop the reasoning (mean length 108 -> 11 tokens, format 17% -> 2%: a 3-token
+"a + b = c" scores as often as a rambling derivation), which also removes the long tail TLT exists for; with
+0.5 the format rate rises (held-out 17% -> 41% after 5 steps) and the lengths keep their tail
+(docs/benchmarks.md, "A reward that rises"). 32 sequences per step (8 prompts x 4) put the rollout's end at
+1-3 running rows, where speculation pays on this CPU (SD gains only at batch 1-2 here; a GPU pays up to ~32).
 
 The loss is Dr.GRPO's (advantage r - mean of the group, token sums over a constant 384): on this long-tail
 task GRPO's per-sequence token mean penalises a long wrong answer's tokens less than a short one's, and at
-lr 1e-4 over 8 x 4 samples the reward fell 0.16 -> 0.02 in 7 steps while the share of capped answers rose;
-Dr.GRPO at lr 5e-5 over 6 x 4 samples fell too (0.22 -> 0.0 in 7 steps: Adam turns the near-zero gradients
-of mostly all-wrong groups into full-size steps), hence lr 2e-5 (docs/benchmarks.md, 2026-11-24).
+lr 1e-4 over 8 x 4 samples the share of capped answers rose 6% -> 62% in 10 steps. At lr 2e-5 Dr.GRPO
+moved nothing measurable in 10 steps (reward within a frozen-policy control's noise), hence lr 1e-4.
+
+Learning is measured on a held-out set (config.eval: the task stream's last 32 problems, one sample each,
+the same sampling keys every time, so an unchanged policy reproduces its samples): before training, after
+step 5 and after step 10, logged as eval/* (the training reward/mean is on fresh prompts each step, and its
+step-to-step spread for a frozen policy, 0.04-0.17, is larger than 10 steps of learning).
 
 TLT's two halves are on by default: the spot trainer keeps the EAGLE drafter fresh on the rollouts' own
 hidden states (one CPU device has no idle devices, so it trains between tail chunks and its cost shows in
@@ -44,7 +52,7 @@ TASK = dict(
     seed=0,
     dataset_kwargs=dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2),
     answer_mode="answer_or_last_number",
-    format_reward=0.2,
+    format_reward=0.5,
 )
 MAX_NEW_TOKENS = 384
 TEMPERATURE = 0.9
@@ -118,11 +126,17 @@ def get_config(arg: str | None = None):
     c.rl.advantage = "drgrpo"  # no division by the group's std
     c.rl.loss_agg = "seq_mean_token_sum_norm"  # a token's weight does not depend on its answer's length
     c.rl.kl_coef = 0.0
-    c.rl.lr = 2e-5
+    c.rl.lr = 1e-4
     c.rl.weight_decay = 0.0
     c.rl.grad_clip = 1.0
 
+    # the held-out eval: 32 rows like a training step (its compiled programs serve both)
+    c.eval.every = 0 if arg.quick or arg.runlocal else 5  # --quick: the e2e benchmark's arms, no eval
+    c.eval.prompts = 32
+    c.eval.samples = 1
+
     c.trainer.micro_batch_size = 8
     c.trainer.train_layers = 10  # the top 10 of 30 layers: ~2x cheaper update on this CPU
-    c.trainer.seq_bucket = 128  # prompts -> 128, responses -> 128 / 256 / 384: at most 3 update programs
+    # prompts -> 128, responses -> 128 / 256 / 384 per micro-batch (sorted by length): at most 3 programs
+    c.trainer.seq_bucket = 128
     return c
