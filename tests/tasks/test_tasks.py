@@ -7,7 +7,7 @@ import json
 import ml_collections
 import pytest
 
-from tlt_jax.tasks.answers import answers_match, extract_answer, normalize_number
+from tlt_jax.tasks.answers import answers_match, ends_with_answer_line, extract_answer, normalize_number
 from tlt_jax.tasks.base import Problem, RewardResult, build_messages
 from tlt_jax.tasks.datasets import CountingTask, JsonlTask, ReasoningGymTask, make_task, score_batch
 
@@ -164,6 +164,17 @@ def test_reasoning_gym_last_number_and_format_reward() -> None:
     assert task.score(p, f"the result is {truth}") == RewardResult(1.0, True, False, str(truth))
     assert task.score(p, f"Answer: {truth}") == RewardResult(1.1, True, True, str(truth))
     assert task.score(p, f"Answer: {truth + 2}") == RewardResult(0.1, False, True, str(truth + 2))
+    # the format bonus needs the Answer line LAST (as the instruction asks): not for rambling on after it
+    late = task.score(p, f"Answer: {truth}\nThen I add it again and again")
+    assert late == RewardResult(1.0, True, False, str(truth))
+    assert task.score(p, f"Answer:\n  {truth}  \n\n").format_ok  # value on the next line, blank tail
+
+
+def test_ends_with_answer_line() -> None:
+    ok = ["Answer: 7", "x\nAnswer: 7\n", "**Answer:** 7.", "Answer:\n7", "Answer: a\nAnswer: 8  \n "]
+    bad = ["7", "Answer:", "Answer: 7\nmore", "Answer: \n\n", "Answer: 7\nAnswer:"]
+    assert [ends_with_answer_line(t) for t in ok] == [True] * len(ok)
+    assert [ends_with_answer_line(t) for t in bad] == [False] * len(bad)
 
 
 def test_reasoning_gym_deterministic_by_seed(chain_sum: ReasoningGymTask) -> None:

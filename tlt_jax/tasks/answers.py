@@ -86,6 +86,20 @@ def extract_answer(text: str, mode: str = "answer") -> str | None:
     return None
 
 
+def ends_with_answer_line(text: str) -> bool:
+    """Whether the response ENDS with its `Answer: <value>` line, as the instruction asks ("the final answer
+    on the last line"): the last marker has a non-empty value and nothing but whitespace follows that value's
+    line. The format reward uses this, not mere presence: with "any `Answer:` anywhere" RL on a 135M model
+    learned to write the marker early and ramble on to the length cap (held-out format 17% -> 91%, answers
+    at the cap 2% -> 69%, accuracy 3% -> 0% in 10 steps; docs/benchmarks.md)."""
+    matches = list(_ANSWER_RE.finditer(text))
+    if not matches:
+        return False
+    rest = text[matches[-1].end() :].lstrip(" \t*_").lstrip()
+    line, _, after = rest.partition("\n")
+    return bool(_clean_answer(line)) and not after.strip()
+
+
 def _canonical(value: Fraction) -> str:
     """Exact canonical text for a rational: "1000", "3.5", "-0.125", or "1/3" when not a finite decimal."""
     if value == 0:

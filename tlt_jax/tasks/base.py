@@ -34,7 +34,8 @@ class RewardResult:
 
     reward: the scalar used by RL (verifier score plus any format bonus).
     correct: the answer is fully right (verifier score 1.0), independent of partial credit and format bonus.
-    format_ok: the response has the requested `Answer:` line (counting task: the response is non-empty).
+    format_ok: the response ends with the requested `Answer:` line (`answers.ends_with_answer_line`; counting
+        task: the response is non-empty).
     extracted: the answer string that was scored, or None when none could be extracted.
     """
 

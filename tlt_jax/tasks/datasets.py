@@ -28,6 +28,7 @@ from typing import Any
 from tlt_jax.tasks.answers import (
     answers_match,
     check_answer_mode,
+    ends_with_answer_line,
     extract_answer,
     normalize_number,
 )
@@ -115,7 +116,7 @@ class ReasoningGymTask(Task):
             return 0.0
 
     def score(self, problem: Problem, response_text: str) -> RewardResult:
-        format_ok = extract_answer(response_text, "answer") is not None
+        format_ok = ends_with_answer_line(response_text)
         extracted = extract_answer(response_text, self.answer_mode)
         verifier_score = 0.0
         if extracted is not None:
@@ -211,7 +212,7 @@ class JsonlTask(Task):
         return build_messages(problem, self.system_prompt, self.instruction)
 
     def score(self, problem: Problem, response_text: str) -> RewardResult:
-        format_ok = extract_answer(response_text, "answer") is not None
+        format_ok = ends_with_answer_line(response_text)
         extracted = extract_answer(response_text, self.answer_mode)
         correct = answers_match(extracted, problem.answer)
         reward = (1.0 if correct else 0.0) + (self.format_reward if format_ok else 0.0)
