@@ -6,17 +6,17 @@
 The task: easy reasoning-gym chain_sum (2-3 terms, 1-2 digits) asked with the default step-by-step system
 prompt and instruction, so most answers are short and a few ramble on: measured on 16 x 4 samples at T = 0.9
 with a 384-token cap (experiments/task_lengths.py): p50 60, p90 337 tokens, 8% at the cap, 6% correct, 20%
-with an `Answer:` line somewhere. gsm_symbolic gives a similar tail (p50 190, p90 384, 16% at the cap) but
-~0 reward for this model, so nothing to learn in 10 steps. Reward: the verifier's score of the `Answer:`
-value (or the last number) plus 0.5 when the response ENDS with its `Answer:` line (R1-style format reward).
-What 10 steps can teach a 135M model is the format; correctness does not move measurably in 10 x 32 samples. Measured at
-lr 1e-4 (docs/benchmarks.md, "A reward that rises"): with a 0.2 bonus for an `Answer:` line anywhere, the
+with an `Answer:` line somewhere. gsm_symbolic gives a similar tail (p50 190, p90 384, 16% at the cap) but ~0
+reward for this model, so nothing to learn in 10 steps. Reward: the verifier's score of the `Answer:` value
+(or the last number) plus 0.5 when the response ENDS with its `Answer:` line (R1-style format reward). What 10
+steps can teach a 135M model is the format; correctness does not move measurably in 10 x 32 samples. Measured
+at lr 1e-4 (docs/benchmarks.md, "A reward that rises"): with a 0.2 bonus for an `Answer:` line anywhere, the
 policy dropped its reasoning (mean length 108 -> 11 tokens, format 17% -> 2%: a bare "a + b = c" scores as
 often as a derivation), removing the long tail TLT exists for; with 0.5 for a line anywhere it wrote the
 marker early and rambled to the cap (held-out format 17% -> 91%, 69% of answers at the cap, accuracy 3% ->
-0%). Hence the bonus only for an answer on the last line, as the instruction asks. 32 sequences per step
-(8 prompts x 4) put the rollout's end at 1-3 running rows, where speculation pays on this CPU (SD gains
-only at batch 1-2 here; a GPU pays up to ~32).
+0%). Hence the bonus only for an answer on the last line, as the instruction asks. 32 sequences per step (8
+prompts x 4) put the rollout's end at 1-3 running rows, where speculation pays on this CPU (SD gains only at
+batch 1-2 here; a GPU pays up to ~32).
 
 The loss is Dr.GRPO's (advantage r - mean of the group, token sums over a constant 384): on this long-tail
 task GRPO's per-sequence token mean penalises a long wrong answer's tokens less than a short one's, and at
