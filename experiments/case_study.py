@@ -35,7 +35,7 @@ time (plain, best fixed, sglang, adaptive), where SD was on, the arm each select
 CPU SD pays only at 1-2 running rows, and the tail may never get there: rows that run to the token cap
 finish together, so the running count stops at their number.
 
-    python experiments/case_study.py --quick                   # 16 x 4 requests, <= 256 tokens
+    python experiments/case_study.py --quick                   # 8 x 4 requests, <= 384 tokens
     python experiments/case_study.py --quick --random-drafter  # smoke run without a warmed drafter
     python experiments/case_study.py                           # 32 x 4 requests, <= 384 tokens
 Final line: `RESULT adaptive_vs_plain=.. adaptive_vs_best_fixed=.. adaptive_vs_ema=.. best_fixed=<name> ...`
@@ -244,10 +244,10 @@ def plot(configs: dict[str, Config], best_fixed: str, path: pathlib.Path, title:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
-    add("--quick", action="store_true", help="16 prompts x 4, <= 256 new tokens, 2 learning rollouts")
+    add("--quick", action="store_true", help="8 prompts x 4, <= 384 new tokens, 2 learning rollouts")
     add("--requests", type=int, default=None, help="rows = prompts x --samples (default 128)")
     add("--samples", type=int, default=4, help="samples per prompt (GRPO group size)")
-    add("--max-new", type=int, default=None, help="default configs/tlt.py's 384 (quick 256)")
+    add("--max-new", type=int, default=None, help="default configs/tlt.py's 384")
     add("--arms", default="2_1_3,3_1_4,7_1_8,ngram_4_1_5", help="strategies; ngram_<s> = n-gram drafter")
     add("--threshold", type=int, default=2, help="SD switch: <= this many running rows (paper 32)")
     add("--min-steps-below", type=int, default=0, help="... for this many steps (paper 10)")
@@ -272,8 +272,10 @@ def main() -> None:
     t_start = time.perf_counter()
     tlt = config_lib.load_config_file(ROOT / "configs" / "tlt.py")
     ro, n = tlt.rollout, args.samples
-    num_prompts = max(1, (args.requests or (64 if args.quick else 128)) // n)
-    new = args.max_new or (min(256, ro.max_new_tokens) if args.quick else ro.max_new_tokens)
+    # quick: fewer rows at the RL config's cap, so the tail still reaches 1-2 rows (64 x <= 256 tokens did
+    # not: 8 rows ran to the cap and finished together, so the SD switch at 2 rows never fired)
+    num_prompts = max(1, (args.requests or (32 if args.quick else 128)) // n)
+    new = args.max_new or ro.max_new_tokens
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     buckets = tuple(int(b) for b in args.buckets.split(","))
     fresh = (not args.quick) if args.fresh is None else args.fresh
