@@ -187,6 +187,7 @@ def length_sorted_micro(
     micro = []
     for idx in groups:
         width = min(round_up(int(lengths[idx].max()), seq_bucket), nb)
+        # the [G, n, Nb] leaves (response, its mask, old / reference log-probs) are cut to the width
         micro.append(
             jax.tree_util.tree_map(
                 lambda x, w=width: x[idx][..., :w] if x.ndim == 3 else x[idx],  # noqa: B023
