@@ -43,7 +43,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.every < 0 or self.prompts < 1 or self.samples < 1:
             raise ValueError(
-                f"config.eval: every={self.every}, prompts={self.prompts}, samples={self.samples}: need "
+                f"every={self.every}, prompts={self.prompts}, samples={self.samples}: need "
                 "every >= 0 (0 = off), prompts >= 1 and samples >= 1."
             )
 

@@ -75,15 +75,23 @@ def extract_answer(text: str, mode: str = "answer") -> str | None:
     """
     if mode not in ANSWER_MODES:
         raise ValueError(f"unknown answer mode {mode!r}; valid modes: {list(ANSWER_MODES)}")
-    matches = list(_ANSWER_RE.finditer(text))
-    if matches:
-        rest = text[matches[-1].end() :].lstrip(" \t*_").lstrip()
-        value = _clean_answer(rest.split("\n", 1)[0])
-        if value:
-            return value
+    value, _ = _last_answer_line(text)
+    if value:
+        return value
     if mode == "answer_or_last_number":
         return last_number(text)
     return None
+
+
+def _last_answer_line(text: str) -> tuple[str, str]:
+    """(the cleaned value after the LAST `Answer:` marker, the text after that value's line); ("", "") when
+    there is no marker. The marker may end its line: the value is then on the next non-empty line."""
+    matches = list(_ANSWER_RE.finditer(text))
+    if not matches:
+        return "", ""
+    rest = text[matches[-1].end() :].lstrip(" \t*_").lstrip()
+    line, _, after = rest.partition("\n")
+    return _clean_answer(line), after
 
 
 def ends_with_answer_line(text: str) -> bool:
@@ -92,12 +100,8 @@ def ends_with_answer_line(text: str) -> bool:
     line. The format reward uses this, not mere presence: with "any `Answer:` anywhere" RL on a 135M model
     learned to write the marker early and ramble on to the length cap (held-out format 17% -> 91%, answers
     at the cap 2% -> 69%, accuracy 3% -> 0% in 10 steps; docs/benchmarks.md)."""
-    matches = list(_ANSWER_RE.finditer(text))
-    if not matches:
-        return False
-    rest = text[matches[-1].end() :].lstrip(" \t*_").lstrip()
-    line, _, after = rest.partition("\n")
-    return bool(_clean_answer(line)) and not after.strip()
+    value, after = _last_answer_line(text)
+    return bool(value) and not after.strip()
 
 
 def _canonical(value: Fraction) -> str:
