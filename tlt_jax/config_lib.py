@@ -180,7 +180,8 @@ def base_config() -> mlc.ConfigDict:
             all_arms=True,  # every arm in every bucket (False: BEG-MAB's grouping by tokens_to_verify)
             bucket_targets=(),
             epsilon=0.1,
-            window=64,
+            window=64,  # beg_mab / ucb1: the bucket's last 64 chunks
+            min_plays=3,  # beg_mab: chunks an arm needs in the window before its median is trusted
             fixed_table=(),
             threshold=32,
             min_steps_below=10,

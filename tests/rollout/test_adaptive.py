@@ -32,6 +32,7 @@ SECTION = dict(
     bucket_targets=(),
     epsilon=0.3,
     window=16,
+    min_plays=3,
     fixed_table=(),
     threshold=32,
     min_steps_below=10,

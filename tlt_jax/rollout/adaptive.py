@@ -98,6 +98,7 @@ def build_policy(section: Any, engine: Any, seed: int = 0) -> AdaptivePolicy:
         bucket_targets=tuple(section.get("bucket_targets", ())) or (48, 32, 16, 8)[: len(bounds)],
         epsilon=float(section.epsilon),
         window=int(section.window),
+        min_plays=int(section.min_plays),
         fixed_table=tuple(section.fixed_table) or None,
         threshold=int(section.threshold),
         min_steps_below=int(section.min_steps_below),

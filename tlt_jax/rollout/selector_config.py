@@ -50,9 +50,12 @@ class SelectorConfig:
     bucket_bounds: inclusive upper bounds on the running-row count, increasing; counts above the last go to
       the last bucket. eligible: [bucket][arm] mask; None = BEG grouping by `bucket_targets` for beg_mab, all
       arms everywhere for the others.
-    epsilon / window / ucb_c: exploration rate, sliding-window length, UCB1 bonus constant. Rewards are
+    epsilon / window / ucb_c: exploration rate, sliding-window length (beg_mab and ucb1: the bucket's last
+      `window` plays; egreedy: each arm's last `window` rewards), UCB1 bonus constant. Rewards are
       normalised by the window's best, so they sit near 1 with a spread of ~10%: 0.15 ~ sqrt(2) x that
       spread, where UCB1's own sqrt(2) (for rewards spread over [0, 1]) would mostly explore.
+    min_plays: beg_mab ranks an arm by its median only with this many rewards in the window (3: the median
+      of three chunks outvotes one slowed by another process).
     fixed_table: arm name per bucket. threshold / min_steps_below / sd_arm: the paper's switch, counted in
       updates (chunks). sglang_*: the ladder (arm names shallow to deep, optionally starting with "plain"),
       EMA rate, up/down fractions, plain floor, updates between moves, probe interval on plain, start rung.
@@ -68,6 +71,7 @@ class SelectorConfig:
     epsilon: float = 0.1
     window: int = 300
     ucb_c: float = 0.15
+    min_plays: int = 3
     fixed_table: tuple[str, ...] | None = None
     threshold: int = 32
     min_steps_below: int = 10
@@ -117,6 +121,8 @@ class SelectorConfig:
                 f"got {self.epsilon}, {self.window}, {self.ucb_c}",
                 "need 0 <= epsilon <= 1, window >= 1, ucb_c >= 0",
             )
+        if not 1 <= self.min_plays <= self.window:
+            _fail("min_plays", f"got {self.min_plays}", f"need 1 <= min_plays <= window ({self.window})")
         if self.algorithm == "fixed" or self.fixed_table is not None:
             table = self.fixed_table or ()
             if len(table) != self.num_buckets or any(a not in self.arms for a in table):

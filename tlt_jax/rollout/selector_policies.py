@@ -2,7 +2,8 @@
 
 Each rule is a pure jnp function of the static config, the selector state and the running bucket `b` (a
 traced int32 scalar), so `beg_mab.select` / `beg_mab.update` stay one small jitted program per config:
-- `bandit_arm`: BEG-MAB (median), epsilon-greedy (mean) and sliding-window UCB1 over a bucket's eligible arms;
+- `bandit_arm`: BEG-MAB (median of trusted arms, plausible-only exploration; `_beg_mab_arm`), epsilon-greedy
+  (mean) and sliding-window UCB1 over a bucket's eligible arms;
 - `sglang_step`: mainline SGLang's per-bucket EMA of accepted drafts with hysteresis on a depth ladder;
 - `threshold_arm` / `threshold_step`: the paper's fixed switch (plain until few rows run, then SD for good).
 """
@@ -18,18 +19,20 @@ from tlt_jax.rollout.selector_config import SelectorConfig, SelectorState
 def bandit_arm(cfg: SelectorConfig, state: SelectorState, b: jax.Array, key: jax.Array) -> jax.Array:
     """The arm a bandit plays next in bucket `b` (int32 scalar).
 
-    Every eligible arm is played once before any exploitation (the lowest-index untried arm first). Then
-    beg_mab / egreedy explore a uniform eligible arm with probability `epsilon` and otherwise exploit the
-    highest MEDIAN (beg_mab) or MEAN (egreedy) reward of the arm's last `window` rewards. ucb1 exploits
-    `mean / scale + ucb_c * sqrt(ln N / n)` over the bucket's last `window` plays (sliding-window UCB: an arm
-    absent from that window counts as untried, so a changed arm is re-measured), `scale` being the largest
-    reward in that window, which puts the bonus on the scale of rewards in [0, 1].
+    beg_mab: `_beg_mab_arm`. egreedy (the textbook baseline): every eligible arm is played once first (lowest
+    index first), then a uniform eligible arm with probability `epsilon`, else the highest MEAN of the arm's
+    last `window` rewards. ucb1 exploits `mean / scale + ucb_c * sqrt(ln N / n)` over the bucket's last
+    `window` plays (sliding-window UCB: an arm absent from that window counts as untried, so a changed arm is
+    re-measured), `scale` being the largest reward in that window, which puts the bonus on the scale of
+    rewards in [0, 1].
     """
+    if cfg.algorithm == "beg_mab":
+        return _beg_mab_arm(cfg, state, b, key)
     elig = jnp.asarray(cfg.eligible, bool)[b]  # [A]
     rew = state.rewards[b]  # [A, W], NaN = empty slot
     valid = ~jnp.isnan(rew)
     if cfg.algorithm == "ucb1":
-        valid = valid & (state.stamps[b] > state.bucket_steps[b] - cfg.window)
+        valid = valid & _fresh(cfg, state, b)
         n = valid.sum(-1)  # [A] plays of each arm among the bucket's last `window` plays
         untried = elig & (n == 0)
         mean = jnp.where(valid, rew, 0.0).sum(-1) / jnp.maximum(n, 1)
@@ -41,8 +44,7 @@ def bandit_arm(cfg: SelectorConfig, state: SelectorState, b: jax.Array, key: jax
         epsilon = 0.0
     else:
         untried = elig & (state.count[b] == 0)
-        stat = jnp.nanmedian(rew, axis=-1) if cfg.algorithm == "beg_mab" else jnp.nanmean(rew, axis=-1)
-        score = jnp.where(valid.any(-1), stat, -jnp.inf)
+        score = jnp.where(valid.any(-1), jnp.nanmean(rew, axis=-1), -jnp.inf)
         epsilon = cfg.epsilon
     greedy = jnp.argmax(jnp.where(elig, score, -jnp.inf))
     k_explore, k_arm = jax.random.split(key)
@@ -50,6 +52,54 @@ def bandit_arm(cfg: SelectorConfig, state: SelectorState, b: jax.Array, key: jax
     explore = jax.random.uniform(k_explore) < epsilon
     choice = jnp.where(explore, uniform_arm, greedy)
     return jnp.where(untried.any(), jnp.argmax(untried), choice).astype(jnp.int32)
+
+
+def _fresh(cfg: SelectorConfig, state: SelectorState, b: jax.Array) -> jax.Array:
+    """bool[A, W]: window entries written during bucket `b`'s last `window` plays (a time window)."""
+    return state.stamps[b] > state.bucket_steps[b] - cfg.window
+
+
+def _beg_mab_arm(cfg: SelectorConfig, state: SelectorState, b: jax.Array, key: jax.Array) -> jax.Array:
+    """BEG-MAB: epsilon-greedy on the MEDIAN reward of each eligible arm over the bucket's last `window`
+    plays, with three changes to the paper's rule, each for a failure measured in the case study:
+
+    - Evidence before trust: an arm is ranked only once it has `min_plays` rewards in the window ("trusted");
+      the median of one or two chunks is noise on a shared machine (a plain chunk slowed by another job made
+      an SD arm look better and was never re-measured). "plain", the baseline, is always brought to
+      `min_plays`; the other arms get one play and more only while plausible.
+    - Exploration only among plausible arms: an arm whose BEST reward in the window is below the leader's
+      median (the best median among trusted arms) is not explored. With plain an arm in every bucket, the
+      paper's uniform exploration kept playing verify trees at 9-32 rows, where they run at half plain's
+      speed: a tax of ~epsilon / 2 on every chunk there, forever.
+    - Staleness instead of forgetting by count: statistics use the bucket's last `window` plays (as UCB1
+      does), so an arm left unplayed that long has no rewards, counts as untried and is re-measured once: the
+      best arm changing (the drafter learning online, the policy's text drifting) is found again.
+
+    Order of play: arms that need plays (eligible, untrusted, plausible or plain) first: plain, then the
+    fewest plays, the lowest index on ties (a fresh bucket plays plain `min_plays` times, then every other
+    arm once in index order, each judged against plain's median at once); then, with probability
+    `epsilon`, a uniform plausible arm; else the leader.
+    """
+    elig = jnp.asarray(cfg.eligible, bool)[b]  # [A]
+    rew = state.rewards[b]  # [A, W]
+    valid = ~jnp.isnan(rew) & _fresh(cfg, state, b)
+    n = valid.sum(-1)  # [A]
+    masked = jnp.where(valid, rew, jnp.nan)
+    median = jnp.nanmedian(masked, axis=-1)
+    best = jnp.max(jnp.where(valid, rew, -jnp.inf), axis=-1)
+    trusted = elig & (n >= cfg.min_plays)
+    leader_score = jnp.where(trusted, median, -jnp.inf)
+    lead = jnp.max(leader_score)  # -inf while nothing is trusted: every arm is plausible
+    plausible = elig & ((n == 0) | (best >= lead))
+    is_plain = jnp.asarray([t == 1 for t in cfg.tokens_to_verify], bool)
+    needs = ~trusted & (plausible | (elig & is_plain))
+    order = jnp.where(is_plain, -1, n)  # plain first (the reference), then the fewest plays, lowest index
+    first_needed = jnp.argmin(jnp.where(needs, order, jnp.iinfo(jnp.int32).max))
+    k_explore, k_arm = jax.random.split(key)
+    uniform_arm = jax.random.categorical(k_arm, jnp.where(plausible, 0.0, -jnp.inf))
+    explore = jax.random.uniform(k_explore) < cfg.epsilon
+    choice = jnp.where(explore, uniform_arm, jnp.argmax(leader_score))
+    return jnp.where(needs.any(), first_needed, choice).astype(jnp.int32)
 
 
 def sglang_step(
