@@ -58,15 +58,21 @@ def setup(mirror):
     return engine, policy, plain
 
 
-def test_first_visits_compile_and_are_not_rewards(setup):
+def test_compilation_never_lands_in_a_reward(setup):
+    """A fresh engine's chunks compile their programs before the chunk's clock starts: every chunk is a
+    reward, and the chunks that compiled took less time than compiling their programs did."""
     engine, policy, plain = setup
+    before = {i.key for i in engine.programs.infos()}
     out = engine.generate(PROMPTS, n=4, key=jax.random.key(1), sampling=SP, hooks=policy)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     compiled = [c for c in out.stats.chunks if c.compiled]
-    assert compiled and policy.skipped_compiled == len(compiled)
+    assert compiled and policy.compiled_chunks == len(compiled)
+    fresh = [i for i in engine.programs.infos("chunk") if i.key not in before]
+    assert len(fresh) == len(compiled)
+    assert sum(c.seconds for c in compiled) < sum(i.compile_seconds for i in fresh)
     observed = policy.policy.summary()
     counted = sum(v for k, v in observed.items() if k.endswith("/count"))
-    assert counted == len(out.stats.chunks) - len(compiled)  # only the chunks that compiled nothing
+    assert counted == len(out.stats.chunks)
 
 
 def test_switching_arms_compiles_nothing_after_warmup(setup):
@@ -88,7 +94,7 @@ def test_switching_arms_compiles_nothing_after_warmup(setup):
         np.testing.assert_array_equal(out.tokens, plain.tokens)
         np.testing.assert_array_equal(out.lengths, plain.lengths)
     m = policy.metrics()
-    assert any(k.endswith("/chosen") for k in m) and m["bandit/skipped_compiled"] == 0
+    assert any(k.endswith("/chosen") for k in m) and m["bandit/compiled_chunks"] == 0
 
 
 def test_fixed_table_policy_and_arm_registration(setup):

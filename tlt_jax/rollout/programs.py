@@ -6,8 +6,9 @@ the JAX counterpart of the paper's CUDA-graph accounting (Table 5). Keys name th
 parameters: decode chunks by (batch bucket, cache bucket, tokens_to_verify) for the target, plus the strategy
 for the speculative body; prefill by prompt/batch buckets; compaction and resize by their buckets.
 
-`ProgramCache.run(key, fn, args)` returns the outputs and whether this call compiled (a chunk that paid for
-a compilation must not be a bandit's reward). After warm-up nothing compiles: tests count XLA compilations.
+`ProgramCache.run(key, fn, args)` returns the outputs and whether this call compiled; `prepare` returns the
+compiled program first, so a caller can time the call alone (a chunk's seconds, a bandit's reward, never
+contain a compilation). After warm-up nothing compiles: tests count XLA compilations.
 """
 
 from __future__ import annotations
@@ -100,10 +101,18 @@ class ProgramCache:
             )
         return self._programs[key]
 
+    def prepare(
+        self, key: tuple, fn: Callable, args: tuple, donate: tuple[int, ...] = ()
+    ) -> tuple[Callable, bool]:
+        """(the compiled program for `key` and `args`, whether this call compiled it): compile first, then
+        time only the call, so a timing (a bandit's reward) never contains a compilation."""
+        fresh = (*key, signature(args)) not in self._programs
+        return self.compile(key, fn, args, donate), fresh
+
     def run(self, key: tuple, fn: Callable, args: tuple, donate: tuple[int, ...] = ()) -> tuple[Any, bool]:
         """Call the program for `key` on `args`; returns (outputs, whether this call compiled it)."""
-        fresh = (*key, signature(args)) not in self._programs
-        return self.compile(key, fn, args, donate)(*args), fresh
+        program, fresh = self.prepare(key, fn, args, donate)
+        return program(*args), fresh
 
     def infos(self, kind: str | None = None) -> list[ProgramInfo]:
         return [i for i in self._info.values() if kind is None or i.kind == kind]
