@@ -1,7 +1,8 @@
 """The long-tail case study (TLT Fig 14: 128 requests, SD on below 32 running rows, 2.44x rollout speedup).
 
-ONE rollout of N requests (`--requests`, default 128 = 32 prompts x 4 samples of the RL task in
-configs/tlt.py, T = 0.9, <= 384 new tokens; held-out prompts) decoded by every policy of the engine:
+One rollout of N requests (`--requests`, default 128 = 32 prompts x 4 samples of the RL task in
+configs/tlt.py, T = 0.9, <= 384 new tokens; held-out prompts) decoded by every policy of the engine, for each
+of `--keys` measured sampling keys (3, quick 2):
   (a) plain:        an engine without a drafter (no speculation, no drafter-cache upkeep: a strong baseline);
   (b) <arm>@thr<T>: each fixed strategy of `--arms` (EAGLE chains 2_1_3, 3_1_4, 7_1_8, n-gram 4_1_5) behind
                     the paper's switch (`ThresholdPolicy`: plain until <= T rows have run for
@@ -11,7 +12,13 @@ configs/tlt.py, T = 0.9, <= 384 new tokens; held-out prompts) decoded by every p
                     plain, then the EAGLE arms shallow to deep);
   (d) adaptive:     BEG-MAB with plain as an arm, every arm eligible in every bucket, buckets 1|2|4|8|rest.
 (c) and (d) learn across rollouts: `--learn` rollouts with other keys train the selector (3, quick 2); its
-state is restored before every pass with the measured key, so it never learns from the measured rollout.
+state is restored before every pass with a measured key, so it never learns from the measured rollouts.
+
+Keys. The same prompts sampled with another key have another tail (which rows ramble, whether they run to
+the cap, how well the last rows draft), and whether SD pays at the tail's end changes with it: one key would
+decide "best fixed in hindsight" by chance. Each key is timed on its own (its plain runs are its drift
+reference); ratios are geometric means over keys, with each key's in the table and the spread in RESULT
+(`_min` / `_max`). `best_fixed` is ONE fixed strategy for all keys, the best in hindsight.
 `--fresh` (default on, off with --quick) also times a selector that learned nothing.
 
 Timing. A pass with the measured key that compiled any program (`engine.compile_count` moved: chunks,
@@ -38,9 +45,10 @@ finish together, so the running count stops at their number.
     python experiments/case_study.py --quick                   # 8 x 4 requests, <= 384 tokens
     python experiments/case_study.py --quick --random-drafter  # smoke run without a warmed drafter
     python experiments/case_study.py                           # 32 x 4 requests, <= 384 tokens
-Final line: `RESULT adaptive_vs_plain=.. adaptive_vs_best_fixed=.. adaptive_vs_ema=.. best_fixed=<name> ...`
-(X_vs_Y: Y's drift-corrected rollout time / X's; same_tokens=1 if every rollout equals plain's, flips=N
-sequences that differed by a rounding flip).
+Final line: `RESULT keys=K adaptive_vs_plain=.. adaptive_vs_best_fixed=.. adaptive_vs_plain_min=.. ..
+adaptive_vs_ema=.. best_fixed=<name> ...` (X_vs_Y: Y's drift-corrected rollout time / X's, geometric mean
+over keys; _min/_max: over keys; same_tokens=1 if every rollout equals plain's, flips=N sequences that
+differed by a rounding flip).
 """
 
 from __future__ import annotations
@@ -87,7 +95,8 @@ class Config:
         self.policy: AdaptivePolicy | None = None
         self.snapshot: dict[str, Any] | None = None
         self.runs: list[Rollout] = []
-        self.norm: list[float] = []  # per timed run: rollout seconds / plain's at that time (interpolated)
+        self.key_of: list[int] = []  # per timed run: the index of its measured key
+        self.norm: list[float] = []  # per timed run: rollout seconds / plain's (same key) at that time
         self.norm_cpu: list[float] = []  # the same for the process's CPU seconds (all threads)
         self.untimed = 0  # passes that compiled a program (not timed)
         self.compiled_in_timed = 0  # programs compiled during the timed passes (should stay 0)
@@ -98,15 +107,28 @@ class Config:
             return self.policy
         return self.make_hook()
 
+    def _of(self, values: list[float], j: int) -> list[float]:
+        return [v for v, k in zip(values, self.key_of, strict=True) if k == j]
+
+    def rel_key(self, j: int) -> float:
+        """Median rollout time relative to plain decoding's with measured key j (drift-corrected)."""
+        return float(np.median(self._of(self.norm, j)))
+
     @property
     def rel(self) -> float:
-        """Median rollout time relative to plain decoding's (drift-corrected; 1 / speedup vs plain)."""
-        return float(np.median(self.norm))
+        """Rollout time relative to plain's (1 / speedup): the geometric mean over measured keys of each key's
+        median (one key: its median)."""
+        return float(np.exp(np.mean([np.log(self.rel_key(j)) for j in sorted(set(self.key_of))])))
 
-    rel_cpu = property(lambda self: float(np.median(self.norm_cpu)))  # the same in CPU seconds
+    @property
+    def rel_cpu(self) -> float:  # the same in CPU seconds
+        keys = sorted(set(self.key_of))
+        return float(np.exp(np.mean([np.log(np.median(self._of(self.norm_cpu, j))) for j in keys])))
 
-    def median_run(self) -> Rollout:
-        return self.runs[int(np.argsort(self.norm)[len(self.norm) // 2])]
+    def median_run(self, j: int = 0) -> Rollout:
+        """The run with measured key j at the median of that key's timings."""
+        idx = [i for i, k in enumerate(self.key_of) if k == j]
+        return self.runs[idx[int(np.argsort([self.norm[i] for i in idx])[len(idx) // 2])]]
 
 
 def selector(
@@ -244,7 +266,7 @@ def plot(configs: dict[str, Config], best_fixed: str, path: pathlib.Path, title:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
-    add("--quick", action="store_true", help="8 prompts x 4, <= 384 new tokens, 2 learning rollouts")
+    add("--quick", action="store_true", help="8 prompts x 4, <= 384 tokens, 2 learning rollouts, 2 keys")
     add("--requests", type=int, default=None, help="rows = prompts x --samples (default 128)")
     add("--samples", type=int, default=4, help="samples per prompt (GRPO group size)")
     add("--max-new", type=int, default=None, help="default configs/tlt.py's 384")
@@ -253,7 +275,10 @@ def parse_args() -> argparse.Namespace:
     add("--min-steps-below", type=int, default=0, help="... for this many steps (paper 10)")
     add("--buckets", default="1,2,4,8", help="selector bucket bounds (+ the rest)")
     add("--learn", type=int, default=None, help="selector learning rollouts (3; quick 2)")
-    add("--reps", type=int, default=1, help="timed rollouts per configuration (median)")
+    add(
+        "--keys", type=int, default=None, help="measured keys seed, seed+1, .. (3; quick 2): the tail differs"
+    )
+    add("--reps", type=int, default=1, help="timed rollouts per configuration and key (median)")
     add("--plain-every", type=int, default=1, help="a timed plain rollout before every K others")
     add("--fresh", action=argparse.BooleanOptionalAction, default=None, help="time a fresh BEG-MAB too")
     add("--drafter", default=str(ROOT / "workdirs" / "drafter_tlt"), help="the EAGLE warm-up workdir")
@@ -280,6 +305,7 @@ def main() -> None:
     buckets = tuple(int(b) for b in args.buckets.split(","))
     fresh = (not args.quick) if args.fresh is None else args.fresh
     learn = args.learn if args.learn is not None else (2 if args.quick else 3)
+    num_keys = args.keys if args.keys is not None else (2 if args.quick else 3)
 
     loaded = load_gguf(args.gguf)
     model = from_hf_tensors(loaded.config, loaded.tensors)
@@ -310,7 +336,6 @@ def main() -> None:
     algos = {"sglang": ("sglang", learn), "adaptive": ("beg_mab", learn)} | (
         {"adaptive_fresh": ("beg_mab", 0)} if fresh else {}
     )
-    key = jax.random.key(args.seed)
     # the selectors learn first (untimed; they compile most programs)
     for name, (algo, rounds) in algos.items():
         c = configs[name] = Config(name, sd_engine, lambda: None)
@@ -324,11 +349,8 @@ def main() -> None:
             )
         c.snapshot = c.policy.policy.state_dict()
 
-    # every timed run: (configuration, its mid time, the rollout, its CPU seconds)
-    marks: list[tuple[Config, float, Rollout, float]] = []
-
-    def timed(c: Config) -> None:
-        """Passes with the measured key until one compiles nothing (that one is timed)."""
+    def timed(c: Config, j: int, key: Any, marks: list) -> None:
+        """Passes with measured key j until one compiles nothing (that one is timed)."""
         for _ in range(4):
             before, cpu = c.engine.compile_count, time.process_time()
             r = c.engine.generate(prompts, n=n, key=key, sampling=sp, max_new_tokens=new, hooks=c.hook())
@@ -338,55 +360,71 @@ def main() -> None:
             c.untimed += 1
             print(f"  untimed {c.name}: {r.stats.wall_seconds:.1f} s ({compiled} programs compiled)")
         c.runs.append(r)
+        c.key_of.append(j)
         c.compiled_in_timed += compiled  # nonzero only if 4 passes kept compiling: flagged
         marks.append((c, time.perf_counter() - r.stats.wall_seconds / 2, r, cpu))
-        print(f"timed {c.name}: {r.stats.wall_seconds:.2f} s", flush=True)
+        print(f"timed {c.name} (key {j}): {r.stats.wall_seconds:.2f} s", flush=True)
 
     others = [c for c in configs.values() if c.name != "plain"]
-    for _ in range(args.reps):  # round-robin, plain before every --plain-every configurations and at the end
-        for i, c in enumerate(others):
-            if i % args.plain_every == 0:
-                timed(configs["plain"])
-            timed(c)
-    timed(configs["plain"])
-    ref = [(t, r.stats.wall_seconds, cpu) for c, t, r, cpu in marks if c.name == "plain"]
-    ref_t, ref_s, ref_cpu = zip(*ref, strict=True)
-    for c, t, r, cpu in marks:  # the drift: plain's time interpolated between the plain runs around this one
-        c.norm.append(r.stats.wall_seconds / float(np.interp(t, ref_t, ref_s)))
-        c.norm_cpu.append(cpu / float(np.interp(t, ref_t, ref_cpu)))
-    print(
-        f"timed plain runs: {', '.join(f'{w:.1f}' for w in ref_s)} s (max/min {max(ref_s) / min(ref_s):.2f})"
-    )
+    measured = [jax.random.key(args.seed + j) for j in range(num_keys)]
+    flips = diverged = 0
+    for j, key in enumerate(measured):
+        # every timed run of this key: (configuration, its mid time, the rollout, its CPU seconds)
+        marks: list[tuple[Config, float, Rollout, float]] = []
+        for _ in range(args.reps):  # round-robin, plain before every --plain-every others and at the end
+            for i, c in enumerate(others):
+                if i % args.plain_every == 0:
+                    timed(configs["plain"], j, key, marks)
+                timed(c, j, key, marks)
+        timed(configs["plain"], j, key, marks)
+        ref = [(t, r.stats.wall_seconds, cpu) for c, t, r, cpu in marks if c.name == "plain"]
+        ref_t, ref_s, ref_cpu = zip(*ref, strict=True)
+        for c, t, r, cpu in marks:  # the drift: plain's time (same key) interpolated around this run
+            c.norm.append(r.stats.wall_seconds / float(np.interp(t, ref_t, ref_s)))
+            c.norm_cpu.append(cpu / float(np.interp(t, ref_t, ref_cpu)))
+        print(
+            f"key {j}: timed plain runs {', '.join(f'{w:.1f}' for w in ref_s)} s "
+            f"(max/min {max(ref_s) / min(ref_s):.2f})"
+        )
+        f, d = check_tokens(configs, j, key, prompts, n, plain_engine, sp)
+        flips, diverged = flips + f, diverged + d
+    title = f"{num_prompts * n} requests, drafter {dname}"
+    report(args, configs, dict(new=new, flips=flips, diverged=diverged, title=title, t_start=t_start))
 
-    plain = configs["plain"].median_run()
+
+def check_tokens(
+    configs: dict[str, Config], j: int, key: Any, prompts: list, n: int, plain_engine: RolloutEngine, sp: Any
+) -> tuple[int, int]:
+    """Coupled verification: every rollout of measured key j equals plain's, up to rounding flips. Returns
+    (sequences that differ by a rounding flip, sequences that diverge for real)."""
+    plain = configs["plain"].median_run(j)
     flips = diverged = 0
     seq_keys = jax.random.split(key, len(plain.lengths))
-    for c in configs.values():  # coupled verification: every rollout is plain's, up to rounding flips
-        for r in c.runs:
+    for c in configs.values():
+        for r in (r for r, k in zip(c.runs, c.key_of, strict=True) if k == j):
             for i in np.nonzero((r.tokens != plain.tokens).any(axis=1) | (r.lengths != plain.lengths))[0]:
                 row = (prompts[i // n], plain.tokens[i], r.tokens[i], seq_keys[i], sp)
                 same = not (r.tokens[i] != plain.tokens[i]).any()  # lengths differ only: no flip
-                j, d = (-1, 1.0) if same else flip_distance(plain_engine, *row)
+                pos, d = (-1, 1.0) if same else flip_distance(plain_engine, *row)
                 flips, diverged = flips + (d < 1e-4), diverged + (d >= 1e-4)
                 verdict = "a rounding flip" if d < 1e-4 else "A REAL DIVERGENCE"
                 print(
-                    f"  {c.name}: sequence {i} differs from token {j} on; its uniform is {d:.1e} from the "
-                    f"drawn token's interval: {verdict}"
+                    f"  {c.name} (key {j}): sequence {i} differs from token {pos} on; its uniform is {d:.1e} "
+                    f"from the drawn token's interval: {verdict}"
                 )
-    title = f"{num_prompts * n} requests, drafter {dname}"
-    report(args, configs, plain, dict(new=new, flips=flips, diverged=diverged, title=title, t_start=t_start))
+    return flips, diverged
 
 
-def report(
-    args: argparse.Namespace, configs: dict[str, Config], plain: Rollout, info: dict[str, Any]
-) -> None:
-    """The table, the explanation lines, the PNG and the RESULT line."""
+def report(args: argparse.Namespace, configs: dict[str, Config], info: dict[str, Any]) -> None:
+    """The table, the explanation lines, the PNG and the RESULT line. Ratios over several measured keys are
+    geometric means of each key's; the table's seconds, accept, SD share and arms are key 0's median run."""
     new, flips, diverged, t_start = info["new"], info["flips"], info["diverged"], info["t_start"]
+    keys = sorted(set(configs["plain"].key_of))
     fixed = {k: c for k, c in configs.items() if "@thr" in k}
-    best_fixed = min(fixed, key=lambda k: fixed[k].rel)
+    best_fixed = min(fixed, key=lambda k: fixed[k].rel)  # ONE strategy for every key, chosen in hindsight
     print(
         f"\n{'configuration':>18} {'rollout s':>9} {'decode s':>8} {'vs plain':>8} {'accept':>6} "
-        f"{'cpu vs':>6} {'SD share':>8} {'chunks':>6} {'untimed':>7}  arms chosen (chunks)"
+        f"{'cpu vs':>6} {'SD share':>8} {'chunks':>6} {'untimed':>7}  per key vs plain; arms chosen (chunks)"
     )
     for name, c in configs.items():
         r = c.median_run()
@@ -396,7 +434,8 @@ def report(
         print(
             f"{name:>18} {r.stats.wall_seconds:>9.2f} {r.stats.decode_seconds:>8.2f} {1 / c.rel:>7.2f}x "
             f"{r.stats.mean_accept_length:>6.2f} {1 / c.rel_cpu:>5.2f}x {sd_share(r):>8.2f} "
-            f"{len(r.stats.chunks):>6} {c.untimed:>7}  {arms}{flag}"
+            f"{len(r.stats.chunks):>6} {c.untimed:>7}  "
+            f"{'/'.join(f'{1 / c.rel_key(j):.2f}' for j in keys)}; {arms}{flag}"
         )
     for name in ("sglang", "adaptive"):  # what each selector has learned: median reward, plays
         m = configs[name].policy.policy.summary()
@@ -413,18 +452,23 @@ def report(
                 f"{name}: never reached <= {args.threshold} running rows, so it decoded exactly as plain "
                 "(same programs, same tokens): its ratio to plain is timing noise, not a speedup"
             )
-    bound, best_b = oracle_bound(plain, [r for c in configs.values() for r in c.runs])
-    tail = plain.stats.seconds_at_running(args.threshold) / max(plain.stats.decode_seconds, 1e-9)
-    lens = plain.lengths
-    print(
-        f"response lengths p50 {np.median(lens):.0f}, p90 {np.percentile(lens, 90):.0f}, max {lens.max()}; "
-        f"{int(np.sum(lens >= new))} rows run to the {new}-token cap, so running never drops below that; "
-        f"{tail:.0%} of plain's decode time is at <= {args.threshold} running rows"
-    )
-    best = ", ".join(f"b{b} {x:.2f}x ({m})" for b, (x, m) in sorted(best_b.items())) or "SD never ran"
-    print(
-        f"best SD speedup per batch bucket (SD chunks of the timed runs vs plain): {best}; bound {bound:.2f}x"
-    )
+    bounds = []
+    for j in keys:  # the tail differs from key to key: lengths, where SD could pay, the bound
+        plain = configs["plain"].median_run(j)
+        runs = [r for c in configs.values() for r, k in zip(c.runs, c.key_of, strict=True) if k == j]
+        bound, best_b = oracle_bound(plain, runs)
+        bounds.append(bound)
+        tail = plain.stats.seconds_at_running(args.threshold) / max(plain.stats.decode_seconds, 1e-9)
+        lens = plain.lengths
+        best = ", ".join(f"b{b} {x:.2f}x ({m})" for b, (x, m) in sorted(best_b.items())) or "SD never ran"
+        key_best = min(fixed, key=lambda k: fixed[k].rel_key(j))
+        print(
+            f"key {j}: response lengths p50 {np.median(lens):.0f}, p90 {np.percentile(lens, 90):.0f}, max "
+            f"{lens.max()}; {int(np.sum(lens >= new))} rows at the {new}-token cap; {tail:.0%} of plain's "
+            f"decode time at <= {args.threshold} running rows; best SD speedup per batch bucket (SD chunks "
+            f"vs plain): {best}; bound {bound:.2f}x; best fixed for this key {key_best} "
+            f"{1 / fixed[key_best].rel_key(j):.2f}x; adaptive {1 / configs['adaptive'].rel_key(j):.2f}x"
+        )
     print(
         f"same tokens as plain in every rollout: {'yes' if not flips + diverged else 'no'} (coupled "
         f"verification); {flips} sequences differ by a float-rounding flip, {diverged} diverge for real"
@@ -444,15 +488,21 @@ def report(
             "error: SD changed sampled tokens beyond rounding (coupled verification must not): see above"
         )
     rel = lambda k: configs[k].rel  # noqa: E731
+    per_key = lambda a, b: [configs[b].rel_key(j) / configs[a].rel_key(j) for j in keys]  # noqa: E731
     res: dict[str, object] = {
+        "keys": len(keys),
         "adaptive_vs_plain": rel("plain") / rel("adaptive"),
         "adaptive_vs_best_fixed": rel(best_fixed) / rel("adaptive"),
+        "adaptive_vs_plain_min": min(per_key("adaptive", "plain")),
+        "adaptive_vs_plain_max": max(per_key("adaptive", "plain")),
+        "adaptive_vs_best_fixed_min": min(per_key("adaptive", best_fixed)),
+        "adaptive_vs_best_fixed_max": max(per_key("adaptive", best_fixed)),
         "adaptive_vs_ema": rel("sglang") / rel("adaptive"),
         "adaptive_vs_plain_cpu": configs["plain"].rel_cpu / configs["adaptive"].rel_cpu,
         "best_fixed": best_fixed,
         "best_fixed_vs_plain": rel("plain") / rel(best_fixed),
         "sglang_vs_plain": rel("plain") / rel("sglang"),
-        "oracle_bound": bound,
+        "oracle_bound": float(np.exp(np.mean(np.log(bounds)))),
         "best_fixed_accept": fixed[best_fixed].median_run().stats.mean_accept_length,
         "best_fixed_sd_share": sd_share(fixed[best_fixed].median_run()),
         "adaptive_sd_share": sd_share(configs["adaptive"].median_run()),

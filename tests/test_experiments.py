@@ -128,7 +128,7 @@ def test_sd_heatmaps_smoke(smollm_gguf_path, tmp_path):
 @pytest.mark.experiments
 def test_case_study_smoke(smollm_gguf_path, tmp_path):
     """4 requests x 8 tokens, two fixed arms switched on from the first chunk (threshold >= batch), one
-    learning rollout per selector: every rollout samples the plain tokens (up to rounding flips), the best
+    learning rollout per selector, two measured keys: every rollout samples the plain tokens (up to rounding flips), the best
     fixed arm is the fastest of the fixed ones, and the headline ratios agree with each other."""
     res, out = _run(
         "case_study.py",
@@ -145,6 +145,8 @@ def test_case_study_smoke(smollm_gguf_path, tmp_path):
         "4",
         "--learn",
         "1",
+        "--keys",
+        "2",
         "--no-fresh",
         "--out",
         str(tmp_path),
@@ -162,6 +164,10 @@ def test_case_study_smoke(smollm_gguf_path, tmp_path):
     # adaptive_vs_plain = (plain / best fixed) x (best fixed / adaptive), up to the 3-decimal rounding
     derived = float(res["best_fixed_vs_plain"]) * ratios["adaptive_vs_best_fixed"]
     assert math.isclose(derived, ratios["adaptive_vs_plain"], rel_tol=5e-3, abs_tol=2e-3)
+    # two measured keys: the headline is their geometric mean, between the two keys' ratios
+    assert res["keys"] == "2" and out.count("key 1: response lengths") == 1
+    lo, hi = float(res["adaptive_vs_plain_min"]), float(res["adaptive_vs_plain_max"])
+    assert lo - 2e-3 <= ratios["adaptive_vs_plain"] <= hi + 2e-3
     assert (tmp_path / "case_study.png").stat().st_size > 0
 
 
