@@ -128,8 +128,8 @@ def test_sd_heatmaps_smoke(smollm_gguf_path, tmp_path):
 @pytest.mark.experiments
 def test_case_study_smoke(smollm_gguf_path, tmp_path):
     """4 requests x 8 tokens, two fixed arms switched on from the first chunk (threshold >= batch), one
-    learning rollout per selector, two measured keys: every rollout samples the plain tokens (up to rounding flips), the best
-    fixed arm is the fastest of the fixed ones, and the headline ratios agree with each other."""
+    learning rollout per selector, two measured keys: every rollout samples the plain tokens (up to rounding
+    flips), the best fixed arm is the fastest of the fixed ones, and the headline ratios agree."""
     res, out = _run(
         "case_study.py",
         "--random-drafter",

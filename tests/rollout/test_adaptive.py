@@ -20,6 +20,7 @@ from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.selector_config import SelectorConfig
+from tlt_jax.rollout.types import ChunkRecord
 
 PROMPTS = [[9, 9, 2], [81, 65, 35, 40, 6, 10, 3, 23], [10, 53, 36, 94]]
 SP = SamplingParams(temperature=0.9, top_p=0.95)
@@ -73,6 +74,24 @@ def test_compilation_never_lands_in_a_reward(setup):
     observed = policy.policy.summary()
     counted = sum(v for k, v in observed.items() if k.endswith("/count"))
     assert counted == len(out.stats.chunks)
+
+
+def test_reward_is_the_chunk_rate_scaled_to_its_starting_rows(setup):
+    """2 rows for 4 steps, then 1 (a row finished inside the chunk): 12 tokens in 1.2 s is 10 tok/s, 13.3 at
+    the 2 starting rows; and a rollout's rewards are exactly its chunks' scaled rates."""
+    rec = ChunkRecord("plain", 2, 128, 8, 2, 1.2, new_tokens=12, running=(2, 2, 2, 2, 1, 1, 1, 1))
+    assert rec.tokens_per_second == pytest.approx(10.0)
+    assert rec.rate_at_start_rows == pytest.approx(10.0 * 2 / 1.5)
+    engine, _, _ = setup
+    policy = build_policy(ml_collections.ConfigDict(SECTION), engine, seed=5)
+    out = engine.generate(PROMPTS, n=4, key=jax.random.key(2), sampling=SP, hooks=policy)
+    rewards = np.asarray(policy.policy.state.rewards)
+    np.testing.assert_allclose(
+        np.sort(rewards[~np.isnan(rewards)]),
+        np.sort(np.float32([c.rate_at_start_rows for c in out.stats.chunks])),
+        rtol=1e-6,
+    )
+    assert any(c.running[-1] < c.running_start for c in out.stats.chunks)  # some rows ended inside chunks
 
 
 def test_switching_arms_compiles_nothing_after_warmup(setup):

@@ -1,14 +1,16 @@
 """The adaptive rollout engine's policy: a strategy selector (BEG-MAB by default) choosing each chunk's mode.
 
-`AdaptivePolicy` is a rollout hook around `beg_mab.BanditPolicy`: before each chunk it selects an arm for
-the running-row count ("plain" is an arm, so it learns where speculation pays on this hardware), and after the
+`AdaptivePolicy` is a rollout hook around `beg_mab.BanditPolicy`: before each chunk it selects an arm for the
+running-row count ("plain" is an arm, so it learns where speculation pays on this hardware), and after the
 chunk it rewards the arm with the chunk's tokens per second (the paper's accepted tokens / elapsed time; a
-rate, so chunks of different lengths compare). Fair rewards: the engine compiles a chunk's program before
-it starts the chunk's clock, so no reward contains a compilation, and an arm's first visit to a shape is a
-reward like any other (dropping it, as before, wasted a probe per new program: at 9-32 rows an SD probe runs
-at a third to a half of plain's speed). The first execution of a fresh program ran 0-12% slower than reruns
-of the same chunk (`docs/benchmarks.md`); such chunks are counted (`bandit/compiled_chunks`).
-The selector's state lives across rollouts (the learner owns it and checkpoints `state_dict()`).
+rate, so chunks of different lengths compare), scaled to the rows the chunk started with
+(`ChunkRecord.rate_at_start_rows`: rows finishing inside a chunk do not count against the arm). Fair rewards:
+the engine compiles a chunk's program before it starts the chunk's clock, so no reward contains a compilation,
+and an arm's first visit to a shape is a reward like any other (dropping it, as before, wasted a probe per new
+program: at 9-32 rows an SD probe runs at a third to a half of plain's speed). The first execution of a fresh
+program ran 0-12% slower than reruns of the same chunk (`docs/benchmarks.md`); such chunks are counted
+(`bandit/compiled_chunks`). The selector's state lives across rollouts (the learner owns it and checkpoints
+`state_dict()`).
 
 `build_policy(section, engine)` registers the section's arms as engine modes ("3_1_4" = an EAGLE strategy,
 "ngram_4_1_5" = the n-gram drafter, "plain") and returns the policy.
@@ -53,7 +55,7 @@ class AdaptivePolicy(RolloutHooks):
         self.chosen[(self.bucket(running), arm)] += 1
         rec = view.record
         self.compiled_chunks += int(rec.compiled)
-        self.policy.observe(arm, running, rec.tokens_per_second, rec.accept_length)
+        self.policy.observe(arm, running, rec.rate_at_start_rows, rec.accept_length)
 
     def bucket(self, running: int) -> int:
         bounds = self.policy.cfg.bucket_bounds

@@ -70,12 +70,13 @@ def _beg_mab_arm(cfg: SelectorConfig, state: SelectorState, b: jax.Array, key: j
     - Exploration only among plausible arms: an arm whose BEST reward in the window is below the leader's
       median (the best median among trusted arms) is not explored. With plain an arm in every bucket, the
       paper's uniform exploration kept playing verify trees at 9-32 rows, where they run at half plain's
-      speed: a tax of ~epsilon / 2 on every chunk there, forever.
+      speed: a tax of ~epsilon / 2 on every chunk there, forever. Plain stays plausible (it is never far
+      from the best arm, and its median is what every other arm is judged against).
     - Staleness instead of forgetting by count: statistics use the bucket's last `window` plays (as UCB1
       does), so an arm left unplayed that long has no rewards, counts as untried and is re-measured once: the
       best arm changing (the drafter learning online, the policy's text drifting) is found again.
 
-    Order of play: arms that need plays (eligible, untrusted, plausible or plain) first: plain, then the
+    Order of play: arms that need plays (eligible, untrusted and plausible) first: plain, then the
     fewest plays, the lowest index on ties (a fresh bucket plays plain `min_plays` times, then every other
     arm once in index order, each judged against plain's median at once); then, with probability
     `epsilon`, a uniform plausible arm; else the leader.
@@ -90,9 +91,9 @@ def _beg_mab_arm(cfg: SelectorConfig, state: SelectorState, b: jax.Array, key: j
     trusted = elig & (n >= cfg.min_plays)
     leader_score = jnp.where(trusted, median, -jnp.inf)
     lead = jnp.max(leader_score)  # -inf while nothing is trusted: every arm is plausible
-    plausible = elig & ((n == 0) | (best >= lead))
     is_plain = jnp.asarray([t == 1 for t in cfg.tokens_to_verify], bool)
-    needs = ~trusted & (plausible | (elig & is_plain))
+    plausible = elig & ((n == 0) | (best >= lead) | is_plain)
+    needs = ~trusted & plausible
     order = jnp.where(is_plain, -1, n)  # plain first (the reference), then the fewest plays, lowest index
     first_needed = jnp.argmin(jnp.where(needs, order, jnp.iinfo(jnp.int32).max))
     k_explore, k_arm = jax.random.split(key)

@@ -95,8 +95,19 @@ class ChunkRecord:
 
     @property
     def tokens_per_second(self) -> float:
-        """The bandit's reward: tokens emitted per second of this chunk."""
+        """Tokens emitted per second of this chunk (the paper's reward)."""
         return self.new_tokens / max(self.seconds, 1e-9)
+
+    @property
+    def rate_at_start_rows(self) -> float:
+        """The adaptive engine's reward: tokens per second scaled to the rows the chunk started with
+        (`tokens_per_second * running_start / mean running rows over its steps`). A row that finishes inside
+        a chunk leaves the rest of it at fewer rows; at 2 running rows that halves tokens/s, and an SD chunk
+        (more tokens per step) ends inside more often, so unscaled rates of one (bucket, arm) spread by up to
+        2x with where rows happened to end. Exact while a step's cost does not depend on the rows (few-row
+        decoding on CPU and GPU); at many rows a finishing row is a small fraction."""
+        mean_rows = sum(self.running) / len(self.running) if self.running else self.running_start
+        return self.tokens_per_second * self.running_start / max(mean_rows, 1e-9)
 
     @property
     def accept_length(self) -> float:

@@ -1,0 +1,108 @@
+"""Is a chunk whose program was just compiled a fair bandit reward? First execution vs reruns of one chunk.
+
+The engine compiles a chunk's program before starting the chunk's clock (`ProgramCache.prepare`), so no
+chunk's seconds contain a compilation, and the adaptive policy rewards every chunk, first visits included.
+What remains is the first execution of a fresh program (allocations, cold instruction and data caches). This
+script measures it: a fresh engine decodes the same rollout (same prompts, same key, so the same chunks and
+shapes) three times per mode; pass 1 compiles each program before running it, passes 2 and 3 compile
+nothing. Per chunk that compiled in pass 1: first / min(pass 2, pass 3). The noise reference is the same
+ratio for chunks that compiled nothing in pass 1 (their programs were met earlier in the pass).
+
+    python experiments/first_execution.py --quick    # 4 prompts x 2, <= 160 tokens, modes plain and 3_1_4
+    python experiments/first_execution.py            # 8 prompts x 2, <= 256 tokens, plain 2_1_3 3_1_4 ngram
+Final line: `RESULT first_exec_ratio_median=.. first_exec_ratio_max=.. rerun_ratio_median=..
+rerun_ratio_max=.. compiled_chunks=.. chunks=..`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+import jax
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
+
+from bench_sd import load_drafter_or_exit  # noqa: E402
+
+from tlt_jax import config_lib  # noqa: E402
+from tlt_jax.models.llama import from_hf_tensors  # noqa: E402
+from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from tlt_jax.rollout.hooks import FixedMode  # noqa: E402
+from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
+from tlt_jax.tasks.datasets import make_task  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--modes", default=None, help="plain, EAGLE strategies, ngram_<strategy> (comma list)")
+    ap.add_argument("--drafter", default=str(ROOT / "workdirs" / "drafter_tlt"))
+    ap.add_argument("--random-drafter", action="store_true", help="untrained drafter (timing is the same)")
+    ap.add_argument("--draft-vocab", default="auto")
+    ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    prompts_n, new = (4, 160) if args.quick else (8, 256)
+    modes = (args.modes or ("plain,3_1_4" if args.quick else "plain,2_1_3,3_1_4,ngram_4_1_5")).split(",")
+
+    tlt = config_lib.load_config_file(ROOT / "configs" / "tlt.py")
+    loaded = load_gguf(args.gguf)
+    model = from_hf_tensors(loaded.config, loaded.tensors)
+    drafter, dname, vocab, _ = load_drafter_or_exit(args, model)
+    task = make_task(tlt.task)
+    prompts = [loaded.tokenizer.encode_chat(task.messages(p)) for p in task.batch(2000, prompts_n)[0]]
+    ro = tlt.rollout
+    sizes = ("max_cache_len", "chunk_steps", "min_cache_bucket", "prompt_bucket")
+    sp, key = SamplingParams(temperature=float(ro.temperature)), jax.random.key(args.seed)
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; drafter {dname}; "
+        f"{prompts_n} prompts x 2, <= {new} tokens; modes {modes}"
+    )
+    first, rerun = [], []
+    for name in modes:  # a fresh engine per mode: every program is compiled in its pass 1
+        eng = RolloutEngine(
+            model,
+            EngineConfig(max_new_tokens=new, **{k: ro[k] for k in sizes}),
+            eos_ids=list(loaded.tokenizer.eos_token_ids),
+            drafter=drafter,
+            draft_vocab=vocab,
+        )
+        kind = ("ngram", name.removeprefix("ngram_")) if name.startswith("ngram_") else ("eagle", name)
+        mode = "plain" if name == "plain" else eng.add_mode(*kind)
+        hook = FixedMode(mode)
+        passes = [
+            eng.generate(prompts, n=2, key=key, sampling=sp, max_new_tokens=new, hooks=hook).stats.chunks
+            for _ in range(3)
+        ]
+        assert [c.steps for c in passes[0]] == [c.steps for c in passes[1]], "the passes must decode alike"
+        for i, (a, b, c) in enumerate(zip(*passes, strict=True)):
+            assert not (b.compiled or c.compiled), "passes 2 and 3 must compile nothing"
+            ratio = a.seconds / min(b.seconds, c.seconds)
+            (first if a.compiled else rerun).append(ratio)
+            print(
+                f"{mode:>12} chunk {i:>2}: batch {a.batch_bucket:>2} cache {a.cache_bucket:>3} "
+                f"{'compiled' if a.compiled else '        '} {a.seconds:.3f} s vs {b.seconds:.3f} / "
+                f"{c.seconds:.3f} s -> {ratio:.2f}"
+            )
+    res = dict(
+        first_exec_ratio_median=np.median(first),
+        first_exec_ratio_max=np.max(first),
+        rerun_ratio_median=np.median(rerun),
+        rerun_ratio_max=np.max(rerun),
+    )
+    print(
+        "RESULT "
+        + " ".join(f"{k}={v:.3f}" for k, v in res.items())
+        + f" compiled_chunks={len(first)} chunks={len(first) + len(rerun)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
