@@ -48,8 +48,11 @@ def main() -> None:
     ap.add_argument("--draft-vocab", default="auto")
     ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts", type=int, default=None, help="default 8 (quick 4), 2 samples each")
+    ap.add_argument("--max-new", type=int, default=None, help="default 256 (quick 160)")
     args = ap.parse_args()
-    prompts_n, new = (4, 160) if args.quick else (8, 256)
+    prompts_n = args.prompts or (4 if args.quick else 8)
+    new = args.max_new or (160 if args.quick else 256)
     modes = (args.modes or ("plain,3_1_4" if args.quick else "plain,2_1_3,3_1_4,ngram_4_1_5")).split(",")
 
     tlt = config_lib.load_config_file(ROOT / "configs" / "tlt.py")
@@ -91,11 +94,12 @@ def main() -> None:
                 f"{'compiled' if a.compiled else '        '} {a.seconds:.3f} s vs {b.seconds:.3f} / "
                 f"{c.seconds:.3f} s -> {ratio:.2f}"
             )
+    stat = lambda f, x: float(f(x)) if x else float("nan")  # noqa: E731  (no chunk of that kind: nan)
     res = dict(
-        first_exec_ratio_median=np.median(first),
-        first_exec_ratio_max=np.max(first),
-        rerun_ratio_median=np.median(rerun),
-        rerun_ratio_max=np.max(rerun),
+        first_exec_ratio_median=stat(np.median, first),
+        first_exec_ratio_max=stat(np.max, first),
+        rerun_ratio_median=stat(np.median, rerun),
+        rerun_ratio_max=stat(np.max, rerun),
     )
     print(
         "RESULT "

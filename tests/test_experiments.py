@@ -179,3 +179,24 @@ def test_bench_sampling_smoke(tmp_path):
     assert set(res) == {"speedup_b1", "speedup_b64", "ms_ours_b64", "ms_sort_b64"}
     assert all(float(v) > 0 for v in res.values())
     assert (tmp_path / "bench_sampling.png").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.experiments
+def test_first_execution_smoke(smollm_gguf_path):
+    """Two prompts x 2, 24 tokens, plain and one EAGLE chain: the passes decode alike, passes 2-3 compile
+    nothing (asserted in the script), and every chunk is either a first execution or a rerun."""
+    res, out = _run(
+        "first_execution.py",
+        "--random-drafter",
+        "--prompts",
+        "2",
+        "--max-new",
+        "24",
+        "--modes",
+        "plain,2_1_3",
+    )
+    assert int(res["compiled_chunks"]) >= 2 and int(res["chunks"]) >= int(res["compiled_chunks"])
+    assert 0 < float(res["first_exec_ratio_median"]) < 100 and out.count(" compiled ") == int(
+        res["compiled_chunks"]
+    )
