@@ -11,8 +11,10 @@ of `--keys` measured sampling keys (3, quick 2):
   (c) sglang:       mainline SGLang's rule (per-bucket EMA of accepted drafts, hysteresis on a depth ladder:
                     plain, then the EAGLE arms shallow to deep);
   (d) adaptive:     BEG-MAB with plain as an arm, every arm eligible in every bucket, buckets 1|2|4|8|rest.
-(c) and (d) learn across rollouts: `--learn` rollouts with other keys train the selector (3, quick 2); its
-state is restored before every pass with a measured key, so it never learns from the measured rollouts.
+(c) and (d) learn across rollouts: `--learn` rollouts with other keys train the selector (default 6: the
+state of a selector the learner has carried through 6 RL steps; `--learn 2` measures the cold start: 5 arms
+x 5 buckets of plain and SD probes, at 9-32 rows at a third to a half of plain's speed); its state is
+restored before every pass with a measured key, so it never learns from the measured rollouts.
 
 Keys. The same prompts sampled with another key have another tail (which rows ramble, whether they run to
 the cap, how well the last rows draft), and whether SD pays at the tail's end changes with it: one key would
@@ -266,7 +268,7 @@ def plot(configs: dict[str, Config], best_fixed: str, path: pathlib.Path, title:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
-    add("--quick", action="store_true", help="8 prompts x 4, <= 384 tokens, 2 learning rollouts, 2 keys")
+    add("--quick", action="store_true", help="8 prompts x 4, <= 384 tokens, 2 measured keys")
     add("--requests", type=int, default=None, help="rows = prompts x --samples (default 128)")
     add("--samples", type=int, default=4, help="samples per prompt (GRPO group size)")
     add("--max-new", type=int, default=None, help="default configs/tlt.py's 384")
@@ -274,7 +276,7 @@ def parse_args() -> argparse.Namespace:
     add("--threshold", type=int, default=2, help="SD switch: <= this many running rows (paper 32)")
     add("--min-steps-below", type=int, default=0, help="... for this many steps (paper 10)")
     add("--buckets", default="1,2,4,8", help="selector bucket bounds (+ the rest)")
-    add("--learn", type=int, default=None, help="selector learning rollouts (3; quick 2)")
+    add("--learn", type=int, default=None, help="selector learning rollouts (6; 2: cold start)")
     add(
         "--keys", type=int, default=None, help="measured keys seed, seed+1, .. (3; quick 2): the tail differs"
     )
@@ -304,7 +306,7 @@ def main() -> None:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     buckets = tuple(int(b) for b in args.buckets.split(","))
     fresh = (not args.quick) if args.fresh is None else args.fresh
-    learn = args.learn if args.learn is not None else (2 if args.quick else 3)
+    learn = args.learn if args.learn is not None else 6
     num_keys = args.keys if args.keys is not None else (2 if args.quick else 3)
 
     loaded = load_gguf(args.gguf)
