@@ -61,7 +61,8 @@ def setup(mirror):
 
 def test_compilation_never_lands_in_a_reward(setup):
     """A fresh engine's chunks compile their programs before the chunk's clock starts: every chunk is a
-    reward, and the chunks that compiled took less time than compiling their programs did."""
+    reward, the chunks that compiled took less time than compiling their programs did, and the compilation
+    is accounted as its own phase of the rollout."""
     engine, policy, plain = setup
     before = {i.key for i in engine.programs.infos()}
     out = engine.generate(PROMPTS, n=4, key=jax.random.key(1), sampling=SP, hooks=policy)
@@ -71,6 +72,9 @@ def test_compilation_never_lands_in_a_reward(setup):
     fresh = [i for i in engine.programs.infos("chunk") if i.key not in before]
     assert len(fresh) == len(compiled)
     assert sum(c.seconds for c in compiled) < sum(i.compile_seconds for i in fresh)
+    assert out.stats.phase_seconds["compile"] == pytest.approx(sum(c.compile_seconds for c in compiled))
+    # a compiled chunk's compile_seconds spans its program's compilation (they pair in order)
+    assert all(c.compile_seconds >= i.compile_seconds for c, i in zip(compiled, fresh, strict=True))
     observed = policy.policy.summary()
     counted = sum(v for k, v in observed.items() if k.endswith("/count"))
     assert counted == len(out.stats.chunks)

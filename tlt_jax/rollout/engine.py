@@ -325,6 +325,7 @@ class RolloutEngine:
             jax.device_put(np.int32(exit_live), self.replicated),
             jax.device_put(np.int32(arm), self.replicated),
         )
+        t_compile = time.perf_counter()
         if work is None:
             program, compiled = self.programs.prepare(key, self._chunk_fn(prog), args, donate=(2, 4))
         else:
@@ -355,6 +356,7 @@ class RolloutEngine:
             accept_hist=tuple(int(x) for x in hist) if prog.modes else (),
             running=running,
             compiled=compiled,
+            compile_seconds=t0 - t_compile if compiled else 0.0,
         )
         return out.state, record, (out.bank if bank_in is not None else bank)
 

@@ -105,6 +105,8 @@ def generate(
         state, record, bank = engine.decode_chunk(state, mode, sampling, bank, exit_live, dparams, work)
         record = dataclasses.replace(record, new_tokens=harvest.tokens_so_far(state, seq_ids) - before)
         stats.add_time("decode" if mode == "plain" else "speculative", record.seconds)
+        if record.compiled:
+            stats.add_time("compile", record.compile_seconds)
         stats.running_per_step.extend(record.running)
         stats.sd_per_step.extend([mode != "plain"] * record.steps)
         stats.seconds_per_step.extend([record.seconds / max(record.steps, 1)] * record.steps)

@@ -91,7 +91,8 @@ class ChunkRecord:
     strategy: str = ""  # the speculative strategy "depth_topk_verify" ("" for plain)
     accept_hist: tuple[int, ...] = ()  # [i] = row-rounds that emitted i tokens (i = 0..depth+1)
     running: tuple[int, ...] = ()  # running rows at the start of each step/round
-    compiled: bool = False  # this chunk's call compiled a program (its time is not a fair reward)
+    compiled: bool = False  # this chunk's call compiled its program first (not in `seconds`)
+    compile_seconds: float = 0.0  # that compilation's seconds (0 when nothing compiled)
 
     @property
     def tokens_per_second(self) -> float:
