@@ -4,11 +4,11 @@ Learning algorithms run on synthetic reward streams: every chunk's reward is Gau
 (bucket, arm) (`MEANS`, tokens/s; the best arm of each bucket is >= 15% above the runner-up) with a standard
 deviation of 10% of the bucket's best mean; running-row counts are drawn uniformly from one value per bucket.
 Criterion: among the last 200 selections in each bucket, >= 80% pick the best (eligible) arm; the measured
-rates over seeds 0-2 are 0.91-1.0 for beg_mab (exploring plausible arms only), 0.87-0.95 for egreedy and
-0.93-1.0 for ucb1, the binomial standard error at 200 draws is ~2.5%. After the best arm
-changes, the same selector with a window longer than the stream (no forgetting) scores ~0.01-0.05, so the
-re-convergence criterion does test the sliding window. The rules of fixed, threshold and sglang are checked
-step by step against plain-Python references.
+rates over seeds 0-2 are 0.90-1.0 for beg_mab (exploring plausible arms and plain only), 0.87-0.95 for egreedy
+and 0.93-1.0 for ucb1, the binomial standard error at 200 draws is ~2.5%. After the best arm changes, the same
+selector with a window longer than the stream (no forgetting) scores ~0.01-0.05, so the re-convergence
+criterion does test the sliding window. The rules of fixed, threshold and sglang are checked step by step
+against plain-Python references.
 """
 
 from __future__ import annotations
@@ -177,8 +177,8 @@ def test_beg_mab_trusts_plain_only_after_min_plays_so_one_slow_chunk_does_not_de
 def test_beg_mab_explores_only_plausible_arms_and_re_measures_stale_ones():
     """Arm 1 (a verify tree at many rows) runs at half plain's speed: once trusted plain leads, arm 1's best
     reward is below plain's median, so even epsilon = 1 never explores it; arm 2 (within noise of plain) is
-    explored. After `window` plays of the bucket without it, arm 1 has no fresh reward and is re-measured
-    once per window."""
+    explored. After `window` plays of the bucket without it, arm 1 has no fresh reward, and it is re-measured
+    once `window x 2` plays (its slowdown) have passed since its last play: every ~41 plays, no more often."""
     elig = sc.all_arms_eligibility(4, 3)
     cfg = sc.SelectorConfig(("plain", "7_1_8", "2_1_3"), (1, 8, 3), eligible=elig, epsilon=1.0, window=20)
     rng = np.random.default_rng(0)
@@ -186,8 +186,8 @@ def test_beg_mab_explores_only_plausible_arms_and_re_measures_stale_ones():
     state, played = _stream(cfg, bm.init(cfg), lambda arm, i: means[arm] + rng.normal(0, 3), 200)
     assert played[:5] == [0, 0, 0, 1, 2], played  # plain to min_plays, then each arm once
     plays = [i for i, a in enumerate(played) if a == 1]
-    assert len(plays) >= 200 // 20 - 1  # re-measured about once per window
-    assert all(j - i > 20 for i, j in itertools.pairwise(plays))  # and never more often
+    gaps = np.diff(plays)
+    assert len(plays) >= 200 // 42 and (gaps > 2 * 20 * 0.9).all() and (gaps <= 2 * 20 * 1.2 + 1).all(), plays
     assert played.count(0) > 60 and played.count(2) > 60  # epsilon = 1: uniform over the two plausible arms
 
 
