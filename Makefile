@@ -40,9 +40,10 @@ kernels: $(STAMP)
 
 setup: $(STAMP) $(GGUF) kernels
 
-# TLT: GRPO with speculative rollouts on a long-tail task (configs/tlt.py, 10 steps: 14.7 min on a fresh clone,
-# measured 2026-11-24 on the AVX-512 VM). Without a warmed EAGLE drafter in workdirs/drafter_tlt it drafts with the
-# n-gram drafter and trains an EAGLE drafter online; the warm-up command it prints makes one (`make warmup`).
+# TLT: GRPO with speculative rollouts on a long-tail task (configs/tlt.py, 10 steps: 14.7-17.9 min on a fresh
+# clone, measured 2026-11-24 on the AVX-512 VM). Without a warmed EAGLE drafter in workdirs/drafter_tlt it
+# drafts with the n-gram drafter and trains an EAGLE drafter online; the warm-up command it prints makes one
+# (`make warmup`).
 run: setup
 	$(PY) -m tlt_jax.main --config configs/tlt.py --workdir $(WORKDIR) $(RUN_ARGS)
 
