@@ -109,28 +109,31 @@ class Config:
             return self.policy
         return self.make_hook()
 
-    def _of(self, values: list[float], j: int) -> list[float]:
+    def of_key(self, values: list, j: int) -> list:
+        """The entries of a per-timed-run list (runs, norm, norm_cpu) that belong to measured key j."""
         return [v for v, k in zip(values, self.key_of, strict=True) if k == j]
 
-    def rel_key(self, j: int) -> float:
-        """Median rollout time relative to plain decoding's with measured key j (drift-corrected)."""
-        return float(np.median(self._of(self.norm, j)))
+    def rel_key(self, j: int, cpu: bool = False) -> float:
+        """Median rollout time relative to plain decoding's with measured key j (drift-corrected; in process
+        CPU seconds with `cpu`)."""
+        return float(np.median(self.of_key(self.norm_cpu if cpu else self.norm, j)))
 
     @property
     def rel(self) -> float:
         """Rollout time relative to plain's (1 / speedup): the geometric mean over measured keys of each key's
         median (one key: its median)."""
-        return float(np.exp(np.mean([np.log(self.rel_key(j)) for j in sorted(set(self.key_of))])))
+        return geomean([self.rel_key(j) for j in sorted(set(self.key_of))])
 
-    @property
-    def rel_cpu(self) -> float:  # the same in CPU seconds
-        keys = sorted(set(self.key_of))
-        return float(np.exp(np.mean([np.log(np.median(self._of(self.norm_cpu, j))) for j in keys])))
+    rel_cpu = property(lambda self: geomean([self.rel_key(j, cpu=True) for j in sorted(set(self.key_of))]))
 
     def median_run(self, j: int = 0) -> Rollout:
         """The run with measured key j at the median of that key's timings."""
         idx = [i for i, k in enumerate(self.key_of) if k == j]
         return self.runs[idx[int(np.argsort([self.norm[i] for i in idx])[len(idx) // 2])]]
+
+
+def geomean(values: list[float]) -> float:
+    return float(np.exp(np.mean(np.log(values))))
 
 
 def selector(
@@ -403,7 +406,7 @@ def check_tokens(
     flips = diverged = 0
     seq_keys = jax.random.split(key, len(plain.lengths))
     for c in configs.values():
-        for r in (r for r, k in zip(c.runs, c.key_of, strict=True) if k == j):
+        for r in c.of_key(c.runs, j):
             for i in np.nonzero((r.tokens != plain.tokens).any(axis=1) | (r.lengths != plain.lengths))[0]:
                 row = (prompts[i // n], plain.tokens[i], r.tokens[i], seq_keys[i], sp)
                 same = not (r.tokens[i] != plain.tokens[i]).any()  # lengths differ only: no flip
@@ -457,7 +460,7 @@ def report(args: argparse.Namespace, configs: dict[str, Config], info: dict[str,
     bounds = []
     for j in keys:  # the tail differs from key to key: lengths, where SD could pay, the bound
         plain = configs["plain"].median_run(j)
-        runs = [r for c in configs.values() for r, k in zip(c.runs, c.key_of, strict=True) if k == j]
+        runs = [r for c in configs.values() for r in c.of_key(c.runs, j)]
         bound, best_b = oracle_bound(plain, runs)
         bounds.append(bound)
         tail = plain.stats.seconds_at_running(args.threshold) / max(plain.stats.decode_seconds, 1e-9)
@@ -504,7 +507,7 @@ def report(args: argparse.Namespace, configs: dict[str, Config], info: dict[str,
         "best_fixed": best_fixed,
         "best_fixed_vs_plain": rel("plain") / rel(best_fixed),
         "sglang_vs_plain": rel("plain") / rel("sglang"),
-        "oracle_bound": float(np.exp(np.mean(np.log(bounds)))),
+        "oracle_bound": geomean(bounds),
         "best_fixed_accept": fixed[best_fixed].median_run().stats.mean_accept_length,
         "best_fixed_sd_share": sd_share(fixed[best_fixed].median_run()),
         "adaptive_sd_share": sd_share(configs["adaptive"].median_run()),

@@ -333,13 +333,12 @@ class RolloutEngine:
             args = (*args, work.operands)
             program, compiled = self.programs.prepare(("tick", *key[1:], work.key), fused, args, (2, 4))
         t0 = time.perf_counter()  # after compiling: the chunk's seconds are its execution only
-        out = program(*args)
-        if work is not None:
-            out, work_out = out
+        result = program(*args)
+        out = result if work is None else result[0]  # the fused tick returns (chunk out, drafter work out)
         running, emitted, rows, hist = jax.device_get((out.running, out.emitted, out.rows, out.hist))
         dt = time.perf_counter() - t0
         if work is not None:
-            work.on_done(work_out, dt)
+            work.on_done(result[1], dt)
         per_step = np.asarray(running).reshape(-1, self.config.chunk_steps)  # [devices or 1, steps]
         steps = int((per_step >= 0).any(axis=0).sum())
         running = tuple(int(r) for r in np.maximum(per_step, 0).sum(axis=0)[:steps])
