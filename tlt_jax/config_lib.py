@@ -31,6 +31,7 @@ from tlt_jax.models.build import model_problems
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.programs import MATMUL_PRECISIONS
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import SpecConfig
 
@@ -150,6 +151,9 @@ def base_config() -> mlc.ConfigDict:
     c.rollout.compact = True
     # "auto": Pallas on GPU, the CPU FFI kernel on one CPU device, else the jnp reference
     c.rollout.attn_impl = "auto"
+    # dots in the rollout programs: "auto" = full float32 for float32 models whatever the process default
+    # (lossless coupled verification on GPUs, whose default is TF32), the process default for bfloat16
+    c.rollout.matmul_precision = "auto"
     c.rollout.stop_strings = ()
     # the target's hidden states of the prompt and the first `hidden_window` response tokens of every sequence
     # (drafter training data; recorded whenever the spot trainer runs)
@@ -332,6 +336,11 @@ def rollout_problems(config: Any, check_paths: bool = True) -> list[str]:
             f"config.rollout.max_new_tokens={ro.max_new_tokens} / max_cache_len={ro.max_cache_len}: need "
             "max_new_tokens >= 1 and max_cache_len > max_new_tokens + the longest prompt."
         )
+    if ro.get("matmul_precision", "auto") not in MATMUL_PRECISIONS:
+        out.append(
+            f"config.rollout.matmul_precision={ro.matmul_precision!r}: use one of {MATMUL_PRECISIONS} (auto: "
+            "full float32 dots for float32 models, the process default for bfloat16)."
+        )
     dr = config.get("drafter")
     if dr is not None:
         if dr.kind not in DRAFTER_KINDS:
@@ -400,6 +409,7 @@ def engine_config_from(config: Any, drafter_kind: str | None = None) -> EngineCo
         prompt_bucket=ro.prompt_bucket,
         compact=ro.compact,
         attn_impl=ro.attn_impl,
+        matmul_precision=str(ro.get("matmul_precision", "auto")),
         stop_strings=tuple(ro.stop_strings),
         spec=spec_config_from(config, drafter_kind),
         record_hidden=bool(ro.get("record_hidden", False))

@@ -19,7 +19,6 @@ More modes: `name = engine.add_mode("eagle" | "ngram", "4_2_8")`, chosen by a ho
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -38,7 +37,7 @@ from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout import decode, scheduler, spmd
 from tlt_jax.rollout.hooks import IdleWork, RolloutHooks
 from tlt_jax.rollout.ngram import NgramBank, NgramParams
-from tlt_jax.rollout.programs import ProgramCache
+from tlt_jax.rollout.programs import MATMUL_PRECISIONS, ProgramCache, pow2_at_least, program_precision
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import AcceptRule, SpecConfig, SpecMode, Strategy, resolve_acceptance
 from tlt_jax.rollout.types import ChunkRecord, DecodeState, Rollout
@@ -64,8 +63,12 @@ class EngineConfig:
     # strategies with the same tokens_to_verify share one program per (batch bucket, cache bucket): the
     # strategy is a runtime operand (`RolloutEngine.mode_group`); False: one program per strategy
     share_programs: bool = True
+    # dots in every rollout program: "auto" = "highest" for float32 models, the process default for bf16
+    matmul_precision: str = "auto"  # (rollout.programs.program_precision)
 
     def __post_init__(self) -> None:
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision={self.matmul_precision!r}: use one of {MATMUL_PRECISIONS}.")
         if self.max_new_tokens < 1 or self.chunk_steps < 1 or self.hidden_window < 1:
             raise ValueError("max_new_tokens, chunk_steps and hidden_window must be >= 1")
         if self.max_new_tokens >= self.max_cache_len:
@@ -73,10 +76,6 @@ class EngineConfig:
                 f"max_new_tokens={self.max_new_tokens} leaves no room for a prompt in max_cache_len="
                 f"{self.max_cache_len}: raise max_cache_len or lower max_new_tokens."
             )
-
-
-def _pow2_at_least(x: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(0, math.ceil(math.log2(max(x, 1)))))
 
 
 def _drafter_weight_dtype(name: str, model: Transformer) -> jnp.dtype | None:
@@ -116,7 +115,7 @@ class RolloutEngine:
         self.params = jax.device_put(params, self._param_shardings)
         self.replicated = NamedSharding(self.mesh, P())
         self.eos_ids = jax.device_put(np.asarray(list(eos_ids) or [-1], np.int32), self.replicated)
-        self.programs = ProgramCache()
+        self.programs = ProgramCache(program_precision(config.matmul_precision, model.cfg.dtype))
         self.drafter_graphdef, self.drafter_params = None, None
         self.drafter_weight_dtype = _drafter_weight_dtype(config.spec.drafter_weight_dtype, model)
         if drafter is not None:
@@ -212,7 +211,7 @@ class RolloutEngine:
     # ---- buckets --------------------------------------------------------------------------------------
     def local_bucket(self, n: int) -> int:
         """Rows per data-axis shard for `n` live rows in the fullest shard (a power of two)."""
-        return _pow2_at_least(n)
+        return pow2_at_least(n)
 
     def batch_bucket(self, n: int) -> int:
         """Total rows of a batch whose rows are spread evenly over the data axis (a multiple of it)."""
@@ -222,7 +221,7 @@ class RolloutEngine:
         """Power-of-two cache length >= need, capped at max_cache_len (+ the slots a speculative round may
         write past a row's end, so verification never writes out of bounds)."""
         cap = self.config.max_cache_len + self._max_lookahead()
-        return min(_pow2_at_least(need, self.config.min_cache_bucket), _pow2_at_least(cap))
+        return min(pow2_at_least(need, self.config.min_cache_bucket), pow2_at_least(cap))
 
     # ---- device programs ------------------------------------------------------------------------------
     def _constrain(self, tree: Any) -> Any:
@@ -414,8 +413,8 @@ class RolloutEngine:
         self.validate_prompts(prompts, max_new_tokens)
         num_p, total = len(prompts), len(prompts) * n
         prompt_lens = np.asarray([len(p) for p in prompts], np.int32)
-        pb = _pow2_at_least(num_p)
-        tb = min(_pow2_at_least(int(prompt_lens.max()), cfg.prompt_bucket), cfg.max_cache_len)
+        pb = pow2_at_least(num_p)
+        tb = min(pow2_at_least(int(prompt_lens.max()), cfg.prompt_bucket), cfg.max_cache_len)
         tokens = np.zeros((pb, tb), np.int32)
         lens = np.ones((pb,), np.int32)
         for i, p in enumerate(prompts):

@@ -9,11 +9,18 @@ for the speculative body; prefill by prompt/batch buckets; compaction and resize
 `ProgramCache.run(key, fn, args)` returns the outputs and whether this call compiled; `prepare` returns the
 compiled program first, so a caller can time the call alone (a chunk's seconds, a bandit's reward, never
 contain a compilation). After warm-up nothing compiles: tests count XLA compilations.
+
+Numerics are part of a program: `matmul_precision` (a `jax.default_matmul_precision` name, e.g. "highest")
+is in force while each program is traced, so every dot it contains carries that precision in its HLO
+whatever the process default is. Float32 rollouts need it: XLA on a GPU computes float32 dots at TF32-class
+precision by default, and a T-token verify pass then rounds unlike a 1-token decode step often enough for
+coupled verification to stop reproducing plain decoding.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -65,12 +72,39 @@ def _memory(compiled: Any) -> dict[str, int]:
     }
 
 
+def pow2_at_least(x: int, floor: int = 1) -> int:
+    """The power-of-two bucket (>= floor) that holds x: batch, cache and prompt buckets."""
+    return max(floor, 1 << max(0, math.ceil(math.log2(max(x, 1)))))
+
+
+MATMUL_PRECISIONS = ("auto", "highest", "high", "default")
+
+
+def program_precision(name: str, model_dtype: str) -> str | None:
+    """A MATMUL_PRECISIONS name -> the `jax.default_matmul_precision` the programs are traced under (None:
+    the process default). "auto": "highest" for float32 models (exact float32 whatever the process default,
+    so coupled verification reproduces plain decoding on GPUs too), the process default for bfloat16."""
+    if name == "auto":
+        return "highest" if model_dtype == "float32" else None
+    return None if name == "default" else name
+
+
+def _name(key: tuple) -> str:
+    """A readable name of a program key (its kind and shape parameters, without the signature)."""
+    return "/".join(str(k) for k in key[:-1])
+
+
 class ProgramCache:
     """Ahead-of-time compiled programs by key; counts, compile time and memory per program."""
 
-    def __init__(self) -> None:
+    def __init__(self, matmul_precision: str | None = None, keep_text: bool = False) -> None:
+        """matmul_precision: in force while tracing every program (None: the process default).
+        keep_text: keep each program's lowered StableHLO text (`texts()`), for tests that read it."""
+        self.matmul_precision = matmul_precision
+        self.keep_text = keep_text
         self._programs: dict[Hashable, Any] = {}
         self._info: dict[Hashable, ProgramInfo] = {}
+        self._texts: dict[Hashable, str] = {}
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._programs
@@ -94,12 +128,26 @@ class ProgramCache:
         key = (*key, signature(args))
         if key not in self._programs:
             t0 = time.perf_counter()
-            compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+            lowered = self.lower(fn, args, donate)
+            if self.keep_text:
+                self._texts[key] = lowered.as_text()
+            compiled = lowered.compile()
             self._programs[key] = compiled
             self._info[key] = ProgramInfo(
                 key=key, compile_seconds=time.perf_counter() - t0, **_memory(compiled)
             )
         return self._programs[key]
+
+    def lower(self, fn: Callable, args: tuple, donate: tuple[int, ...] = ()) -> jax.stages.Lowered:
+        """`fn` traced and lowered for `args` under this cache's matmul precision (not compiled, not kept)."""
+        if self.matmul_precision is None:
+            return jax.jit(fn, donate_argnums=donate).lower(*args)
+        with jax.default_matmul_precision(self.matmul_precision):
+            return jax.jit(fn, donate_argnums=donate).lower(*args)
+
+    def texts(self) -> dict[str, str]:
+        """{program name: lowered StableHLO text} of every program compiled since `keep_text` was set."""
+        return {_name(k): t for k, t in self._texts.items()}
 
     def prepare(
         self, key: tuple, fn: Callable, args: tuple, donate: tuple[int, ...] = ()
