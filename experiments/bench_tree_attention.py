@@ -1,7 +1,7 @@
 """Time the Pallas tree-attention kernel against the jnp reference on verify-like shapes; tune its blocks.
 
-Shapes: B in {1, 8, 32} rows, T in {8, 16, 64} tokens to verify (`--batches`, `--tokens`), a live cache
-bucket S=1024 (row lengths 75-100% full), heads of SmolLM2-135M (Hq=9, Hkv=3, D=64) and Qwen-7B (Hq=28,
+Shapes: B in {1, 8, 32} rows, T in {8, 16, 32, 48, 64} tokens to verify (`--batches`, `--tokens`), a live
+cache bucket S=1024 (row lengths 75-100% full), heads of SmolLM2-135M (Hq=9, Hkv=3, D=64) and Qwen-7B (Hq=28,
 Hkv=4, D=128). Each timing is the median over `--iters` samples of `--inner` back-to-back calls (one
 block_until_ready per sample, so dispatch overlaps as in a decode loop) after a compile and warm-up. The
 table also prints the kernel's max |kernel - reference| (a free correctness check on a new machine) and the
@@ -9,10 +9,13 @@ K/V bytes it streams per second. The last line is `RESULT key=value ...` with ke
 (< 1: the kernel wins), the Pallas lowering that compiled (`triton` / `mosaic_gpu`, or `interpret`) and
 `faster_t16_64` (1 when the kernel is at least as fast as the reference at every T in 16..64).
 
-`--tune` first sweeps the block sizes by coordinate descent from the defaults (kv_splits, block_k, block_q,
-num_warps, num_stages, one at a time, keeping the best) on a few tuning shapes (decode T=1 and verify
-T=16..64), scoring the geometric mean of the kernel's times; candidates that fail to compile or exceed the
-error tolerance are dropped. The table then runs with the winner, and `--tuned-out FILE` writes it as
+`--tune` first sweeps the block sizes by coordinate descent from the defaults (kv_splits, target_programs,
+block_k, block_q, num_warps, num_stages, one at a time, keeping the best) on a few tuning shapes (decode T=1
+and verify T=16..64 at the smallest and largest batch), scoring the geometric mean of the kernel's times;
+candidates that fail to compile or exceed the error tolerance are dropped. Split-K is the lever at B=1
+(SmolLM2 heads at T=16 make a grid of 3 programs): kv_splits=0 picks the split count per call from the grid
+size, so one tuned setting can split at B=1 and not at B=32, where a fixed count trades one for the other.
+The table then runs with the winner, and `--tuned-out FILE` writes it as
 {"by_dtype": {dtype: BlockSizes fields}}: `TLT_TREE_ATTENTION_BLOCK_SIZES=FILE` makes the kernel use it for
 every caller that passes no block sizes (`tree_attention.default_block_sizes`). `--json FILE` writes
 everything; `--budget-s` stops starting new work when exceeded (what ran is still reported).
@@ -47,7 +50,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 MODELS = {"smollm2": (9, 3, 64), "qwen7b": (28, 4, 128), "tiny": (4, 2, 16)}  # (Hq, Hkv, D); tiny: dry runs
 TUNE_SPACE = {  # coordinate-descent order: the parameters that move time most first
-    "kv_splits": (1, 2, 4, 8),
+    "kv_splits": (1, 2, 4, 8, 0),  # 0: per call, to reach target_programs (swept next, only then)
+    "target_programs": (128, 256, 512, 1024),
     "block_k": (32, 64, 128),
     "block_q": (16, 32, 64, 128),
     "num_warps": (4, 8),
@@ -181,6 +185,8 @@ def tune(bench: Bench, shapes: list[tuple[str, int, int]], deadline: float, max_
             if time.perf_counter() > deadline or len(tried) >= max_evals:
                 stopped = "budget" if time.perf_counter() > deadline else "max_evals"
                 break
+            if name == "target_programs" and best.kv_splits != 0:
+                break  # only kv_splits=0 reads it
             try:
                 cand = dataclasses.replace(best, **{name: val})
             except ValueError:
@@ -208,8 +214,8 @@ def tuning_shapes(
     b_lo, b_hi = min(batches), max(batches)
     m = models[0]
     shapes = [(m, b_lo, verify[-1]), (m, b_lo, 1), (m, b_hi, verify[0]), (m, b_lo, verify[0]), (m, b_hi, 1)]
-    if len(models) > 1:
-        shapes.append((models[1], b_lo, verify[-1]))
+    if len(models) > 1:  # the other heads where split-K matters most and least
+        shapes += [(models[1], b_lo, verify[-1]), (models[1], b_hi, verify[0])]
     shapes = list(dict.fromkeys(shapes))
     return shapes[:limit] if limit > 0 else shapes
 
@@ -227,10 +233,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024, help="live cache bucket S")
     parser.add_argument("--models", default="smollm2,qwen7b")
     parser.add_argument("--batches", default=None, help="comma-separated B (default 1,8,32; --quick: 1)")
-    parser.add_argument("--tokens", default=None, help="comma-separated T (default 8,16,64; --quick: 8,16)")
+    parser.add_argument(
+        "--tokens", default=None, help="comma-separated T (default 8,16,32,48,64; --quick: 8,16)"
+    )
     parser.add_argument("--block-q", type=int, default=ta.BlockSizes.block_q)
     parser.add_argument("--block-k", type=int, default=ta.BlockSizes.block_k)
-    parser.add_argument("--kv-splits", type=int, default=ta.BlockSizes.kv_splits)
+    parser.add_argument("--kv-splits", type=int, default=ta.BlockSizes.kv_splits, help="0: per call")
+    parser.add_argument("--target-programs", type=int, default=ta.BlockSizes.target_programs)
     parser.add_argument("--num-warps", type=int, default=0, help="0: the kernel's default")
     parser.add_argument("--num-stages", type=int, default=ta.BlockSizes.num_stages)
     parser.add_argument(
@@ -260,12 +269,13 @@ def main() -> None:
         block_q=args.block_q,
         block_k=args.block_k,
         kv_splits=args.kv_splits,
+        target_programs=args.target_programs,
         num_warps=args.num_warps or None,
         num_stages=args.num_stages,
     )
     models = args.models.split(",")
     batches = [int(x) for x in (args.batches or ("1" if args.quick else "1,8,32")).split(",")]
-    tokens = [int(x) for x in (args.tokens or ("8,16" if args.quick else "8,16,64")).split(",")]
+    tokens = [int(x) for x in (args.tokens or ("8,16" if args.quick else "8,16,32,48,64")).split(",")]
     device = jax.devices()[0].device_kind
     print(
         f"# backend={backend} device={device} jax={jax.__version__} dtype={dname} S={args.seq} "

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tlt_jax.kernels import tree_attention as ta
+from tlt_jax.kernels import triton_check
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 _MODE = os.environ.get("TLT_PALLAS_INTERPRET", "auto")
@@ -106,6 +107,16 @@ KERNEL_CASES = [
     ),
     pytest.param(16, 256, 8, 2, 64, jnp.float32, ta.BlockSizes(kv_splits=3), id="T16-S256-kvsplit3-f32"),
     pytest.param(48, 64, 8, 2, 64, jnp.bfloat16, None, id="T48-S64-gqa4-bf16"),
+    pytest.param(  # kv_splits=0 picks 4 splits here (18 programs -> 64); the last takes 2 tree chunks
+        48,
+        256,
+        6,
+        2,
+        32,
+        jnp.float32,
+        ta.BlockSizes(block_k=32, kv_splits=0, target_programs=64),
+        id="T48-auto4",
+    ),
     pytest.param(8, 80, 6, 2, 48, jnp.float32, None, id="pad-S80-D48-f32"),
     pytest.param(
         1, 64, 4, 4, 32, jnp.bfloat16, ta.BlockSizes(block_k=16, kv_splits=2), id="decode-T1-kvsplit2-bf16"
@@ -134,16 +145,18 @@ def test_kernel_lowers_to_triton(
     t: int, s: int, hq: int, hkv: int, d: int, dtype: jnp.dtype, block_sizes: ta.BlockSizes | None
 ) -> None:
     """Lowering for CUDA needs no GPU and runs Pallas's Triton lowering, which rejects what Triton cannot
-    take (non-power-of-two tiles, unsupported ops): a cheap guard for the compiled path on CPU-only CI."""
+    take (non-power-of-two tiles, unsupported ops); the MLIR verifier then checks the Triton module as XLA
+    would on the GPU (tests/kernels/test_triton_module.py covers every variant): a cheap guard on CPU CI."""
     args = make_inputs(seed=1, b=2, t=t, s=s, hq=hq, hkv=hkv, d=d, dtype=dtype)
-    fn = jax.jit(functools.partial(ta.tree_attention_pallas, block_sizes=block_sizes, interpret=False))
+    fn = functools.partial(ta.tree_attention_pallas, block_sizes=block_sizes, interpret=False)
     try:
-        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        lowered = triton_check.lower_for_cuda(fn, *args)
     except RuntimeError as e:  # jax 0.11 reads the GPU's compute capability while lowering for CUDA
         if ON_GPU or "No supported GPU devices" not in str(e):
             raise
         pytest.skip(f"jax {jax.__version__} lowers Pallas for CUDA only with a GPU present")
-    assert TRITON_CALL in text
+    assert TRITON_CALL in lowered.as_text()
+    assert len(triton_check.verify_triton_modules(lowered)) == 1
 
 
 def test_kernel_gradient_matches_reference() -> None:
@@ -188,9 +201,21 @@ def test_bad_block_sizes_raise() -> None:
     with pytest.raises(ValueError, match="power of two"):
         ta.BlockSizes(block_k=24)
     with pytest.raises(ValueError, match="kv_splits"):
-        ta.BlockSizes(kv_splits=0)
+        ta.BlockSizes(kv_splits=-1)
+    with pytest.raises(ValueError, match="target_programs"):
+        ta.BlockSizes(kv_splits=0, target_programs=0)
     with pytest.raises(ValueError, match="unknown fields"):
         ta.BlockSizes.from_dict({"block_q": 32, "blockk": 32})
+
+
+def test_auto_kv_splits_fill_the_grid() -> None:
+    """kv_splits=0: the fewest splits that reach target_programs, at most one per key block; else fixed."""
+    auto = ta.BlockSizes(kv_splits=0, target_programs=256)
+    assert auto.splits_for(programs=3, key_blocks=16) == 16  # SmolLM2 heads, B=1, T=16: 3 programs
+    assert auto.splits_for(programs=24, key_blocks=16) == 11  # ceil(256 / 24)
+    assert auto.splits_for(programs=96, key_blocks=16) == 3
+    assert auto.splits_for(programs=768, key_blocks=16) == 1  # B=32 Qwen heads, T=64: no split
+    assert ta.BlockSizes(kv_splits=2).splits_for(programs=768, key_blocks=16) == 2
 
 
 def test_tuned_block_sizes_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -27,7 +27,8 @@ it runs an online softmax in two phases:
   2. the T tree tokens, whose K/V the wrapper slices out of the cache into a small [B, T_pad, Hkv, D] array
      so that the tree mask (expanded to query rows, [B, rows, T_pad]) applies with no in-kernel gather.
 With `kv_splits > 1` the prefix blocks are split over an extra grid axis (more programs for small batches,
-flash-decoding style) and the partial results are merged in the wrapper.
+flash-decoding style) and the partial results are merged in the wrapper; `kv_splits=0` picks the split count
+per call from the grid size (a batch-1 call fills the GPU, a batch-32 one takes no split).
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ class BlockSizes:
         the next power of two >= the row count (and >= 16, the smallest `tl.dot` tile).
       block_k: keys per inner step over the prefix, and the chunk size over the tree tokens.
       kv_splits: programs sharing one row's prefix (flash-decoding split-K); > 1 helps small batches on
-        big GPUs, at the cost of a merge in the wrapper.
+        big GPUs, at the cost of a merge in the wrapper. 0: per call, the fewest splits that bring the grid
+        to `target_programs` programs (at most one per key block): split-K where the batch is small only.
+      target_programs: the grid size `kv_splits=0` aims for (about 1-2 programs per SM).
       num_warps: Triton warps per program; None = 4 for head dim <= 64, else 8.
       num_stages: Triton software-pipelining stages.
     """
@@ -120,6 +123,7 @@ class BlockSizes:
     block_q: int = 64
     block_k: int = 64
     kv_splits: int = 1
+    target_programs: int = 256
     num_warps: int | None = None
     num_stages: int = 2
 
@@ -128,8 +132,14 @@ class BlockSizes:
             val = getattr(self, name)
             if not (_is_pow2(val) and val >= 16):
                 raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {val}")
-        if self.kv_splits < 1:
-            raise ValueError(f"BlockSizes.kv_splits must be >= 1, got {self.kv_splits}")
+        if self.kv_splits < 0 or self.target_programs < 1:
+            raise ValueError(f"BlockSizes: kv_splits must be >= 0 and target_programs >= 1, got {self}")
+
+    def splits_for(self, programs: int, key_blocks: int) -> int:
+        """KV splits for a grid of `programs` (rows x KV heads x query blocks) over `key_blocks` blocks."""
+        if self.kv_splits:
+            return self.kv_splits
+        return max(1, min(-(-self.target_programs // programs), key_blocks))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -223,10 +233,12 @@ def _tree_attention_kernel(
     lo = split * per_split
     hi = jnp.minimum(n_prefix, lo + per_split)
     carry = lax.fori_loop(lo, hi, prefix_body, carry)
-    n_tree = kt_ref.shape[0] // block_t
+    # Loop bounds of one explicit type (scf.for requires it): Triton's lowering types a select of two Python
+    # ints after its predicate (i1), so `where(last, n, 0)` made an i1 upper bound beside an i32 lower one.
+    t_lo, t_hi = jnp.int32(0), jnp.int32(kt_ref.shape[0] // block_t)
     if kv_splits > 1:  # only the last split (the one with the fewest prefix blocks) takes the tree tokens
-        n_tree = jnp.where(split == kv_splits - 1, n_tree, 0)
-    acc, m, l_sum = lax.fori_loop(0, n_tree, tree_body, carry)
+        t_hi = jnp.where(split == kv_splits - 1, t_hi, t_lo)
+    acc, m, l_sum = lax.fori_loop(t_lo, t_hi, tree_body, carry)
 
     if kv_splits == 1:
         (o_ref,) = out_refs
@@ -297,7 +309,7 @@ def _pallas_forward(
     if s_pad != s or d_pad != d:
         k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, s_pad - s), (0, d_pad - d))) for x in (k, v))
 
-    splits = block_sizes.kv_splits
+    splits = block_sizes.splits_for(b * hkv * (rows_pad // block_m), s_pad // block_k)
     grid = (b, hkv, rows_pad // block_m, splits)
     kernel = functools.partial(
         _tree_attention_kernel,
@@ -370,17 +382,9 @@ def _pallas_with_grad(
     return _pallas_forward(q, k, v, lengths, tree_mask, block_sizes, interpret)
 
 
-def _pallas_with_grad_fwd(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
-    tree_mask: jax.Array,
-    block_sizes: BlockSizes,
-    interpret: bool,
-) -> tuple[jax.Array, _Arrays5]:
-    out = _pallas_forward(q, k, v, lengths, tree_mask, block_sizes, interpret)
-    return out, (q, k, v, lengths, tree_mask)
+def _pallas_with_grad_fwd(*args: Any) -> tuple[jax.Array, _Arrays5]:
+    """`_pallas_with_grad`'s arguments in; the output, and the five arrays the backward recomputes from."""
+    return _pallas_forward(*args), args[:5]
 
 
 def _pallas_with_grad_bwd(
