@@ -30,7 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.job = "drafter_warmup"
     c.seed = 0
     c.multiprocess = False
-    c.compilation_cache_dir = ""
+    c.compilation_cache_dir = "auto"  # the persistent XLA cache (utils.compile_stats.resolve_cache_dir)
 
     # The target: a .gguf file or HF model directory (path), OR a tiny random architecture (random).
     c.model = ml_collections.ConfigDict()

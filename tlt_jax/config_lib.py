@@ -126,7 +126,9 @@ def base_config() -> mlc.ConfigDict:
     c.log_every = 1  # console summary line every k steps (metrics.jsonl gets every step)
     c.progress_bar = True  # tqdm rollout bar (shown only on a TTY)
     c.log_samples = 2  # responses per step written to workdir/samples.jsonl (and the first to the console)
-    c.compilation_cache_dir = ""  # persistent XLA compilation cache ("" = off); speeds up restarts
+    # persistent XLA compilation cache: "auto" = $TLT_JAX_COMPILATION_CACHE, else ~/.cache/tlt_jax/xla (shared
+    # by the runs on a machine: a rerun of a config compiles nothing); a folder; or "" (off)
+    c.compilation_cache_dir = "auto"
 
     c.model = mlc.ConfigDict()
     c.model.path = config_dict.placeholder(str)  # a .gguf file or a HF model directory

@@ -57,9 +57,12 @@ def setup_jax(config: Any) -> None:
     """Process-level JAX setup that must happen before any device is touched."""
     import jax
 
-    if config.get("compilation_cache_dir"):
-        jax.config.update("jax_compilation_cache_dir", os.path.abspath(config.compilation_cache_dir))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    from tlt_jax.utils import compile_stats
+
+    folder = compile_stats.resolve_cache_dir(str(config.get("compilation_cache_dir", "auto")))
+    if folder:
+        compile_stats.enable_persistent_cache(folder)
+        logging.info("persistent compilation cache: %s", folder)
     if config.multiprocess:
         jax.distributed.initialize()
         logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())

@@ -42,8 +42,9 @@ from tlt_jax.rollout.adaptive import build_policy
 from tlt_jax.rollout.hooks import ProgressHook
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, make_task
+from tlt_jax.utils import compile_stats
 from tlt_jax.utils.checkpoint import Checkpointer, PreemptionGuard
-from tlt_jax.utils.tracking import RolloutProgress, make_trackers
+from tlt_jax.utils.tracking import RolloutProgress, make_trackers, truncate_jsonl
 
 CHECKPOINT_DIR = "checkpoints"
 BUFFER_DIR = "spot_buffer"  # the spot trainer's data buffer, one folder per checkpointed step
@@ -63,24 +64,6 @@ def _take(batch: TrainBatch, rows: slice) -> TrainBatch:
     return jax.tree_util.tree_map(lambda x: x[rows], batch)
 
 
-def _truncate_jsonl(path: str, from_step: int) -> None:
-    """Drop lines of steps >= from_step (they are re-run after a restore)."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
-    keep = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] < from_step:
-                keep.append(line)
-        except (json.JSONDecodeError, KeyError):  # a torn last line from a crash
-            continue
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
-
-
 class Learner:
     """Builds everything from a config, restores the workdir's latest checkpoint if any, and runs steps."""
 
@@ -88,6 +71,7 @@ class Learner:
         rl_config.validate(config)
         self.config, self.workdir = config, workdir
         self.is_main = jax.process_index() == 0
+        self._compiles = compile_stats.compile_log().snapshot()
         rl = config.rl
         self.group = int(rl.samples_per_prompt)
         self.rows = int(rl.prompts_per_step) * self.group
@@ -190,7 +174,7 @@ class Learner:
         )
         self._restore()
         if self.is_main:
-            _truncate_jsonl(os.path.join(workdir, SAMPLES_FILE), self.step + 1)
+            truncate_jsonl(os.path.join(workdir, SAMPLES_FILE), self.step + 1)
         # a fresh run logs its held-out eval as step 0: a restart before step 1 drops that line too
         resume = self.step + 1 if self.step else 0
         self.trackers = make_trackers(config, workdir, resume_step=resume) if self.is_main else None
@@ -264,7 +248,10 @@ class Learner:
             total=self.rows, desc=f"rollout {self.step + 1}", disable=None if show else True
         ) as bar:
             hooks = [self.adaptive, ProgressHook(bar), self.monitor, self.spot]
-            return self.engine.generate(prompts, n=self.group, key=key, sampling=self.sampling, hooks=hooks)
+            with compile_stats.scope("rollout"):
+                return self.engine.generate(
+                    prompts, n=self.group, key=key, sampling=self.sampling, hooks=hooks
+                )
 
     def train_step(self) -> dict[str, float]:
         """Run step `self.step + 1`; returns its metrics."""
@@ -283,7 +270,8 @@ class Learner:
         times["rollout"] = time.perf_counter() - t0
         if self.spot is not None:
             t0 = time.perf_counter()
-            self.spot.after_rollout()
+            with compile_stats.scope("drafter"):
+                self.spot.after_rollout()
             times["spot_after_rollout"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -316,45 +304,12 @@ class Learner:
         times["reward"] = time.perf_counter() - t0
 
         metrics: dict[str, float] = {}
-        train_logp = np.zeros((self.rows, batch.num_response), np.float32)
-        times["logprob"] = 0.0
-        if rl.kl_coef > 0 or not self.trainer.loss.fuse_old_logprobs:
+        with compile_stats.scope("update"):  # compilations of the logprob and update programs
             t0 = time.perf_counter()
-            micro = self.trainer.put_micro(batch)
-            if rl.kl_coef > 0:
-                ref = self.trainer.logprobs(micro, params=self.trainer.ref_params).logp
-                batch = batch.replace(ref_logp=np.asarray(ref).reshape(batch.ref_logp.shape))
-            if not self.trainer.loss.fuse_old_logprobs:
-                old = np.asarray(self.trainer.logprobs(micro).logp)
-                batch = batch.replace(old_logp=old.reshape(batch.old_logp.shape))
-                train_logp = old.reshape(self.rows, -1)
+            batch, train_logp = self._old_logprobs(batch)
             times["logprob"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        update_metrics: list[dict[str, float]] = []
-        skipped, trained_cols = 0, 0
-        mini_groups = self.mini_rows // self.group
-        for m in range(int(rl.mini_batches)):
-            rows = slice(m * self.mini_rows, (m + 1) * self.mini_rows)
-            mini = _take(batch, slice(m * mini_groups, (m + 1) * mini_groups))
-            # micro-batches sorted by length, each padded to its own bucket (tlt_jax.rl.batch)
-            parts = length_sorted_micro(
-                mini,
-                rollout.lengths[rows],
-                self.trainer.micro_batch_size,
-                int(cfg.trainer.seq_bucket),
-                rl.loss_agg,
-            )
-            if parts.weights.sum() == 0:  # every group filtered out (dynamic sampling): nothing to learn from
-                skipped += 1
-                continue
-            um, logps = self.trainer.update(
-                [self.trainer.put_micro(mb) for mb in parts.micro], [w[None] for w in parts.weights]
-            )
-            update_metrics.append(um)
-            trained_cols += sum(mb.response.size for mb in parts.micro)
-            if self.trainer.loss.fuse_old_logprobs:
-                train_logp[rows] = parts.unsort([np.asarray(x) for x in logps], batch.num_response)
+            t0 = time.perf_counter()
+            update_metrics, skipped, trained_cols = self._update(batch, rollout.lengths, train_logp)
         self.engine.set_params(self.trainer.compute_params())
         if self.spot is not None:  # the drafter trained during this rollout drafts for the next one
             self.push_drafter(self.spot.params)
@@ -409,6 +364,50 @@ class Learner:
         self.step, self.data_position = step, next_position
         return metrics
 
+    def _old_logprobs(self, batch: TrainBatch) -> tuple[TrainBatch, np.ndarray]:
+        """The reference (KL) and old (unfused) logprobs the loss needs, in `batch`; and the old logprobs
+        [rows, response] for the engine-gap metric (zeros when the update fuses them)."""
+        rl = self.config.rl
+        train_logp = np.zeros((self.rows, batch.num_response), np.float32)
+        if rl.kl_coef > 0 or not self.trainer.loss.fuse_old_logprobs:
+            micro = self.trainer.put_micro(batch)
+            if rl.kl_coef > 0:
+                ref = self.trainer.logprobs(micro, params=self.trainer.ref_params).logp
+                batch = batch.replace(ref_logp=np.asarray(ref).reshape(batch.ref_logp.shape))
+            if not self.trainer.loss.fuse_old_logprobs:
+                old = np.asarray(self.trainer.logprobs(micro).logp)
+                batch = batch.replace(old_logp=old.reshape(batch.old_logp.shape))
+                train_logp = old.reshape(self.rows, -1)
+        return batch, train_logp
+
+    def _update(
+        self, batch: TrainBatch, lengths: np.ndarray, train_logp: np.ndarray
+    ) -> tuple[list[dict[str, float]], int, int]:
+        """The policy update over `rl.mini_batches` mini-batches (micro-batches sorted by length, each padded
+        to its own bucket: tlt_jax.rl.batch). Fills `train_logp` with the fused old logprobs; returns the
+        per-mini-batch metrics, the mini-batches skipped (all groups filtered) and the columns trained."""
+        cfg, rl = self.config, self.config.rl
+        update_metrics: list[dict[str, float]] = []
+        skipped, trained_cols = 0, 0
+        mini_groups = self.mini_rows // self.group
+        for m in range(int(rl.mini_batches)):
+            rows = slice(m * self.mini_rows, (m + 1) * self.mini_rows)
+            mini = _take(batch, slice(m * mini_groups, (m + 1) * mini_groups))
+            parts = length_sorted_micro(
+                mini, lengths[rows], self.trainer.micro_batch_size, int(cfg.trainer.seq_bucket), rl.loss_agg
+            )
+            if parts.weights.sum() == 0:  # every group filtered out (dynamic sampling): nothing to learn from
+                skipped += 1
+                continue
+            um, logps = self.trainer.update(
+                [self.trainer.put_micro(mb) for mb in parts.micro], [w[None] for w in parts.weights]
+            )
+            update_metrics.append(um)
+            trained_cols += sum(mb.response.size for mb in parts.micro)
+            if self.trainer.loss.fuse_old_logprobs:
+                train_logp[rows] = parts.unsort([np.asarray(x) for x in logps], batch.num_response)
+        return update_metrics, skipped, trained_cols
+
     def _log_samples(
         self, step: int, problems: list[Problem], rollout: Rollout, texts: list[str], results
     ) -> None:  # noqa: ANN001
@@ -451,13 +450,16 @@ class Learner:
         try:
             with PreemptionGuard() as guard:
                 if self.step == 0 and self.evaluator is not None:
-                    before = self.evaluator.run()  # the policy before any update
+                    with compile_stats.scope("eval"):
+                        before = self.evaluator.run()  # the policy before any update
                     if self.trackers is not None:
                         self.trackers.log(0, before)
                 while self.step < int(cfg.num_steps):
                     metrics = self.train_step()
                     if self.evaluator is not None and self.evaluator.cfg.due(self.step, int(cfg.num_steps)):
-                        metrics.update(self.evaluator.run())
+                        with compile_stats.scope("eval"):
+                            metrics.update(self.evaluator.run())
+                    self._log_compiles(metrics)
                     if self.trackers is not None:
                         self.trackers.log(self.step, metrics)
                     last = self.step == int(cfg.num_steps)
@@ -472,6 +474,12 @@ class Learner:
         finally:
             self.close()
         return status
+
+    def _log_compiles(self, metrics: dict[str, float]) -> None:
+        """compile/*: what compiled since the last step, per kind (step 1: since the learner was built)."""
+        now = compile_stats.compile_log().snapshot()
+        metrics.update(now.delta(self._compiles).metrics())
+        self._compiles = now
 
     def close(self) -> None:
         self.ckpt.close()

@@ -27,6 +27,8 @@ from typing import Any
 
 import jax
 
+from tlt_jax.utils import compile_stats
+
 
 @dataclasses.dataclass(frozen=True)
 class ProgramInfo:
@@ -128,10 +130,11 @@ class ProgramCache:
         key = (*key, signature(args))
         if key not in self._programs:
             t0 = time.perf_counter()
-            lowered = self.lower(fn, args, donate)
-            if self.keep_text:
-                self._texts[key] = lowered.as_text()
-            compiled = lowered.compile()
+            with compile_stats.scope(f"rollout/{key[0]}"):
+                lowered = self.lower(fn, args, donate)
+                if self.keep_text:
+                    self._texts[key] = lowered.as_text()
+                compiled = lowered.compile()
             self._programs[key] = compiled
             self._info[key] = ProgramInfo(
                 key=key, compile_seconds=time.perf_counter() - t0, **_memory(compiled)

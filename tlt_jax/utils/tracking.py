@@ -90,22 +90,30 @@ class JsonlTracker:
             self._file.close()
         if not os.path.exists(self.path):  # deleted under us: nothing to keep
             open(self.path, "w").close()
-        with open(self.path, encoding="utf-8") as f:
-            n_lines = sum(1 for line in f if line.strip())
-        rows = read_metrics(self.path)
-        keep = [r for r in rows if r["step"] < step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in keep)
-        os.replace(tmp, self.path)  # atomic: a crash here leaves the old or the new file, never half of one
+        dropped = truncate_jsonl(self.path, step)
         self._file = open(self.path, "a", encoding="utf-8")
-        return n_lines - len(keep)
+        return dropped
 
     def close(self) -> None:
         """Close the file (idempotent)."""
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def truncate_jsonl(path: str | os.PathLike, step: int) -> int:
+    """Drop the lines of a `{"step": ...}` JSONL file with step >= `step` (re-run after a restore) and a
+    torn last line from a crash; returns how many went. Atomic: a crash leaves the old or the new file."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        n_lines = sum(1 for line in f if line.strip())
+    keep = [r for r in read_metrics(path) if r["step"] < step]
+    tmp = os.fspath(path) + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in keep)
+    os.replace(tmp, path)
+    return n_lines - len(keep)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -243,6 +251,8 @@ def format_step_line(step: int, metrics: Metrics) -> str:
         parts.append(f"{float(m['throughput/tok_per_s']):.0f} tok/s")
     if "spec/accept_len" in m:
         parts.append(f"accept {float(m['spec/accept_len']):.2f}")
+    if float(m.get("compile/total_s", 0.0)) >= 0.5:  # trace + lower + XLA, all programs of the step
+        parts.append(f"compiled {float(m['compile/total_s']):.1f}s")
     if "eval/reward" in m:
         parts.append(
             f"held-out reward {_fmt_num(m['eval/reward'])} acc {100 * float(m.get('eval/accuracy', 0)):.1f}%"
