@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import pathlib
 import subprocess
@@ -50,6 +51,7 @@ def run_once(args: argparse.Namespace, cache: pathlib.Path, workdir: pathlib.Pat
     ]
     env = dict(os.environ)
     env.pop("TLT_JAX_COMPILATION_CACHE", None)
+    env["TLT_JAX_COMPILE_LOG"] = str(workdir.parent / f"{workdir.name}_programs.json")
     if args.xla_flags:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     print("$", " ".join(cmd), flush=True)
@@ -70,7 +72,11 @@ def run_once(args: argparse.Namespace, cache: pathlib.Path, workdir: pathlib.Pat
 def kinds(m: dict[str, float]) -> dict[str, float]:
     """Compile seconds per kind (compile/<kind>_s, without the per-phase totals)."""
     skip = {"compile/trace_s", "compile/lower_s", "compile/backend_s", "compile/total_s"}
-    return {k[len("compile/") : -2]: v for k, v in m.items() if k.endswith("_s") and k not in skip}
+    return {
+        k[len("compile/") : -2]: v
+        for k, v in m.items()
+        if k.startswith("compile/") and k.endswith("_s") and k not in skip
+    }
 
 
 def plot(first: dict[str, float], rerun: dict[str, float], path: pathlib.Path) -> None:
@@ -100,6 +106,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="configs/tlt.py:quick, 1 step")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--xla-flags", default="", help="added to XLA_FLAGS of both runs")
+    ap.add_argument("--top", type=int, default=15, help="costliest programs to list")
     ap.add_argument("--out", default="", help="folder for the cache, workdirs and plot (default: a temp dir)")
     ap.add_argument("extra", nargs="*", help="more --config.x=y overrides, after --")
     args = ap.parse_args()
@@ -115,6 +122,10 @@ def main() -> None:
     for name, m in (("first", first), ("rerun", rerun)):
         top = sorted(kinds(m).items(), key=lambda kv: -kv[1])
         print(f"{name}: " + ", ".join(f"{k} {v:.1f}s" for k, v in top))
+    programs = json.loads((out / "run1_programs.json").read_text())
+    print("the first run's costliest XLA compilations (kind, program, seconds, count):")
+    for r in programs[: args.top]:
+        print(f"  {r['kind']:<22} {r['name']:<40} {r['backend_s']:7.1f}s  x{r['count']}")
     plot(first, rerun, out / "compile_time.png")
     total = "compile/total_s"
     result = {

@@ -14,8 +14,11 @@ def test_compilations_are_attributed_to_the_innermost_scope():
     log = compile_stats.compile_log()
     x = np.ones((7, 5), np.float32)  # host inputs: no eager device op compiles a program of its own
     before = log.snapshot()
+    def scale_and_shift(x):  # noqa: ANN001, ANN202
+        return x * 3.0 + 1.0
+
     with compile_stats.scope("update"):
-        jax.jit(lambda x: x * 3.0 + 1.0)(x)
+        jax.jit(scale_and_shift)(x)
         with compile_stats.scope("rollout/chunk"):
             jax.jit(lambda x: jnp.sin(x) @ x.T)(x)
     jax.jit(lambda x: x - 2.0)(x)  # outside every scope
@@ -23,6 +26,7 @@ def test_compilations_are_attributed_to_the_innermost_scope():
     assert d.programs == {"update": 1, "rollout/chunk": 1, "other": 1}
     for kind in d.programs:
         assert d.seconds[(kind, "backend")] > 0 and d.seconds[(kind, "trace")] > 0
+    assert any(r["kind"] == "update" and "scale_and_shift" in r["name"] for r in log.programs_by_name())
     m = d.metrics()
     assert m["compile/programs"] == 3
     assert m["compile/update_programs"] == 1

@@ -6,14 +6,18 @@ compilation (XLA's passes, GPU autotuning included, or the read from the persist
 whether the persistent cache supplied the binary. `CompileLog` listens once per process and sums them per
 *kind*: the innermost `scope(kind)` open on this thread when the event fires (the learner opens "update",
 "rollout", "drafter", ...; the rollout's `ProgramCache` opens "rollout/<program kind>"), else "other".
-`delta` of two snapshots is one step's compilation, which the learner logs as `compile/*` metrics.
+`delta` of two snapshots is one step's compilation, which the learner logs as `compile/*` metrics. With
+$TLT_JAX_COMPILE_LOG set, the process writes there at exit a JSON list of its XLA compilations per (kind,
+program name): what `experiments/compile_time.py` reads to say which programs the seconds went to.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -28,6 +32,7 @@ _PHASES = {
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 DEFAULT_CACHE_DIR = "~/.cache/tlt_jax/xla"  # shared by every run on this machine (README: "Compilation")
 CACHE_ENV = "TLT_JAX_COMPILATION_CACHE"
+LOG_ENV = "TLT_JAX_COMPILE_LOG"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +80,7 @@ class CompileLog:
         self._seconds: dict[tuple[str, str], float] = collections.defaultdict(float)
         self._programs: dict[str, int] = collections.defaultdict(int)
         self._hits: dict[str, int] = collections.defaultdict(int)
+        self._by_name: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
         jax.monitoring.register_event_listener(self._on_event)
 
@@ -82,7 +88,7 @@ class CompileLog:
         stack = getattr(self._local, "stack", None)
         return stack[-1] if stack else "other"
 
-    def _on_duration(self, event: str, duration: float, **_: object) -> None:
+    def _on_duration(self, event: str, duration: float, **kw: object) -> None:
         phase = _PHASES.get(event)
         if phase is None:
             return
@@ -91,6 +97,9 @@ class CompileLog:
             self._seconds[(kind, phase)] += duration
             if phase == "backend":
                 self._programs[kind] += 1
+                entry = self._by_name[(kind, str(kw.get("fun_name", "?")))]
+                entry[0] += duration
+                entry[1] += 1
 
     def _on_event(self, event: str, **_: object) -> None:
         if event == _CACHE_HIT:
@@ -107,6 +116,17 @@ class CompileLog:
         finally:
             stack.pop()
 
+    def programs_by_name(self) -> list[dict[str, object]]:
+        """XLA compilations (or cache reads) per (kind, program name), the most seconds first."""
+        with self._lock:
+            items = list(self._by_name.items())
+        rows = [{"kind": k, "name": n, "backend_s": v[0], "count": v[1]} for (k, n), v in items]
+        return sorted(rows, key=lambda r: -float(r["backend_s"]))
+
+    def write(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.programs_by_name(), f, indent=1)
+
     def snapshot(self) -> Snapshot:
         with self._lock:
             return Snapshot(dict(self._seconds), dict(self._programs), dict(self._hits))
@@ -120,6 +140,8 @@ def compile_log() -> CompileLog:
     global _LOG
     if _LOG is None:
         _LOG = CompileLog()
+        if os.environ.get(LOG_ENV):
+            atexit.register(_LOG.write, os.environ[LOG_ENV])
     return _LOG
 
 
