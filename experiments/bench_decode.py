@@ -3,11 +3,17 @@
 For each batch size, both generate the same number of greedy tokens (EOS ignored) after the same ~450-token
 chat prompt; decode time excludes prefill (ours: the engine's decode phase; HF: generate(G) - generate(1)).
 HF runs on the same device as JAX (torch CUDA on a GPU, with a synchronize around each timing; CPU
-otherwise), in the same dtype (`--dtype`). The batch-1 roofline is memory bandwidth (measured in this run:
-on CPU a jitted reduction over 1 GiB; on a GPU a jitted copy-like pass over 1 GiB, bytes read + written)
-divided by the weight bytes one decode step reads; `roofline_kv_frac_bs{B}` also counts the B rows' KV-cache
-reads at the mean context. Final line: `RESULT key=value ...`; `--json FILE` also writes every row as it
-completes (a run cut short keeps its finished batches).
+otherwise), in the same dtype (`--dtype`), on two paths: `generate` with its default dynamic KV cache (HF's
+slowest path: every step runs eager PyTorch), and HF's fast path, a static KV cache
+(`cache_implementation="static"`) whose decode step `generate` compiles with `torch.compile` (its
+`CompileConfig`: inductor, mode "reduce-overhead", i.e. CUDA graphs); the fast path's warm-up (compilation and
+graph capture, reported as `hf_fast_warmup_s`) is excluded from its timing. transformers compiles the decode
+step only on CUDA/XPU and inductor's CPU build of even a tiny model takes minutes on 2 cores, so on a CPU the
+fast path is skipped with that reason (`--hf-fast on` forces it there). The batch-1 roofline is memory
+bandwidth (measured in this run: on CPU a jitted reduction over 1 GiB; on a GPU a jitted copy-like pass over
+1 GiB, bytes read + written) divided by the weight bytes one decode step reads; `roofline_kv_frac_bs{B}`
+also counts the B rows' KV-cache reads at the mean context. Final line: `RESULT key=value ...`; `--json FILE`
+also writes every row as it completes (a run cut short keeps its finished batches).
 
     python experiments/bench_decode.py --quick      # batch 1 and 4, < 5 minutes on 2 cores
     python experiments/bench_decode.py              # batch 1, 4, 16, 64
@@ -82,11 +88,29 @@ def ours_tok_s(engine: RolloutEngine, prompt: list[int], batch: int, new: int, r
     return best
 
 
-def hf_tok_s(hf, prompt: list[int], batch: int, new: int, reps: int) -> float:  # noqa: ANN001
+def hf_tok_s(
+    hf,  # noqa: ANN001
+    prompt: list[int],
+    batch: int,
+    new: int,
+    reps: int,
+    fast: bool = False,
+) -> tuple[float, float]:
+    """HF `generate` decode tokens/s (best of `reps` of generate(new) - generate(1)) and the warm-up seconds.
+    fast: HF's fast path, a static cache whose decode step `generate` compiles (torch.compile through its
+    CompileConfig; on a CPU only if forced, see the module docstring); the warm-up runs two full generations,
+    so compilation and CUDA-graph capture happen before any timing."""
     import torch
 
     ids = torch.tensor([prompt] * batch, device=hf.device)
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    kw: dict[str, Any] = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    if fast:
+        from transformers import CompileConfig
+
+        cuda = hf.device.type == "cuda"
+        cc = CompileConfig(mode="reduce-overhead" if cuda else "default")
+        cc._compile_all_devices = not cuda or None  # transformers' own switch to compile off CUDA (testing)
+        kw.update(cache_implementation="static", compile_config=cc)
     sync = torch.cuda.synchronize if hf.device.type == "cuda" else (lambda: None)
 
     def run(n: int) -> float:
@@ -97,13 +121,17 @@ def hf_tok_s(hf, prompt: list[int], batch: int, new: int, reps: int) -> float:  
         sync()
         return time.perf_counter() - t
 
-    run(2)  # warm-up
+    warm = sum(run(n) for n in ((new, new) if fast else (2,)))
+    if fast and not hasattr(hf, "_compiled_call"):
+        raise RuntimeError(
+            "transformers did not compile the static-cache decode step (its auto-compile rules)"
+        )
     best = float("nan")
     for _ in range(reps):
         t_full, t_one = run(new), run(1)
         if t_full > t_one:  # timing noise can exceed a tiny model's decode time: such a rep says nothing
             best = max(x for x in (best, batch * (new - 1) / (t_full - t_one)) if x == x)
-    return best
+    return best, warm
 
 
 def tiny_models(dtype: str, with_hf: bool) -> tuple[ModelConfig, Transformer, Any]:
@@ -137,19 +165,62 @@ def tiny_models(dtype: str, with_hf: bool) -> tuple[ModelConfig, Transformer, An
     return cfg, from_hf_tensors(cfg, tensors), hf
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batch 1 and 4, fewer tokens (< 5 min)")
     ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
     ap.add_argument("--prompt-len", type=int, default=448, help="context length at the start of decoding")
     ap.add_argument("--new", type=int, default=None, help="tokens generated per row")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
-    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    ap.add_argument(
+        "--hf-fast",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="HF's static cache + torch.compile path (auto: CUDA only; on: also on a CPU, slow to compile)",
+    )
+    ap.add_argument("--hf-fast-batches", default="", help="batch sizes of the fast path (default: all)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="ours and HF's")
     ap.add_argument("--attn-impl", default="auto", help="EngineConfig.attn_impl (auto: Pallas on a GPU)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of the GGUF (smoke)")
     ap.add_argument("--json", default="", help="write the meta and every finished row here")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def load_hf(args: argparse.Namespace, hf: Any) -> Any:
+    """The HF model on the device JAX uses, in --dtype (loaded from the GGUF unless the tiny one is given)."""
+    import torch
+    import transformers
+
+    if hf is None:
+        gguf = pathlib.Path(args.gguf)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, args.dtype)
+        ).eval()
+    hf = hf.to(
+        device="cuda" if on_gpu() and torch.cuda.is_available() else "cpu", dtype=getattr(torch, args.dtype)
+    )
+    print(f"HF transformers {transformers.__version__} on {hf.device} ({args.dtype})")
+    return hf
+
+
+def fast_path_plan(args: argparse.Namespace, hf: Any, batches: list[int]) -> tuple[list[int], str]:
+    """(the batches HF's fast path runs at, why it does not run at all: '' when it does)."""
+    if hf is None:
+        return [], "no HF baseline (--no-hf or transformers missing)"
+    if args.hf_fast == "off":
+        return [], "--hf-fast off"
+    if args.hf_fast == "auto" and hf.device.type != "cuda":
+        return [], (
+            "skipped on CPU: transformers compiles the static-cache decode step only on CUDA/XPU, and "
+            "inductor's CPU build takes minutes here (--hf-fast on forces it)"
+        )
+    chosen = [int(b) for b in args.hf_fast_batches.split(",") if b] or batches
+    return [b for b in batches if b in chosen], ""
+
+
+def main() -> None:
+    args = parse_args()
     batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,4,16,64")).split(",")]
     new = args.new or (32 if args.quick else 48)
     reps = 2 if args.quick else 3
@@ -183,23 +254,11 @@ def main() -> None:
         f"{args.dtype}, attn {args.attn_impl}, {weight_bytes / 1e6:.0f} MB of weights per step; bandwidth "
         f"{bw:.1f} GB/s -> batch-1 roofline {roofline:.1f} tok/s; context {len(prompt)}..{len(prompt) + new}"
     )
-
-    if not args.no_hf and hf is None:
-        import torch
-        import transformers
-
-        gguf = pathlib.Path(args.gguf)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, args.dtype)
-        ).eval()
-    if hf is not None:
-        import torch
-
-        hf = hf.to(
-            device="cuda" if on_gpu() and torch.cuda.is_available() else "cpu",
-            dtype=getattr(torch, args.dtype),
-        )
-        print(f"HF transformers {__import__('transformers').__version__} on {hf.device} ({args.dtype})")
+    if not args.no_hf:
+        hf = load_hf(args, hf)
+    fast_batches, fast_skip = fast_path_plan(args, hf, batches)
+    if fast_skip:
+        print(f"HF fast path (static cache + torch.compile): {fast_skip}")
     meta = {
         "model": name,
         "dtype": args.dtype,
@@ -213,41 +272,58 @@ def main() -> None:
         "context": [len(prompt), len(prompt) + new],
         "new_tokens": new,
         "hf_device": str(hf.device) if hf is not None else None,
+        "hf_fast": fast_skip or f"static cache + torch.compile at batches {fast_batches}",
     }
-    rows: list[dict[str, float]] = []
-
-    results: dict[str, float] = {}
-    print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}")
-    for b in batches:
-        ours = ours_tok_s(engine, prompt, b, new, reps)
-        theirs = hf_tok_s(hf, prompt, b, new, reps) if hf is not None else float("nan")
-        results[f"ours_tok_s_bs{b}"] = ours
-        results[f"hf_tok_s_bs{b}"] = theirs
-        results[f"ratio_vs_hf_bs{b}"] = ours / theirs if hf is not None else float("nan")
-        bound = b * bw * 1e9 / (weight_bytes + b * kv_row_bytes)  # tok/s if every step streamed at bw
-        results[f"roofline_kv_frac_bs{b}"] = ours / bound
-        print(f"{b:>5} {ours:>11.1f} {theirs:>9.1f} {results[f'ratio_vs_hf_bs{b}']:>6.2f}", flush=True)
-        rows.append(
-            {
-                "batch": b,
-                "ours_tok_s": ours,
-                "hf_tok_s": theirs,
-                "roofline_tok_s": bound,
-                "roofline_frac": ours / bound,
-            }
-        )
-        if args.json:  # rewritten after every batch: a run stopped midway keeps what finished
-            pathlib.Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    bench = (engine, hf, prompt, new, reps, bw, weight_bytes, kv_row_bytes)
+    results = measure_all(bench, batches, fast_batches, meta, args.json)
     if 1 in batches:
         results["roofline_frac_bs1"] = results["ours_tok_s_bs1"] / roofline
     results["bandwidth_gb_s"] = bw
     if args.json:
-        pathlib.Path(args.json).write_text(
-            json.dumps({"meta": meta, "rows": rows, "results": results}, indent=2)
-        )
-    keys = ["ours_tok_s_bs1", "hf_tok_s_bs1", "ratio_vs_hf_bs1", "roofline_frac_bs1"]
+        data = json.loads(pathlib.Path(args.json).read_text())
+        pathlib.Path(args.json).write_text(json.dumps({**data, "results": results}, indent=2))
+    keys = ["ours_tok_s_bs1", "hf_tok_s_bs1", "hf_fast_tok_s_bs1", "ratio_vs_hf_bs1", "ratio_vs_hf_fast_bs1"]
+    keys.append("roofline_frac_bs1")
     keys += [k for k in results if k not in keys]
     print("RESULT " + " ".join(f"{k}={results[k]:.3f}" for k in keys if k in results))
+
+
+def measure_all(
+    bench: tuple, batches: list[int], fast_batches: list[int], meta: dict[str, Any], json_path: str
+) -> dict[str, float]:
+    """Per batch: ours, HF dynamic cache, HF fast path (where planned); a row printed and (with --json) the
+    file rewritten after every batch, so a run stopped midway keeps what finished."""
+    engine, hf, prompt, new, reps, bw, weight_bytes, kv_row_bytes = bench
+    nan = float("nan")
+    results: dict[str, float] = {}
+    rows: list[dict[str, Any]] = []
+    print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'hf fast':>9} {'ratio':>6} {'vs fast':>7}")
+    for b in batches:
+        ours = ours_tok_s(engine, prompt, b, new, reps)
+        theirs = hf_tok_s(hf, prompt, b, new, reps)[0] if hf is not None else nan
+        fast, warm, fast_error = nan, nan, ""
+        if b in fast_batches:
+            try:  # a fast path that breaks is a finding to report, not the end of the benchmark
+                fast, warm = hf_tok_s(hf, prompt, b, new, reps, fast=True)
+            except Exception as e:
+                fast_error = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"HF fast path at batch {b} failed: {fast_error}", flush=True)
+        bound = b * bw * 1e9 / (weight_bytes + b * kv_row_bytes)  # tok/s if every step streamed at bw
+        results |= {f"ours_tok_s_bs{b}": ours, f"hf_tok_s_bs{b}": theirs, f"ratio_vs_hf_bs{b}": ours / theirs}
+        if b in fast_batches:
+            results |= {f"hf_fast_tok_s_bs{b}": fast, f"ratio_vs_hf_fast_bs{b}": ours / fast}
+            results[f"hf_fast_warmup_s_bs{b}"] = warm
+        results[f"roofline_kv_frac_bs{b}"] = ours / bound
+        print(
+            f"{b:>5} {ours:>11.1f} {theirs:>9.1f} {fast:>9.1f} {ours / theirs:>6.2f} {ours / fast:>7.2f}",
+            flush=True,
+        )
+        row = {"batch": b, "ours_tok_s": ours, "hf_tok_s": theirs, "hf_fast_tok_s": fast}
+        row |= {"hf_fast_warmup_s": warm, "roofline_tok_s": bound, "roofline_frac": ours / bound}
+        rows.append(row | ({"hf_fast_error": fast_error} if fast_error else {}))
+        if json_path:
+            pathlib.Path(json_path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    return results
 
 
 if __name__ == "__main__":

@@ -7,11 +7,13 @@ carry it. The bundle splits it byte-exactly in two, each part going with one cal
     .gpu_bundle/a/  MANIFEST.json, wheels/*.whl (what the GPU image lacks), model.part1 (first half)
     .gpu_bundle/b/  MANIFEST.json, model.part2 (the rest)
 
-Ignored paths already copied to the device machine stay there for the rest of the lease, so the call that
-carries `b` finds `a` from the call before it; `assemble_model` then concatenates the parts into
-`.cache/models/<gguf>` (where the scripts look), checks the whole file's sha256 against the manifest, and
-refuses with a clear message when a part is missing or corrupt. The sizes balance `a` (wheels + part 1) and
-`b` (part 2), so each call stays ~10 MiB under the limit with the repository (checked at build time).
+Each device call runs in a fresh copy of the repository, so a carried part is gone at the next call: the GPU
+suite copies each part into its state folder outside the repository as it arrives (experiments/gpu_state.py),
+and once both are there `assemble_model` concatenates them (into the state folder; the repository's
+`.cache/models/<gguf>`, where the scripts look, is linked to it in every call), checks the whole file's sha256
+against the manifest, and refuses with a clear message when a part is missing or corrupt. The sizes balance
+`a` (wheels + part 1) and `b` (part 2), so each call stays ~10 MiB under the limit with the repository
+(checked at build time).
 
 Wheels (`--no-deps`, versions pinned as in setup.py, Python 3.12 / manylinux x86-64 like the GPU image):
 ml-collections, gguf, reasoning-gym and the dependencies of those three that the image does not hold. Three
@@ -268,8 +270,9 @@ def assemble_model(bundle: pathlib.Path = BUNDLE, dest: pathlib.Path = MODEL_PAT
     absent = [p["file"] for p in info["parts"] if not (bundle / p["file"]).is_file()]
     if absent:
         raise BundleError(
-            f"model incomplete: {absent} not on this machine. Parts travel one per call and stay for the "
-            "lease: carry .gpu_bundle/a in one call and .gpu_bundle/b in the next, on the same warm machine."
+            f"model incomplete: {absent} not on this machine. Parts travel one per call and gpu_suite keeps "
+            "each in its state folder: carry .gpu_bundle/a in one call and .gpu_bundle/b in another, on the "
+            "same machine (held between the calls)."
         )
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=dest.parent, suffix=".part", delete=False) as out:

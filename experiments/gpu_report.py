@@ -18,6 +18,8 @@ import re
 import time
 from typing import Any
 
+from gpu_phases import PHASE_FUNCS
+
 os.environ.setdefault("MPLBACKEND", "Agg")  # headless: the device machine has no display
 
 MAX_FILES = 8
@@ -27,28 +29,18 @@ class NoData(ValueError):
     """A phase ran but left nothing to plot (a dry run's SD phase, a run killed before its first row)."""
 
 
-SD_TARGET, DECODE_TARGET = 2.0, 1.0
+SD_TARGET, DECODE_TARGET, IDENTITY_TARGET = 2.0, 1.0, 0.99
 
 
 def load_results(state: pathlib.Path) -> dict[str, dict[str, Any]]:
-    """Every phase's latest result in this lease (written by gpu_suite into state/results)."""
+    """Every phase's latest result in this lease (written by gpu_suite into state/results), in phase order."""
     out = {}
     for path in (state / "results").glob("*.json"):
         try:
             out[path.stem] = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-    order = [
-        "env",
-        "kernel_tests",
-        "tree_attention",
-        "rollout_tests",
-        "model",
-        "decode",
-        "drafter",
-        "sd",
-        "e2e",
-    ]
+    order = list(PHASE_FUNCS)
     return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
 
 
@@ -59,17 +51,23 @@ def _verdict(value: Any, ok: bool) -> str:
 
 
 def targets(results: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """The issue's targets: the verify kernel at least as fast as the reference for every T in 16..64; decode
-    at batch 1 faster than HF transformers on the same GPU (bfloat16, else float32); SD >= 2x at batch 1."""
+    """The issues' targets: the verify kernel at least as fast as the reference for every T in 16..64; decode
+    at batch 1 faster than HF transformers on the same GPU (bfloat16, else float32), against its dynamic-cache
+    `generate` (decode) and its static cache + torch.compile path (decode_fast); SD >= 2x at batch 1; float32
+    SD rollouts identical to plain ones (>= 99% of the sequences, every strategy: identity)."""
     ta = results.get("tree_attention", {}).get("metrics", {})
     fast = ta.get("faster_t16_64")
     dec = results.get("decode", {}).get("metrics", {})
     ratio = dec.get("bfloat16_ratio_vs_hf_bs1", dec.get("float32_ratio_vs_hf_bs1"))
+    ratio_fast = dec.get("bfloat16_ratio_vs_hf_fast_bs1", dec.get("float32_ratio_vs_hf_fast_bs1"))
     sd = results.get("sd", {}).get("metrics", {}).get("sd_speedup_bs1")
+    same = results.get("identity", {}).get("metrics", {}).get("float32_identical_frac_min")
     return {
         "kernel": _verdict(fast, fast == 1),
         "decode": _verdict(ratio, isinstance(ratio, float) and ratio > DECODE_TARGET),
+        "decode_fast": _verdict(ratio_fast, isinstance(ratio_fast, float) and ratio_fast > DECODE_TARGET),
         "sd": _verdict(sd, isinstance(sd, float) and sd >= SD_TARGET),
+        "identity": _verdict(same, isinstance(same, float) and same >= IDENTITY_TARGET),
     }
 
 
@@ -110,9 +108,13 @@ def plot_decode(d: dict[str, Any], path: pathlib.Path) -> None:
             continue
         b = [r["batch"] for r in rows]
         ax.plot(b, [r["ours_tok_s"] for r in rows], "o-", color=color, label=f"tlt_jax {dtype}")
-        hf = [r["hf_tok_s"] for r in rows]
-        if any(isinstance(v, float) and math.isfinite(v) for v in hf):
-            ax.plot(b, hf, "s--", color=color, label=f"HF generate {dtype}")
+        for key, style, label in (
+            ("hf_tok_s", "s--", "HF dynamic cache"),
+            ("hf_fast_tok_s", "^-.", "HF fast"),
+        ):
+            hf = [r.get(key, float("nan")) for r in rows]
+            if any(isinstance(v, float) and math.isfinite(v) for v in hf):
+                ax.plot(b, hf, style, color=color, label=f"{label} {dtype}")
         ax.plot(
             b, [r["roofline_tok_s"] for r in rows], "x:", color=color, label=f"bandwidth roofline {dtype}"
         )
@@ -180,11 +182,135 @@ PLOTS = {"tree_attention": plot_tree_attention, "decode": plot_decode, "drafter"
 
 # ------------------------------------------------------------------------------------------------ report
 def _cell(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
+def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
+        "| " + " | ".join(_cell(v) for v in row) + " |" for row in rows
+    ]
+
+
+def identity_md(r: dict[str, Any]) -> list[str]:
+    """Speculative rollouts identical to plain ones, per dtype and strategy (sd_identity.py)."""
+    out = []
+    for dtype in ("bfloat16", "float32"):
+        d = r.get("details", {}).get(dtype) or {}
+        meta, res = d.get("meta", {}), d.get("results", {})
+        names = [k for k in ("chain", "tree", "ngram") if k in d]
+        if not names:
+            continue
+        drafter = r.get("details", {}).get("drafter")
+        out += [
+            f"Rollouts identical to plain decoding, {dtype} ({res.get('sequences')} sequences x "
+            f"{res.get('new')} tokens, T {meta.get('temperature')}, top-p {meta.get('top_p')}, matmul "
+            f"precision {res.get('matmul_precision')}, drafter {drafter}; a plain rerun with the same keys: "
+            f"{_cell(res.get('identical_frac_plain_rerun'))} identical)",
+            "",
+        ]
+        rows = []
+        for n in names:
+            s = d[n]
+            first = s.get("first_divergence") or []
+            med = sorted(first)[len(first) // 2] if first else "-"
+            flips = f"{s.get('rounding_flips')}/{len(s.get('gaps') or [])}"
+            rows.append([n, s.get("mode"), s.get("identical_frac"), s.get("diverged"), med, flips])
+            rows[-1].append(s.get("accept_len"))
+        head = ["strategy", "mode", "identical", "diverged", "median first divergence"]
+        out += _table(head + ["gap < 1e-3 / checked", "accept"], rows) + [""]
+    return out
+
+
+def tree_attention_md(ta: dict[str, Any]) -> list[str]:
+    """The kernel / reference table, then the block-size tuning's candidates (kv_splits is split-K)."""
+    if not ta.get("rows"):
+        return []
+    bs = ta.get("block_sizes") or {}
+    splits = bs.get("kv_splits") or f"per call (~{bs.get('target_programs')} programs)"  # 0: chosen per call
+    out = [
+        f"Tree attention ({ta.get('dtype')}, S={ta.get('seq')}, {ta.get('lowering')}, blocks "
+        f"{ta.get('block_sizes')}): kernel / reference time",
+        "",
+    ]
+    head = ["model", "B", "T", "split-K", "ref ms", "kernel ms", "ratio", "max err"]
+    rows = [
+        [r["model"], r["B"], r["T"], r.get("kv_splits", splits), r["ref_ms"], r["kernel_ms"]]
+        for r in ta["rows"]
+    ]
+    rows = [row + [r["ratio"], r["max_err"]] for row, r in zip(rows, ta["rows"], strict=True)]
+    out += _table(head, rows) + [""]
+    cands = (ta.get("tuning") or {}).get("candidates") or []
+    if cands:
+        out += ["Block-size tuning (coordinate descent; kv_splits = split-K over the cache):", ""]
+        keys = list(dict.fromkeys(["kv_splits", *cands[0]["block_sizes"]]))  # split-K first
+        rows = [
+            [c["block_sizes"].get(k) for k in keys] + [c.get("geomean_ms"), c.get("error", "")[:80]]
+            for c in cands
+        ]
+        out += _table(keys + ["geomean ms", "error"], rows) + [""]
+    return out
+
+
+def _div(a: Any, b: Any) -> float | None:
+    ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isfinite(b) and b > 0
+    return a / b if ok else None
+
+
+def decode_md(dec: dict[str, Any]) -> list[str]:
+    """Ours against both of HF's paths (dynamic cache; static cache + torch.compile), per dtype."""
+    out = []
+    head = ["batch", "ours", "HF dynamic", "HF static+compile", "vs dynamic", "vs fast", "roofline frac"]
+    for dtype, data in dec.items():
+        if not (isinstance(data, dict) and data.get("rows")):
+            continue
+        fast = (data.get("meta") or {}).get("hf_fast", "")
+        out += [f"Decode {dtype} (attention {data.get('attn_impl')}): tokens/s; HF fast path: {fast}", ""]
+        rows = []
+        for r in data["rows"]:
+            ours, hf, hf_fast = r["ours_tok_s"], r["hf_tok_s"], r.get("hf_fast_tok_s")
+            rows.append([r["batch"], round(ours), hf, hf_fast, _div(ours, hf), _div(ours, hf_fast)])
+            rows[-1] += [r.get("roofline_frac"), r.get("hf_fast_warmup_s")]
+        out += _table(head + ["fast warm-up s"], rows) + [""]
+    return out
+
+
+def compile_md(r: dict[str, Any]) -> list[str]:
+    m = r.get("metrics") or {}
+    if "compile_first_s" not in m:
+        return []
+    nums = ", ".join(f"{k} {_cell(v)}" for k, v in m.items())
+    return [f"Compilation, first run vs rerun (compile_time.py --quick): {nums}", ""]
+
+
+def rounds_md(r: dict[str, Any]) -> list[str]:
+    """A speculative round's time by phase per strategy (bench_verify_cost.py --breakdown), in plain decode
+    steps (`*_steps`) and ms, with the plain step's ms in the caption."""
+    rounds = (r.get("details") or {}).get("rounds") or []
+    if not rounds:
+        return []
+    step = (r.get("metrics") or {}).get("plain_step_ms")
+    cols = list(dict.fromkeys(k for row in rounds for k in row if k not in ("column", "tv")))
+    cols = sorted(cols, key=lambda k: (k.endswith("_ms"), k.startswith(("round", "phases"))))  # stable
+    rows = [[row["column"], row["tv"]] + [row.get(c) for c in cols] for row in rounds]
+    head = f"Speculative round by phase (bench_verify_cost.py --breakdown; a plain step {_cell(step)} ms)"
+    return [head, ""] + _table(["column", "TV"] + cols, rows) + [""]
+
+
+def sd_md(sd: dict[str, Any]) -> list[str]:
+    if not sd.get("rows"):
+        return []
+    head = ["batch", "column", "strategy", "plain tok/s", "SD tok/s", "speedup", "accept", "round cost"]
+    keys = ["batch", "column", "strategy", "plain_tok_s", "sd_tok_s", "speedup", "accept", "round_cost"]
+    return ["SD (bench_sd): speedup (accept length)", ""] + _table(
+        head, [[r[k] for k in keys] for r in sd["rows"]]
+    )
+
+
 def report_md(results: dict[str, dict[str, Any]], tgt: dict[str, str], device: str) -> str:
-    """A markdown section for docs/benchmarks.md: date, device, each phase's status and numbers, targets."""
+    """A markdown section for docs/benchmarks.md: date, device, each phase's status and numbers, targets, then
+    the identical fraction, the kernel table, compile times, the round breakdown, decode and SD tables."""
     day = time.strftime("%Y-%m-%d")
     dry = (
         " (dry run: tiny shapes, not a measurement)"
@@ -197,55 +323,18 @@ def report_md(results: dict[str, dict[str, Any]], tgt: dict[str, str], device: s
         "`python3 experiments/gpu_suite.py --call N` (docs/gpu.md).",
         "",
     ]
-    lines += ["| phase | call | status | seconds | numbers |", "|---|---|---|---|---|"]
+    rows = []
     for name, r in results.items():
         nums = ", ".join(f"{k} {_cell(v)}" for k, v in r.get("metrics", {}).items())
-        lines.append(f"| {name} | {r.get('call')} | {r.get('status')} | {r.get('seconds', 0):.0f} | {nums} |")
+        rows.append([name, r.get("call"), r.get("status"), f"{r.get('seconds', 0):.0f}", nums])
+    lines += _table(["phase", "call", "status", "seconds", "numbers"], rows)
     lines += ["", "Targets (docs/gpu.md): " + ", ".join(f"{k} **{v}**" for k, v in tgt.items()), ""]
-    ta = results.get("tree_attention", {}).get("details", {})
-    if ta.get("rows"):
-        lines += [
-            f"Tree attention ({ta.get('dtype')}, S={ta.get('seq')}, {ta.get('lowering')}, blocks "
-            f"{ta.get('block_sizes')}): kernel / reference time",
-            "",
-            "| model | B | T | ref ms | kernel ms | ratio | max err |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in ta["rows"]:
-            lines.append(
-                f"| {r['model']} | {r['B']} | {r['T']} | {_cell(r['ref_ms'])} | {_cell(r['kernel_ms'])} | "
-                f"{_cell(r['ratio'])} | {_cell(r['max_err'])} |"
-            )
-        lines.append("")
-    dec = results.get("decode", {}).get("details", {})
-    for dtype, data in dec.items():
-        if isinstance(data, dict) and data.get("rows"):
-            lines += [
-                f"Decode {dtype} (attention {data.get('attn_impl')}): tokens/s",
-                "",
-                "| batch | ours | HF | ratio | roofline frac |",
-                "|---|---|---|---|---|",
-            ]
-            for r in data["rows"]:
-                ratio = r["ours_tok_s"] / r["hf_tok_s"] if r["hf_tok_s"] else float("nan")
-                lines.append(
-                    f"| {r['batch']} | {r['ours_tok_s']:.0f} | {_cell(r['hf_tok_s'])} | {_cell(ratio)} | "
-                    f"{_cell(r.get('roofline_frac'))} |"
-                )
-            lines.append("")
-    sd = results.get("sd", {}).get("details", {})
-    if sd.get("rows"):
-        lines += [
-            "SD (bench_sd): speedup (accept length)",
-            "",
-            "| batch | column | strategy | plain tok/s | SD tok/s | speedup | accept | round cost |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in sd["rows"]:
-            lines.append(
-                f"| {r['batch']} | {r['column']} | {r['strategy']} | {r['plain_tok_s']} | {r['sd_tok_s']} | "
-                f"{r['speedup']}x | {r['accept']} | {r['round_cost']} |"
-            )
+    lines += identity_md(results.get("identity", {}))
+    lines += tree_attention_md(results.get("tree_attention", {}).get("details", {}))
+    lines += compile_md(results.get("compile", {}))
+    lines += rounds_md(results.get("verify_cost", {}))
+    lines += decode_md(results.get("decode", {}).get("details", {}))
+    lines += sd_md(results.get("sd", {}).get("details", {}))
     return "\n".join(lines) + "\n"
 
 

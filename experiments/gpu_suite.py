@@ -5,24 +5,31 @@ budget, and leaves JSON + PNG results under --out ($OUT on the device machine) a
 Phases (docs/gpu.md says what each measures and the targets they are judged by):
   env             versions, device, memory bandwidth (device copy) and bf16 matmul rate, Pallas backends
   kernel_tests    tests/kernels/test_tree_attention.py with the kernel compiled by Triton (not interpreted)
-  tree_attention  experiments/bench_tree_attention.py --tune: block sizes tuned, kernel vs jnp reference
-  rollout_tests   the engine's speculative == plain / cache / lossless tests (tests/rollout) on the GPU
-  model           the SmolLM2 GGUF reassembled from the bundle's two parts (sha256 checked)
-  decode          experiments/bench_decode.py, bfloat16 and float32, batch 1..64, vs HF transformers
+  tree_attention  experiments/bench_tree_attention.py --tune: block sizes (split-K included) tuned, kernel vs
+                  jnp reference
+  rollout_tests   the engine's speculative == plain / cache tests (tests/rollout) on the GPU
+  model           the SmolLM2 GGUF reassembled from the stashed bundle parts (sha256 checked)
+  decode          experiments/bench_decode.py, bfloat16 then float32, vs HF's dynamic-cache and fast paths
+  identity        experiments/sd_identity.py: SD rollouts identical to plain ones (bfloat16, float32)
+  compile         experiments/compile_time.py --quick: compile time, first run vs rerun (if it exists)
+  verify_cost     experiments/bench_verify_cost.py --quick --breakdown: a verify round's phases (if supported)
   drafter         the drafter warm-up (configs/drafter_warmup.py:gpu), cut at a checkpoint if out of time
   sd              experiments/bench_sd.py with that drafter: batch x tokens_to_verify (Table 4's shape)
   e2e             experiments/e2e_speedup.py --quick, when the script exists
 
-The 98 MB model cannot travel in one call (64 MiB), so the work is split into calls that each carry one part
-of `make gpu-bundle`'s .gpu_bundle (parts stay on the machine for the lease; --call picks the phases):
-  --call 1  (420 s)  env, kernel_tests, tree_attention, rollout_tests  carry .gpu_bundle/a (wheels, part 1)
-  --call 2  (540 s)  env, model, decode, drafter                       carry .gpu_bundle/b (part 2)
-  --call 3  (480 s)  env, model, drafter (if unfinished), sd, e2e      carry nothing new
-(the budgets add up to ~24 min: with the machine's start, three calls fit a session's 30 minutes).
-State that later calls use (tuned block sizes, the drafter, the XLA compilation cache, every phase's result)
-lives in --state-dir (default workdirs/gpu_suite, ignored, so it stays on the machine between calls).
+The 98 MB model cannot travel in one call (64 MiB), so the work is split into calls; each of the first two
+carries one part of `make gpu-bundle`'s .gpu_bundle, which the suite copies into its state folder on arrival
+(the repository, carried paths included, is a fresh copy at every call; --call picks the phases):
+  --call 1  (390 s)  env, kernel_tests, tree_attention, rollout_tests   carry .gpu_bundle/a (wheels, part 1)
+  --call 2  (570 s)  env, model, decode, identity                       carry .gpu_bundle/b (part 2)
+  --call 3  (570 s)  env, model, compile, verify_cost                   carry nothing
+  --call 4  (540 s)  env, model, drafter, sd, e2e   (only with >= 10 min of device time left)
+State that later calls use (the bundle parts, the model, wheels, tuned block sizes, the drafter, the XLA and
+inductor caches, every phase's result) lives outside the repository (gpu_state.py: --state-dir, else
+$TLT_GPU_STATE, else /root/keep/gpu_suite); `--resume` runs the phases that have not finished yet.
 
     python3 experiments/gpu_suite.py --call 1 --out $OUT              # on the device machine
+    python3 experiments/gpu_suite.py --resume --out $OUT              # whatever has not finished
     python experiments/gpu_suite.py --dry-run                          # CPU: tiny shapes, interpret mode
     python experiments/gpu_suite.py --phases decode,sd --budget-s 300  # any subset
 
@@ -48,32 +55,43 @@ from typing import Any
 import gpu_bundle
 import gpu_phases as ph
 import gpu_report
+import gpu_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PHASES = tuple(ph.PHASE_FUNCS)
 CALLS = {
     "1": ("env", "kernel_tests", "tree_attention", "rollout_tests"),
-    "2": ("env", "model", "decode", "drafter"),
-    "3": ("env", "model", "drafter", "sd", "e2e"),
+    "2": ("env", "model", "decode", "identity"),
+    "3": ("env", "model", "compile", "verify_cost"),
+    "4": ("env", "model", "drafter", "sd", "e2e"),
     "all": PHASES,
 }
 # Seconds on a GPU: (most a phase may take, least worth starting; also what is kept for each later phase).
+# Measured on an H100 (2026-11-24): env 10, kernel_tests 25, tree_attention 116, decode (dynamic HF only)
+# 137 + >103, drafter ~290 in all, sd 326 for batch 1 and 4, a GRPO step 1 of configs/tlt.py:quick 313
+# (compile's first run); rollout_tests did not finish in 240 with 4 workers (the chi-square test alone ran
+# > 240 s: it is deselected on a GPU, and 8 workers share the rest).
 LIMITS = {
-    "env": (90, 20),
-    "kernel_tests": (150, 30),
-    "tree_attention": (210, 45),
-    "rollout_tests": (240, 45),
-    "model": (60, 5),
-    "decode": (240, 60),
-    "drafter": (600, 60),
-    "sd": (420, 120),
-    "e2e": (240, 90),
+    "env": (60, 15),
+    "kernel_tests": (90, 30),
+    "tree_attention": (180, 45),
+    "rollout_tests": (150, 60),
+    "model": (30, 5),
+    "decode": (300, 90),
+    "identity": (240, 90),
+    "compile": (420, 60),
+    "verify_cost": (150, 30),
+    "drafter": (420, 60),
+    "sd": (300, 90),
+    "e2e": (300, 90),
 }
-CALL_BUDGETS = {"1": 420.0, "2": 540.0, "3": 480.0, "all": 540.0}  # default --budget-s per call
+CALL_BUDGETS = {"1": 390.0, "2": 570.0, "3": 570.0, "4": 540.0, "all": 570.0}  # default --budget-s
 DRY_CAP_S = 300.0  # per phase in a dry run: generous, so a slow CI machine is not a failure
 REPORT_RESERVE_S = 15.0  # kept for plots and the summary at the end of a call
-NEEDS_MODEL = ("decode", "drafter", "sd", "e2e")
-TUNED_FOR = ("decode", "drafter", "sd", "e2e")  # phases that run with the tuned block sizes, if any
+NEEDS_MODEL = ("decode", "identity", "compile", "verify_cost", "drafter", "sd", "e2e")
+# phases that run with the tuned block sizes, if any (every one that runs the model through the engine)
+TUNED_FOR = ("decode", "identity", "verify_cost", "compile", "drafter", "sd", "e2e")
+DONE = ("ok", "failed")  # a phase with such a result is not rerun by --resume (a failure needs a fix first)
 LOG_CAP_BYTES = 12 << 20
 
 
@@ -93,11 +111,9 @@ class Suite:
     def __init__(self, args: argparse.Namespace) -> None:
         self.dry: bool = args.dry_run
         self.out = pathlib.Path(args.out or os.environ.get("OUT") or ROOT / "gpu_suite_out").resolve()
-        self.state = pathlib.Path(
-            args.state_dir or (self.out / "state" if self.dry else ROOT / "workdirs/gpu_suite")
-        )
-        self.state = self.state.resolve()
-        self.bundle = pathlib.Path(args.bundle).resolve()
+        self.state, self.state_why = gpu_state.choose_state_dir(args.state_dir, self.dry, self.out)
+        self.bundle = pathlib.Path(args.bundle).resolve()  # what this call carried (gone at the next call)
+        self.stash = self.state / "bundle"  # where the carried parts are kept for the lease
         self.allow_cpu: bool = args.allow_cpu
         self.extend_drafter: bool = args.extend_drafter
         self.drafter_config: str = args.drafter_config
@@ -111,13 +127,12 @@ class Suite:
         self.has_xdist = importlib.util.find_spec("xdist") is not None
         cfg = args.drafter_config or ("tiny" if self.dry else "gpu")
         self.drafter_dir = self.state / ("drafter" if cfg == "gpu" else f"drafter_{cfg}")  # one per config
-        self.site = pathlib.Path(args.site)
+        self.site = pathlib.Path(args.site) if args.site else self.state / "site"
         self.extra_path: list[str] = []
         for d in (self.out, self.state, self.state / "results"):
             d.mkdir(parents=True, exist_ok=True)
-        stale = {"summary.json", "report.md", "suite.log"} | {
-            f"{p}.{e}" for p in PHASES for e in ("json", "png")
-        }
+        stale = {"summary.json", "report.md", "suite.log", "compile_time.png", "verify_breakdown.png"}
+        stale |= {f"{p}.{e}" for p in PHASES for e in ("json", "png")}
         for name in stale:  # an earlier run's files in a reused --out must not pass for this run's
             (self.out / name).unlink(missing_ok=True)
         self.log = open(self.out / "suite.log", "w", encoding="utf-8", errors="replace")  # noqa: SIM115
@@ -142,7 +157,7 @@ class Suite:
         return t if t >= least else 0.0
 
     # ---- subprocesses
-    def child_env(self, label: str, extra: dict[str, str]) -> dict[str, str]:
+    def child_env(self, label: str, extra: dict[str, str | None]) -> dict[str, str]:
         test_session = (
             "XLA_FLAGS",
             "PYTEST_CURRENT_TEST",
@@ -158,14 +173,17 @@ class Suite:
             XLA_PYTHON_CLIENT_PREALLOCATE="false",  # JAX and torch share the GPU in bench_decode
             TOKENIZERS_PARALLELISM="false",
         )
-        if (
-            not self.dry
-        ):  # compiled programs survive into later calls of the lease (resumed warm-ups reuse them)
+        if not self.dry:  # compiled programs survive into later calls of the lease (and resumed phases)
             env["JAX_COMPILATION_CACHE_DIR"] = str(self.state / "jax_cache")
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(self.state / "torch_cache")  # HF's compiled decode step
         tuned = self.state / "tuned_block_sizes.json"
         if tuned.exists() and any(label.startswith(p) for p in TUNED_FOR):
             env["TLT_TREE_ATTENTION_BLOCK_SIZES"] = str(tuned)
-        env.update(extra)
+        for key, value in extra.items():  # None: unset
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
         return env
 
     def _write_log(self, text: str) -> None:
@@ -176,7 +194,7 @@ class Suite:
                 self.log.write("\n... suite.log truncated at its size cap\n")
             self.log.flush()
 
-    def run(self, label: str, cmd: list[str], timeout: float, env: dict[str, str]) -> Proc:
+    def run(self, label: str, cmd: list[str], timeout: float, env: dict[str, str | None]) -> Proc:
         """Run `cmd` in the repository root in its own process group; kill the group at `timeout` (clamped
         to the phase's deadline). Output is echoed (prefixed), logged to suite.log and returned."""
         timeout = max(1.0, min(timeout, self.phase_left()))
@@ -253,11 +271,12 @@ class Suite:
 
 
 def install_wheels(suite: Suite) -> dict[str, Any]:
-    """On a GPU machine: the bundle's wheels into --site (once per manifest), added to the children's path."""
-    if suite.dry or not (suite.bundle / "a" / "wheels").is_dir():
-        return {"installed": False, "reason": "dry run" if suite.dry else f"no {suite.bundle}/a/wheels here"}
+    """On a GPU machine: the stashed bundle's wheels into --site (once per manifest), added to the children's
+    path."""
+    if suite.dry or not (suite.stash / "a" / "wheels").is_dir():
+        return {"installed": False, "reason": "dry run" if suite.dry else f"no {suite.stash}/a/wheels yet"}
     try:
-        missing = gpu_bundle.install_wheels(suite.bundle, suite.site)
+        missing = gpu_bundle.install_wheels(suite.stash, suite.site)
     except Exception as e:  # the phases then report what they cannot import
         return {"installed": False, "reason": f"{type(e).__name__}: {e}"[:2000]}
     suite.extra_path.append(str(suite.site))
@@ -275,19 +294,42 @@ def fmt(value: Any) -> str:
     return "_".join(str(value).split())[:80]
 
 
-def run_suite(args: argparse.Namespace) -> int:
-    suite = Suite(args)
-    phases = tuple(args.phases.split(",")) if args.phases else CALLS[args.call]
+def pending(state: pathlib.Path) -> tuple[str, ...]:
+    """The phases, in order, that no call of this lease has finished (ok or failed): never run, skipped,
+    partial or cut by their timeout. What `--resume` runs."""
+    done = {k for k, r in gpu_report.load_results(state).items() if r.get("status") in DONE}
+    return tuple(p for p in PHASES if p not in done)
+
+
+def select_phases(args: argparse.Namespace, suite: Suite) -> tuple[str, ...]:
+    """--phases, else the phases --resume finds unfinished, else --call's; env always runs first."""
+    if args.phases:
+        phases = tuple(args.phases.split(","))
+    elif args.resume:
+        phases = pending(suite.state)
+    else:
+        phases = CALLS[args.call]
     unknown = [p for p in phases if p not in PHASES]
     if unknown:
         sys.exit(f"unknown phases {unknown}: choose from {PHASES}")
-    if "env" not in phases:
-        phases = ("env", *phases)
-    mode = "dry run (tiny shapes; interpret mode on CPU)" if suite.dry else f"call {args.call}"
-    print(f"# gpu_suite: {mode}; phases {','.join(phases)}; budget {suite.budget_s:.0f}s; out {suite.out}")
-    print(f"# state {suite.state}; bundle {suite.bundle}", flush=True)
+    return phases if "env" in phases else ("env", *phases)
+
+
+def prepare(suite: Suite) -> dict[str, Any]:
+    """Before the phases (GPU runs): stash the bundle parts this call carried, then install the wheels."""
+    where = (
+        "inside the repository: lost at the next device call!" if gpu_state.inside_repo(suite.state) else ""
+    )
+    print(f"# state {suite.state} ({suite.state_why}) {where}; carried bundle {suite.bundle}", flush=True)
+    stashed = {} if suite.dry else gpu_state.stash_bundle(suite.bundle, suite.stash)
     wheels = install_wheels(suite)
-    print(f"# wheels: {wheels}", flush=True)
+    print(f"# bundle parts: {stashed or 'dry run'}; wheels: {wheels}", flush=True)
+    return {"wheels": wheels, "bundle_parts": stashed, "state": str(suite.state)}
+
+
+def run_phases(suite: Suite, phases: tuple[str, ...], call: str) -> list[ph.PhaseResult]:
+    """Each phase in turn under its timeout, its result recorded in the state folder as it ends; a failed
+    env (no GPU) or model phase skips what depends on it."""
     results: list[ph.PhaseResult] = []
     blocked: dict[str, str] = {}
     for i, name in enumerate(phases):
@@ -301,7 +343,7 @@ def run_suite(args: argparse.Namespace) -> int:
         results.append(res)
         why = res.error.strip().splitlines()[-1][:300] if res.error.strip() else ""
         print(f"##### phase {name}: {res.status} in {res.seconds:.0f}s {why}", flush=True)
-        record = {**dataclasses.asdict(res), "call": args.call, "dry_run": suite.dry, "time": time.ctime()}
+        record = {**dataclasses.asdict(res), "call": call, "dry_run": suite.dry, "time": time.ctime()}
         path = suite.state / "results" / f"{name}.json"
         if res.status != "skipped" or not path.exists():  # a skip must not hide an earlier call's result
             path.write_text(json.dumps(record, indent=2, default=str))
@@ -311,7 +353,17 @@ def run_suite(args: argparse.Namespace) -> int:
                 blocked.update({p: f"env: {res.error[:200]}" for p in phases if p != "env"})
         if name == "model" and res.status != "ok":
             blocked.update({p: f"no model: {res.error[:300]}" for p in NEEDS_MODEL if p in phases[i + 1 :]})
-    meta = {"call": args.call, "dry_run": suite.dry, "budget_s": suite.budget_s, "wheels": wheels}
+    return results
+
+
+def run_suite(args: argparse.Namespace) -> int:
+    suite = Suite(args)
+    phases = select_phases(args, suite)
+    call = "resume" if args.resume and not args.phases else args.call
+    mode = "dry run (tiny shapes; interpret mode on CPU)" if suite.dry else f"call {call}"
+    print(f"# gpu_suite: {mode}; phases {','.join(phases)}; budget {suite.budget_s:.0f}s; out {suite.out}")
+    meta: dict[str, Any] = {"call": call, "dry_run": suite.dry, "budget_s": suite.budget_s, **prepare(suite)}
+    results = run_phases(suite, phases, call)
     meta["wall_s"] = time.perf_counter() - suite.t0
     try:
         summary = gpu_report.write_outputs(suite.out, suite.state, results, meta)
@@ -328,7 +380,7 @@ def run_suite(args: argparse.Namespace) -> int:
     device = next((r.metrics.get("device") for r in results if r.phase == "env"), None)
     tail = " ".join(f"target_{k}={v}" for k, v in summary["targets"].items())
     print(
-        f"RESULT gpu_suite call={args.call} dry_run={int(suite.dry)} device={fmt(device)} "
+        f"RESULT gpu_suite call={call} dry_run={int(suite.dry)} device={fmt(device)} "
         + " ".join(f"{k}={v}" for k, v in counts.items())
         + f" {tail} wall_s={meta['wall_s']:.0f} out={suite.out}"
     )
@@ -339,111 +391,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--call", default="all", choices=sorted(CALLS), help="which device call's phases")
     ap.add_argument("--phases", default="", help="comma-separated phases (overrides --call; env always runs)")
+    ap.add_argument("--resume", action="store_true", help="the phases this lease has not finished yet")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, interpret mode on CPU (seconds)")
     ap.add_argument("--out", default="", help="results folder (default $OUT, else gpu_suite_out/)")
-    ap.add_argument("--state-dir", default="", help="kept between calls (default workdirs/gpu_suite)")
-    ap.add_argument("--budget-s", type=float, default=0.0, help="wall-clock budget (0: per call, 420-540 s)")
+    ap.add_argument(
+        "--state-dir",
+        default="",
+        help=f"kept between calls (default ${gpu_state.STATE_ENV}, else "
+        f"{gpu_state.DEFAULT_STATE}, else {gpu_state.FALLBACK_STATE}; dry run: under --out)",
+    )
+    ap.add_argument("--budget-s", type=float, default=0.0, help="wall-clock budget (0: per call, 420-570 s)")
     ap.add_argument("--limits", default="", help="per-phase caps in seconds, e.g. drafter=300,sd=400")
-    ap.add_argument("--bundle", default=str(gpu_bundle.BUNDLE), help="the `make gpu-bundle` folder")
-    ap.add_argument("--site", default="/tmp/tlt_gpu_site", help="where the bundle's wheels are installed")
+    ap.add_argument("--bundle", default=str(gpu_bundle.BUNDLE), help="where this call's carried parts are")
+    ap.add_argument("--site", default="", help="where the bundle's wheels go (default <state>/site)")
     ap.add_argument("--allow-cpu", action="store_true", help="run the full phases without a GPU (debugging)")
     ap.add_argument("--extend-drafter", action="store_true", help="train a finished drafter on (train.steps)")
     ap.add_argument(
         "--drafter-config", default="", help="configs/drafter_warmup.py arg (default gpu; tiny dry)"
     )
-    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker == "env":
-        worker_env(pathlib.Path(args.worker_out), args.dry_run)
-        return
-    sys.exit(run_suite(args))
-
-
-# ------------------------------------------------------------------------------------------------ workers
-def worker_env(out: pathlib.Path, dry: bool) -> None:
-    """(In a subprocess) what the machine is: versions, device, memory bandwidth, bf16 matmul rate, which
-    Pallas GPU backends import, the bundle's imports. Each probe is guarded: one that fails is recorded as
-    its error and the others still run (only the backend decides whether the GPU phases go ahead)."""
-    import importlib
-    import importlib.metadata as md
-    import shutil
-    import subprocess
-    import time
-
-    import jax
-    import jax.numpy as jnp
-
-    info: dict[str, Any] = {"python": sys.version.split()[0], "versions": {}, "probe_errors": {}}
-    dists = "jax jaxlib jax-cuda13-plugin flax optax orbax-checkpoint chex numpy torch transformers triton"
-    for dist in (dists + " tokenizers ml-collections gguf reasoning-gym").split():
-        try:
-            info["versions"][dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            info["versions"][dist] = None
-    dev = jax.devices()[0]
-    info.update(backend=jax.default_backend(), device=dev.device_kind, device_count=jax.device_count())
-    info.update(on_gpu=info["backend"] in ("gpu", "cuda", "rocm"), jax=jax.__version__)
-    out.write_text(json.dumps(info, indent=2, default=str))  # the essentials first
-    small = dry or not info["on_gpu"]  # a CPU (dry run, --allow-cpu) gets the small sizes
-
-    def probe(name: str, fn: Any) -> None:
-        try:
-            info[name] = fn()
-        except Exception as e:  # noted, and the next probe runs
-            info["probe_errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
-
-    def best_ms(f: Any, *a: Any) -> float:
-        f(*a).block_until_ready()
-        times = []
-        for _ in range(10):
-            t = time.perf_counter()
-            f(*a).block_until_ready()
-            times.append(time.perf_counter() - t)
-        return 1e3 * min(times)
-
-    def bandwidth() -> float:  # GB/s of a device copy (x + 1: read + write), 1 GiB (16 MiB dry)
-        x = jnp.ones(((1 << 22) if small else (1 << 28),), jnp.float32) * 1.5
-        return 2 * x.nbytes / best_ms(jax.jit(lambda a: a + 1.0), x) / 1e6
-
-    def matmul() -> float:  # bf16 TFLOP/s of an m^3 product on random data
-        m, key = (256 if small else 8192), jax.random.key(0)
-        a = jax.random.normal(key, (m, m), jnp.bfloat16)
-        b = jax.random.normal(jax.random.fold_in(key, 1), (m, m), jnp.bfloat16)
-        return 2 * m**3 / best_ms(jax.jit(jnp.matmul), a, b) / 1e9
-
-    def smi() -> str:
-        q = "name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu"
-        cmd = ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
-
-    def project() -> dict[str, Any]:  # imports with no CPU kernel library built (the GPU case)
-        sys.path.insert(0, str(ROOT))
-        from tlt_jax.kernels import cpu_ffi, tree_attention  # noqa: F401
-        from tlt_jax.rollout import engine  # noqa: F401
-
-        return {"imports": "ok", "cpu_ffi_library_built": cpu_ffi.library_path().exists()}
-
-    def failed_imports(mods: tuple[str, ...]) -> str:
-        bad = []
-        for mod in mods:
-            try:
-                importlib.import_module(mod)
-            except Exception as e:
-                bad.append(f"{mod} ({type(e).__name__}: {str(e)[:120]})")
-        return "; ".join(bad) or "none"
-
-    probe("memory_limit", lambda: {k: v for k, v in (dev.memory_stats() or {}).items() if "limit" in k})
-    if shutil.which("nvidia-smi"):
-        probe("nvidia_smi", smi)
-    for mod in ("triton", "mosaic_gpu"):
-        name = f"jax.experimental.pallas.{mod}"
-        probe(f"pallas_{mod}", lambda name=name: "imports" if failed_imports((name,)) == "none" else "fails")
-    probe("project", project)
-    probe("bandwidth_gb_s", bandwidth)
-    probe("bf16_matmul_tflops", matmul)
-    probe("wheels_missing", lambda: failed_imports((*gpu_bundle.IMPORTS, "flax.nnx")))
-    out.write_text(json.dumps(info, indent=2, default=str))
+    sys.exit(run_suite(ap.parse_args()))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,26 @@ def smollm_gguf_path() -> pathlib.Path:
     return SMOLLM_GGUF
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "devices(n): needs at least n JAX devices; skipped, with the reason, where there are fewer (one GPU; "
+        "on CPU this file makes 8)",
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """`@pytest.mark.devices(n)`: skip (on any backend) where JAX has fewer than n devices, saying so, rather
+    than fail inside the mesh code: the GPU suite runs these tests on one GPU."""
+    marker = item.get_closest_marker("devices")
+    if marker is not None and jax.device_count() < marker.args[0]:
+        have = f"the {jax.default_backend()} backend has {jax.device_count()}"
+        pytest.skip(
+            f"needs {marker.args[0]} JAX devices; {have} (CPU: XLA_FLAGS="
+            "--xla_force_host_platform_device_count=8, set in tests/conftest.py)"
+        )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run the tests marked slow first (a stable sort: each group keeps its order). With xdist workers a
     minute-long test collected last would run alone at the end of the suite while the other worker idles;

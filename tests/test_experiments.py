@@ -3,6 +3,7 @@ print are checked for shape and sanity, not speed: performance lives in the scri
 subprocesses share the test session's persistent compilation cache (.cache/jax_test_cache), so reruns skip
 most XLA compilation. Marked `experiments`: `make test-experiments` runs them, CI's `make test` does not."""
 
+import json
 import math
 import os
 import pathlib
@@ -200,3 +201,27 @@ def test_first_execution_smoke(smollm_gguf_path):
     assert 0 < float(res["first_exec_ratio_median"]) < 100 and out.count(" compiled ") == int(
         res["compiled_chunks"]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.experiments
+def test_sd_identity_smoke(smollm_gguf_path, tmp_path):
+    """Two prompts x 2 samples x 16 tokens in float32 on CPU: the plain rerun reproduces plain decoding, every
+    strategy reports its identical fraction, and any sequence that diverges does so at a rounding flip (the
+    plain draw's uniform within 1e-3 of a CDF boundary), the token-identity test's criterion."""
+    js = tmp_path / "identity.json"
+    res, out = _run(
+        "sd_identity.py", "--prompts", "2", "--samples", "2", "--max-new", "16", "--json", str(js)
+    )
+    assert res["dtype"] == "float32" and int(res["sequences"]) == 4 and int(res["new"]) == 16
+    assert float(res["identical_frac_plain_rerun"]) == 1.0
+    details = json.loads(js.read_text())
+    for name in ("chain", "tree", "ngram"):
+        frac = float(res[f"identical_frac_{name}"])
+        assert 0 <= frac <= 1 and int(res[f"diverged_{name}"]) == round((1 - frac) * 4)
+        assert int(res[f"rounding_flips_{name}"]) == int(res[f"diverged_{name}"]), details[name]
+        assert float(res[f"accept_len_{name}"]) >= 1.0
+    assert float(res["identical_frac_min"]) == min(
+        float(res[f"identical_frac_{n}"]) for n in details["meta"]["modes"]
+    )
+    assert details["meta"]["modes"]["ngram"] == "ngram_3_1_4" and " chain " in out

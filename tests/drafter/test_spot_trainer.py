@@ -60,9 +60,8 @@ def leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.devices(8)
 def test_idle_devices_train_busy_devices_decode_unchanged(model):
-    if len(jax.devices()) < 8:
-        pytest.skip("needs 8 fake CPU devices (tests/conftest.py)")
     eng = engine(model, 8)
     reference = eng.generate(PROMPTS, n=4, key=jax.random.key(3), sampling=SP)
     spot = SpotTrainer(SpotConfig(mode="idle_devices", **SPOT), Drafter(model.cfg, nnx.Rngs(1)), eng)

@@ -109,6 +109,7 @@ def test_gradients_equal_einsum_gradients():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.devices(2)  # "auto" with several devices keeps XLA
 def test_dispatch_rules():
     w = jnp.zeros((16, 8), jnp.float32)
     small, big = jnp.zeros((2, 4, 8), jnp.float32), jnp.zeros((sml.MAX_ROWS + 1, 8), jnp.float32)

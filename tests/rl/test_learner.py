@@ -141,6 +141,7 @@ def test_shared_prompt_logprobs_match_a_full_forward(chunk: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.devices(2)
 def test_micro_batching_and_fsdp_do_not_change_the_update() -> None:
     """Gradient accumulation over micro-batches (and sharding params over data) = one full-batch step."""
     batch = random_batch(1)  # 4 groups x 2 samples
@@ -255,6 +256,7 @@ def test_no_recompilation_after_warmup() -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.devices(2)
 def test_one_grpo_step_changes_params_and_raises_the_surrogate() -> None:
     """Rollout from the smoke model, rewards that prefer even tokens, one PPO-clipped update (with KL to the
     reference): the parameters move and the surrogate objective on the same batch goes up."""
@@ -322,6 +324,7 @@ def test_one_grpo_step_changes_params_and_raises_the_surrogate() -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.devices(2)
 def test_learner_step_metrics(tmp_path) -> None:
     config = smoke_config()
     config.mesh.data = 2

@@ -146,11 +146,10 @@ def test_prompt_longer_than_cache_is_a_clear_error(model):
         eng.generate([[]], n=1, key=jax.random.key(0), sampling=SamplingParams(0.0))
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("data,model_axis", [(8, 1), (4, 2)])
 def test_sharded_rollout_equals_single_device(model, data, model_axis):
     """8 fake CPU devices (data-parallel; data x tensor) give the 1-device greedy rollout token for token."""
-    if len(jax.devices()) < 8:
-        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set in tests/conftest.py)")
     sp = SamplingParams(temperature=0.0)
     one = _engine(model).generate(PROMPTS, n=2, key=jax.random.key(5), sampling=sp)
     mesh = shd.make_mesh(data, model_axis)
@@ -164,6 +163,7 @@ def test_sharded_rollout_equals_single_device(model, data, model_axis):
         assert qkv.sharding.spec[0] == "model"
 
 
+@pytest.mark.devices(2)
 def test_compaction_stays_within_shards_and_reports_idle_devices(model):
     """2 data shards of 8 rows: shard 0's sequences (prompts 0 and 1) end early, shard 1's run on. Compaction
     keeps every row on its device, so shard 0 becomes idle (reported to the hooks) instead of taking over
