@@ -14,6 +14,7 @@ def test_compilations_are_attributed_to_the_innermost_scope():
     log = compile_stats.compile_log()
     x = np.ones((7, 5), np.float32)  # host inputs: no eager device op compiles a program of its own
     before = log.snapshot()
+
     def scale_and_shift(x):  # noqa: ANN001, ANN202
         return x * 3.0 + 1.0
 
