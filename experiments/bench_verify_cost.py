@@ -15,18 +15,32 @@ on this 2-core CPU they are not, and this script measures by how much, side by s
 Configurations are interleaved (round-robin over `--reps` rounds) and medians reported, so the VM's slow
 drifts hit every column alike. Final line: `RESULT fwd_cost_t2=... fwd_cost_t4=... chain_gbs_m1=...`.
 
+`--breakdown` (any backend) instead splits a whole speculative round into its phases, per strategy at TV 4..64
+(bench_sd's mapping; `--strategies` to pick): draft, verify forward, accept + sample, commit, beside the round
+as the engine runs it and one plain decode step, each its own jitted program on the same inputs
+(`verify_breakdown.py`), in ms and in plain-step units, with the kernels, while loops and sequential loop
+trips each phase's compiled program runs. `--trace DIR` records the timed calls with `jax.profiler.trace`
+(each program named `<strategy>_<phase>`) and writes each program's optimized HLO to DIR/hlo/, which maps
+a trace's kernel names to JAX source. Final line: `RESULT plain_step_ms=... round_tv64_steps=...
+round_tv64_draft_steps=... kernels_tv64_accept=...` (plot: `--out`/verify_breakdown.png).
+
     python experiments/bench_verify_cost.py --quick    # ~2 minutes
     python experiments/bench_verify_cost.py
+    python experiments/bench_verify_cost.py --breakdown --quick --random-drafter --draft-vocab 8192  # ~5 min
+    python experiments/bench_verify_cost.py --breakdown --drafter workdirs/drafter_tlt --trace /tmp/tr
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import pathlib
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +53,9 @@ from tlt_jax.kernels.small_m_linear import small_m_matmul  # noqa: E402
 from tlt_jax.models.kv_cache import KVCache  # noqa: E402
 from tlt_jax.models.llama import Transformer, causal_mask, from_hf_tensors  # noqa: E402
 from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig  # noqa: E402
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
+from tlt_jax.rollout.strategy import Strategy  # noqa: E402
 
 
 def forward_loop(model: Transformer, t: int, inner: int, attn_impl: str) -> Callable:
@@ -103,9 +119,180 @@ def interleaved(calls: dict[str, Callable[[], None]], reps: int) -> dict[str, fl
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+BREAKDOWN_TV = (4, 8, 16, 32, 64)
+PROMPT_TEXT = (
+    "Speculative decoding drafts a few tokens with a small model and verifies them with one forward of the "
+    "large one; a verify round costs the draft, the verify pass, the acceptance walk and the commit. "
+)
+
+
+def _prompts(tok, n: int, length: int) -> list[list[int]]:  # noqa: ANN001
+    """n different prompts of `length` tokens from a fixed text (row i starts i tokens later)."""
+    ids = tok.encode(PROMPT_TEXT)
+    ids = ids * (1 + (length + n) // max(len(ids), 1))
+    return [ids[i : i + length] for i in range(n)]
+
+
+def breakdown_setup(args: argparse.Namespace) -> tuple[RolloutEngine, dict[str, str], Any, str]:
+    """The engine (one mode per strategy), the state every program starts from, a description."""
+    from bench_sd import load_drafter_or_exit, strategy_for
+
+    loaded = load_gguf(args.gguf)
+    model = from_hf_tensors(loaded.config, loaded.tensors)
+    vocab_n = args.draft_vocab.isdigit()
+    dargs = argparse.Namespace(**{**vars(args), "draft_vocab": "none" if vocab_n else args.draft_vocab})
+    drafter, dname, vocab, note = load_drafter_or_exit(dargs, model)
+    if vocab_n:  # the first N ids (a smoke-test stand-in for a warm-up's draft vocabulary)
+        vocab, note = (
+            list(range(int(args.draft_vocab))),
+            f"draft vocabulary: the first {args.draft_vocab} ids",
+        )
+    names = args.strategies.split(",") if args.strategies else [strategy_for(t) for t in BREAKDOWN_TV]
+    strategies = [Strategy.parse(n) for n in names]
+    max_new = 64  # the budget rows keep (every program repeats a round on the same rows)
+    cache = 1 << math.ceil(math.log2(args.prefix + max(s.lookahead for s in strategies) + 1))
+    ecfg = EngineConfig(max_new_tokens=max_new, max_cache_len=args.prefix + max_new + 1, chunk_steps=16)
+    engine = RolloutEngine(model, ecfg, eos_ids=[], drafter=drafter, draft_vocab=vocab)
+    modes = {s.name: engine.add_mode("eagle", s) for s in strategies}
+    sp = SamplingParams(temperature=args.temperature)
+    prompts = _prompts(loaded.tokenizer, args.batch, args.prefix)
+    state, _ = engine.prefill(
+        prompts, n=1, key=jax.random.key(args.seed), sampling=sp, max_new_tokens=max_new
+    )
+    state = engine.resize_cache(state, cache)
+    desc = (
+        f"drafter {dname} ({note}, {engine.drafter_weight_dtype or 'float32'} weights); batch {args.batch}, "
+        f"prefix {args.prefix}, cache {cache}; temperature {args.temperature}"
+    )
+    return engine, modes, state, desc
+
+
+def breakdown(args: argparse.Namespace) -> None:
+    """`--breakdown`: per-phase cost of a round vs TV (see the module docstring)."""
+    import verify_breakdown as vb
+
+    t_start = time.perf_counter()
+    engine, modes, state, desc = breakdown_setup(args)
+    sp = SamplingParams(temperature=args.temperature)
+    dev = jax.devices()[0]
+    print(
+        f"jax {jax.__version__} on {dev.platform} ({dev.device_kind}); SmolLM2-135M "
+        f"{engine.model_config.dtype}; {desc}; {args.inner} runs per call, median of {args.reps} interleaved "
+        f"rounds; matmul precision {getattr(engine.programs, 'matmul_precision', None) or 'default'}"
+    )
+    dump = pathlib.Path(args.trace) / "hlo" if args.trace else None
+    timed = {"plain": vb.build(engine, "plain", state, sp, args.inner, dump)["plain"]}
+    for name, mode in modes.items():
+        for prog, t in vb.build(engine, mode, state, sp, args.inner, dump).items():
+            timed[f"{name}/{prog}"] = t
+    print(f"compiled {len(timed)} programs in {time.perf_counter() - t_start:.0f} s")
+    trace = jax.profiler.trace(args.trace) if args.trace else contextlib.nullcontext()
+    with trace:
+        sec = vb.interleaved(timed, args.reps)
+    ms = {k: v / args.inner * 1e3 for k, v in sec.items()}
+    step = ms["plain"]
+    tvs = [Strategy.parse(n).tokens_to_verify for n in modes]
+    cols = {n: (f"tv{tv}" if tvs.count(tv) == 1 else f"s{n}") for n, tv in zip(modes, tvs, strict=True)}
+    results: dict[str, float] = {"plain_step_ms": step, "plain_kernels": timed["plain"].counts.kernels}
+    head = ["strategy", "TV", *vb.PHASES, "sum", "round"]
+    print(f"\nplain decode step {step:.2f} ms; per round in ms (in plain steps):")
+    print(" ".join(f"{h:>14}" for h in head))
+    for n, col in cols.items():
+        row = {p: ms[f"{n}/{p}"] for p in vb.PROGRAMS}
+        row["sum"] = sum(row[p] for p in vb.PHASES)
+        cells = [f"{row[p]:7.2f} ({row[p] / step:4.2f})" for p in (*vb.PHASES, "sum", "round")]
+        print(f"{n:>14} {Strategy.parse(n).tokens_to_verify:>14} " + " ".join(f"{c:>14}" for c in cells))
+        results[f"round_{col}_steps"] = row["round"] / step
+        results[f"round_{col}_ms"] = row["round"]
+        results[f"round_{col}_phases_steps"] = row["sum"] / step
+        for p in vb.PHASES:
+            results[f"round_{col}_{p}_steps"] = row[p] / step
+    platform, plain_k = jax.devices()[0].platform, timed["plain"].counts.kernels
+    print(
+        "\ncompiled programs per run: kernels launched (+ those only a conditional's costlier branch "
+        f"launches) / while loops / sequential loop trips / sorts+TopK ({platform} HLO; plain step: "
+        f"{plain_k:.0f} kernels)"
+    )
+    print(" ".join(f"{h:>16}" for h in ["strategy", *vb.PROGRAMS]))
+    for n, col in cols.items():
+        cs = {p: timed[f"{n}/{p}"].counts for p in vb.PROGRAMS}
+        cells = [
+            f"{c.kernels - c.optional:.0f}{f'+{c.optional:.0f}' if c.optional else ''}/{c.loops:.0f}/"
+            f"{c.trips:.0f}/{c.sorts:.0f}"
+            for c in cs.values()
+        ]
+        print(f"{n:>16} " + " ".join(f"{c:>16}" for c in cells))
+        for p, c in cs.items():
+            results[f"kernels_{col}_{p}"] = c.kernels
+            results[f"trips_{col}_{p}"] = c.trips
+    last = list(cols)[-1]
+    for p in vb.PHASES:
+        where = timed[f"{last}/{p}"].counts.where
+        print(f"loops of {last} {p}: " + (", ".join(f"{k} x{v:.0f}" for k, v in where.items()) or "none"))
+    if any(t.counts.unknown for t in timed.values()):
+        print("(loops with no known trip count were counted once)")
+    plot_breakdown(pathlib.Path(args.out), cols, ms, timed, vb.PHASES)
+    results["wall_s"] = time.perf_counter() - t_start
+    print(f"wall {results['wall_s']:.0f} s")
+    print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in results.items()))
+
+
+def plot_breakdown(out: pathlib.Path, cols: dict, ms: dict, timed: dict, phases: tuple) -> None:
+    """Stacked phases per strategy in plain steps (the whole round as a marker), and kernels per phase."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(cols)
+    x = list(range(len(names)))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, value, label in (
+        (axes[0], lambda n, p: ms[f"{n}/{p}"] / ms["plain"], "plain decode steps"),
+        (axes[1], lambda n, p: timed[f"{n}/{p}"].counts.kernels, "kernels launched per round"),
+    ):
+        bottom = [0.0] * len(names)
+        for p in phases:
+            v = [value(n, p) for n in names]
+            ax.bar(x, v, bottom=bottom, label=p)
+            bottom = [b + y for b, y in zip(bottom, v, strict=True)]
+        ax.plot(x, [value(n, "round") for n in names], "k_", markersize=28, mew=2, label="whole round")
+        ax.set_xticks(x, [f"{cols[n]}\n{n}" for n in names])
+        ax.set_ylabel(label)
+    axes[0].axhline(1.0, ls="--", color="gray", lw=1, label="plain step")
+    axes[1].axhline(timed["plain"].counts.kernels, ls="--", color="gray", lw=1, label="plain step")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"a verify round by phase ({jax.devices()[0].platform})")
+    fig.tight_layout()
+    fig.savefig(out / "verify_breakdown.png", dpi=110)
+    print(f"plot: {out / 'verify_breakdown.png'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds (~2 minutes)")
+    ap.add_argument("--breakdown", action="store_true", help="per-phase cost of a round vs TV (see above)")
+    ap.add_argument("--batch", type=int, default=1, help="--breakdown: rows")
+    ap.add_argument("--strategies", default=None, help="--breakdown: depth_topk_tv list (default: TV 4..64)")
+    ap.add_argument("--drafter", default="workdirs/drafter_tlt", help="--breakdown: warm-up workdir")
+    ap.add_argument("--random-drafter", action="store_true", help="--breakdown: an untrained drafter")
+    ap.add_argument(
+        "--draft-vocab",
+        default="auto",
+        help="--breakdown: 'auto' | 'none' | a .npy file | N (the first N ids)",
+    )
+    ap.add_argument("--temperature", type=float, default=0.9)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="--breakdown: jax.profiler.trace directory (and each program's HLO in hlo/)",
+    )
+    ap.add_argument("--out", default="workdirs/bench_verify_cost", help="--breakdown: plot directory")
     ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
     ap.add_argument("--tokens", default="1,2,3,4,6,8", help="T values of the forward (1 must be first)")
     ap.add_argument("--rows", default="1,2,3,4,6,8", help="M values of the matmuls (1 must be first)")
@@ -115,6 +302,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="timed rounds (default 5 quick, 15 full)")
     args = ap.parse_args()
     reps = args.reps or (5 if args.quick else 15)
+    if args.breakdown:
+        args.reps = reps
+        return breakdown(args)
     ts = [int(x) for x in args.tokens.split(",")]
     ms = [int(x) for x in args.rows.split(",")]
     if ts[0] != 1 or ms[0] != 1:

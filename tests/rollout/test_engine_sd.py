@@ -75,8 +75,16 @@ def check_stats(out, max_depth: int) -> None:
 # ---- greedy: speculative == plain, token for token ------------------------------------------------------
 
 PROMPTS = [[9, 9, 2], [81, 65, 35, 40, 6, 10, 3, 23, 104, 83]]  # different lengths in one batch
-# learned chain and trees (a depth-1 tree: the root's children only), n-gram tree and chain
-MODES = [("eagle", "3_1_4"), ("eagle", "3_2_6"), ("eagle", "1_3_4"), ("ngram", "2_2_5"), ("ngram", "3_1_4")]
+# learned chain and trees (a depth-1 tree: the root's children only; 2_4_12: a wide tree whose logits are
+# computed at its nodes with children only, `decode.logit_nodes`), n-gram tree and chain
+MODES = [
+    ("eagle", "3_1_4"),
+    ("eagle", "3_2_6"),
+    ("eagle", "1_3_4"),
+    ("eagle", "2_4_12"),
+    ("ngram", "2_2_5"),
+    ("ngram", "3_1_4"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from tlt_jax.rollout import eagle_draft as spec
 from tlt_jax.rollout.hooks import ChunkView, ThresholdPolicy
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import Strategy
-from tlt_jax.rollout.tree_verify import tree_visibility, verify_round
+from tlt_jax.rollout.tree_verify import accept_and_sample, decision_nodes, tree_visibility, verify_round
 from tlt_jax.rollout.types import ChunkRecord, DecodeState, DraftTree
 
 CFG = tiny_config(num_layers=2, tie_embeddings=False)
@@ -258,3 +258,72 @@ def test_verify_truncates_accepted_path_at_eos_and_budget(models):
 def _full_logits(tgraph, tparams, tokens_bt):
     target = nnx.merge(tgraph, tparams)
     return target(tokens_bt, jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)).logits
+
+
+# ---- acceptance from the logits of the nodes with children only -----------------------------------------
+
+
+def _random_trees(rng: np.random.Generator, b: int, n: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """[b, n] random topologically ordered trees of depth <= `depth` with ~15% padding: (parents, depth)."""
+    parents, d = np.full((b, n), -2), np.full((b, n), 0)
+    parents[:, 0] = -1
+    rows = np.arange(b)
+    for i in range(1, n):
+        par = rng.integers(0, i, b)
+        par = np.where((parents[rows, par] == -2) | (d[rows, par] >= depth), 0, par)
+        real = rng.random(b) >= 0.15
+        parents[:, i] = np.where(real, par, -2)
+        d[:, i] = np.where(real, d[rows, par] + 1, 0)
+    return parents, d
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _accept_nodes(tgraph, sp, m, tparams, state, tree, hidden):
+    target = nnx.merge(tgraph, tparams)
+    nodes = None if m is None else decision_nodes(tree.parents, m)
+    h = hidden if m is None else jnp.take_along_axis(hidden, nodes[..., None], axis=1)
+    kw = {"max_depth": 3, "nodes_bm": nodes}
+    return accept_and_sample(target, state, tree, target.logits(h), hidden, sp, jnp.asarray([-1]), **kw)
+
+
+def test_acceptance_from_the_nodes_with_children_equals_every_node(models):
+    """Coupled acceptance from the logits of the nodes with children, plus a draw at the stop node, emits
+    what acceptance from every node's logits emits (512 random trees, most drafts the target's likeliest
+    token, walks ending at leaves and at inner nodes; greedy: test_engine_sd's 2_4_12). With fewer nodes
+    than have children it stays exact (it emits a prefix of the same tokens), and only accepts less."""
+    target, _ = models
+    tg, tp = nnx.split(target)
+    b, n, rng = 512, 12, np.random.default_rng(7)
+    parents, depth = _random_trees(rng, b, n, 3)
+    hidden = jnp.asarray(4.0 * rng.normal(size=(b, n, CFG.hidden_size)), jnp.float32)  # peaked p
+    best = np.asarray(jnp.argmax(target.logits(hidden), axis=-1))
+    rows = np.arange(b)[:, None]
+    tokens = np.where(
+        rng.random((b, n)) < 0.8, best[rows, np.maximum(parents, 0)], rng.integers(0, 9, (b, n))
+    )
+    tree = DraftTree(*(jnp.asarray(x, jnp.int32) for x in (tokens, parents, depth)))
+    state = DecodeState(
+        cache=KVCache(k=(), v=(), lengths=jnp.zeros((b,), jnp.int32)),
+        last_token=jnp.zeros((b,), jnp.int32),
+        out_tokens=jnp.zeros((b, 8), jnp.int32),
+        out_logp=jnp.zeros((b, 8), jnp.float32),
+        num_generated=jnp.asarray(rng.integers(1, 4, b), jnp.int32),
+        done=jnp.zeros((b,), bool),
+        seq_keys=jnp.asarray(rng.integers(0, 2**31, (b, 2)), jnp.uint32),
+        max_new=jnp.full((b,), 8, jnp.int32),
+    )
+    has_child = (parents[:, None, :] == np.arange(n)[None, :, None]).any(-1)
+    sp = SamplingParams(0.9)
+    full, nodes, few = (
+        jax.tree_util.tree_map(np.asarray, _accept_nodes(tg, sp, m, tp, state, tree, hidden))
+        for m in (None, int(has_child.sum(1).max()), 2)
+    )
+    np.testing.assert_array_equal(nodes.n_emit, full.n_emit)
+    stop = full.path[np.arange(b), full.n_emit - 1]
+    assert full.n_emit.mean() > 2.0 and 0.1 < has_child[np.arange(b), stop].mean() < 0.9  # both stop kinds
+    assert (few.n_emit <= full.n_emit).all() and (few.n_emit < full.n_emit).mean() > 0.1
+    for out in (nodes, few):
+        emitted = np.arange(4)[None, :] < out.n_emit[:, None]
+        np.testing.assert_array_equal(np.where(emitted, out.tokens, -1), np.where(emitted, full.tokens, -1))
+        np.testing.assert_array_equal(np.where(emitted, out.path, -1), np.where(emitted, full.path, -1))
+        np.testing.assert_allclose(np.where(emitted, out.logp, 0), np.where(emitted, full.logp, 0), atol=1e-5)

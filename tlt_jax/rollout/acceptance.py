@@ -207,35 +207,41 @@ def tree_accept_greedy(
     the argmax the target would have produced) followed by the argmax at the last accepted node, i.e.
     identical to plain greedy decoding. `tree_accept` on one-hot target probabilities returns the same result.
 
+    No sequential walk: node i is on the accepted path iff it and each of its ancestors is the lowest-index
+    child of its parent carrying the parent's argmax (what a walk from the root would pick), and whether all
+    ancestors are is found by pointer doubling (log2 N rounds over [B, N], not max_depth dependent steps):
+    on a GPU a walk of max_depth loop trips costs a round trip per trip.
+
     Args:
       tokens_bn, parents_bn, max_depth: the tree, as in `tree_accept`.
-      target_argmax_bn: [B, N] int32, the target's argmax token following each node.
+      target_argmax_bn: [B, N] int32, the target's argmax token following each node (a value no token
+        takes, e.g. -1, where it is unknown: such a node's children are never accepted).
     """
     _check_tree(tokens_bn, parents_bn, max_depth)
     chex.assert_equal_shape([tokens_bn, target_argmax_bn])
     chex.assert_type(target_argmax_bn, jnp.int32)
-    b, _ = tokens_bn.shape
+    b, n = tokens_bn.shape
     rows = jnp.arange(b)
-
-    def step(d: int, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        cur, live, n_acc, path, acc_tok = state
-        want = target_argmax_bn[rows, cur]
-        hit = (parents_bn == cur[:, None]) & live[:, None] & (tokens_bn == want[:, None])
-        accepted = jnp.any(hit, axis=-1)
-        nxt = jnp.argmax(hit, axis=-1).astype(jnp.int32)
-        path = path.at[:, d + 1].set(jnp.where(accepted, nxt, PAD))
-        acc_tok = acc_tok.at[:, d].set(jnp.where(accepted, want, PAD))
-        n_acc = n_acc + accepted.astype(jnp.int32)
-        return jnp.where(accepted, nxt, cur), live & accepted, n_acc, path, acc_tok
-
-    init = (
-        jnp.zeros((b,), jnp.int32),
-        jnp.ones((b,), bool),
-        jnp.zeros((b,), jnp.int32),
-        jnp.full((b, max_depth + 1), PAD, jnp.int32).at[:, 0].set(0),
-        jnp.full((b, max_depth), PAD, jnp.int32),
-    )
-    cur, _, n_acc, path, acc_tok = jax.lax.fori_loop(0, max_depth, step, init)
+    node = jnp.arange(n, dtype=jnp.int32)
+    par = jnp.where(parents_bn >= 0, parents_bn, node[None, :])  # root and padding point at themselves
+    want = jnp.take_along_axis(target_argmax_bn, par, axis=1)
+    hit = (parents_bn >= 0) & (tokens_bn == want)  # [B, N]: i carries its parent's argmax
+    earlier_hit = (parents_bn[:, None, :] == parents_bn[:, :, None]) & hit[
+        :, None, :
+    ]  # [B, i, j]: sibling j hit
+    first = hit & ~jnp.any(earlier_hit & (node[None, :] < node[:, None])[None], axis=-1)
+    ok, depth, ptr = first | (node == 0)[None, :], (parents_bn >= 0).astype(jnp.int32), par
+    for _ in range(max(1, (n - 1).bit_length())):  # after r rounds: the 2^r nearest ancestors folded in
+        ok = ok & jnp.take_along_axis(ok, ptr, axis=1)
+        depth = depth + jnp.take_along_axis(depth, ptr, axis=1)
+        ptr = jnp.take_along_axis(ptr, ptr, axis=1)
+    on = ok & (parents_bn != -2) & (depth <= max_depth)  # [B, N]: on the accepted path (the root included)
+    at_depth = on[:, None, :] & (depth[:, None, :] == jnp.arange(max_depth + 1)[None, :, None])  # [B, D+1, N]
+    found = jnp.any(at_depth, axis=-1)
+    path = jnp.where(found, jnp.argmax(at_depth, axis=-1), PAD).astype(jnp.int32)
+    n_acc = jnp.sum(found[:, 1:], axis=-1).astype(jnp.int32)
+    cur = path[rows, n_acc]
+    acc_tok = jnp.where(found[:, 1:], jnp.take_along_axis(tokens_bn, jnp.clip(path[:, 1:], 0), axis=1), PAD)
     bonus = target_argmax_bn[rows, cur]
     return TreeAcceptance(
         num_accepted=n_acc,

@@ -14,6 +14,7 @@ compaction would pay, which matters most for speculative chunks, whose rounds co
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -29,7 +30,7 @@ from tlt_jax.rollout.eagle_draft import drafter_advance, drafter_prefill, eagle_
 from tlt_jax.rollout.record import record_hidden, record_tokens
 from tlt_jax.rollout.sampling import SamplingParams, sample_rows
 from tlt_jax.rollout.strategy import SpecMode
-from tlt_jax.rollout.tree_verify import verify_round
+from tlt_jax.rollout.tree_verify import RoundStats, verify_round
 from tlt_jax.rollout.types import DecodeState, DraftTree, SpecAux, row_keys
 
 DRAFT_SALT = 0x0D5A  # folded into a row's token key for sampled drafts (acceptance uses the key itself)
@@ -130,7 +131,7 @@ def _live_in_fullest_shard(done: jax.Array, shards: int) -> jax.Array:
     return jnp.max(jnp.sum(~done.reshape(shards, -1), axis=1))
 
 
-def _draft_head(prog: ChunkProgram, target: Transformer, draft_vocab: jax.Array | None) -> jax.Array | None:
+def draft_head_of(prog: ChunkProgram, target: Transformer, draft_vocab: jax.Array | None) -> jax.Array | None:
     """The draft vocabulary's rows of the shared head, gathered once per chunk (not per draft step)."""
     if draft_vocab is None:
         return None
@@ -147,6 +148,111 @@ def _pad_tree(tree: DraftTree, n: int) -> DraftTree:
     b = tree.tokens.shape[0]
     pad = lambda x, v: jnp.concatenate([x, jnp.full((b, extra), v, jnp.int32)], axis=1)  # noqa: E731
     return tree.replace(tokens=pad(tree.tokens, 0), parents=pad(tree.parents, -2), depth=pad(tree.depth, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundModels:
+    """What one speculative round runs with, merged once per chunk: the target, the drafter (or None), the
+    learned drafter's reduced vocabulary and its head rows (or None)."""
+
+    target: Transformer
+    drafter: Drafter | None
+    draft_vocab: jax.Array | None
+    draft_head: jax.Array | None
+
+
+def round_models(prog: ChunkProgram, params: Any, dparams: Any, draft_vocab: jax.Array | None) -> RoundModels:
+    """Merge a chunk program's models (and gather the draft head) for `draft_round` / `spec_round`."""
+    target = nnx.merge(prog.target, params)
+    drafter = nnx.merge(prog.drafter, dparams) if prog.drafter is not None and dparams is not None else None
+    head = draft_head_of(prog, target, draft_vocab) if "eagle" in prog.uses else None
+    return RoundModels(target=target, drafter=drafter, draft_vocab=draft_vocab, draft_head=head)
+
+
+def _draft_mode(
+    prog: ChunkProgram, m: RoundModels, mode: SpecMode, st: DecodeState, bank: ngram_lib.NgramBank | None
+) -> tuple[DraftTree, Any]:
+    """One mode's draft tree (padded to its tokens_to_verify nodes) and the drafter cache it wrote."""
+    strat, sp = mode.strategy, prog.sampling
+    if mode.drafter == "eagle":
+        sampled = mode.rejection and not sp.greedy
+        return eagle_draft(
+            m.target,
+            m.drafter,
+            st.aux.drafter_cache,
+            st.last_token,
+            st.aux.hidden,
+            strat,
+            prog.attn_impl,
+            # draft randomness: the row's token key folded with a salt, independent of the acceptance
+            # uniforms (drawn from the row's token key itself)
+            sample_keys=jax.vmap(jax.random.fold_in, (0, None))(row_keys(st), DRAFT_SALT)
+            if sampled
+            else None,
+            sp=sp if sampled else None,
+            draft_vocab=m.draft_vocab,
+            draft_head=m.draft_head,
+        )
+    num_nodes = min(strat.tokens_to_verify, 1 + strat.topk * strat.max_depth)
+    tree = ngram_lib.draft_ngram(st, bank, strat.max_depth, strat.topk, num_nodes, prog.ngram)
+    dcache = None if st.aux.drafter_cache is None else st.aux.drafter_cache
+    return _pad_tree(tree, strat.tokens_to_verify), dcache
+
+
+def draft_round(
+    prog: ChunkProgram,
+    m: RoundModels,
+    state: DecodeState,
+    bank: ngram_lib.NgramBank | None,
+    arm: jax.Array | int = 0,
+) -> tuple[DraftTree, Any]:
+    """Phase 1 of a speculative round: the draft tree of mode `prog.modes[arm]` (a `lax.switch` when the
+    program holds several modes) and the drafter cache it wrote."""
+    branches = [functools.partial(_draft_mode, prog, m, mode) for mode in prog.modes]
+    if len(branches) == 1:
+        return branches[0](state, bank)
+    return jax.lax.switch(arm, branches, state, bank)
+
+
+def logit_nodes(prog: ChunkProgram) -> int | None:
+    """How many tree nodes' logits a round computes (None: all). Coupled (and greedy) acceptance needs the
+    target's distribution only at nodes with children, at most `draft_slots` per strategy (EAGLE expands
+    topk nodes per depth, n-gram branches one node each), plus the node where the walk stops; a wide tree's
+    leaves are most of it (8_3_64: 63 drafts, at most 22 with children), so its LM head and sampling run on
+    those nodes only when that saves at least half the rows (the stop node may cost one more head row)."""
+    lead = prog.modes[0]
+    if lead.acceptance != "coupled" and not prog.sampling.greedy:
+        return None
+    n = lead.strategy.tokens_to_verify
+    m = min(n - 1, max(mode.strategy.draft_slots for mode in prog.modes))
+    return m if 2 * (m + 1) <= n else None
+
+
+def spec_round(
+    prog: ChunkProgram,
+    m: RoundModels,
+    state: DecodeState,
+    bank: ngram_lib.NgramBank | None,
+    eos_ids: jax.Array,
+    arm: jax.Array | int = 0,
+) -> tuple[DecodeState, RoundStats]:
+    """One speculative round for every row: draft, verify forward, accept and sample, commit."""
+    tree, dcache = draft_round(prog, m, state, bank, arm)
+    lead = prog.modes[0]
+    return verify_round(
+        m.target,
+        m.drafter,
+        state,
+        tree,
+        prog.sampling,
+        eos_ids,
+        max_depth=prog.max_depth,
+        attn_impl=prog.attn_impl,
+        acceptance=lead.acceptance,
+        accept_rule=lead.accept_rule,
+        drafter_cache=dcache,
+        logit_nodes=logit_nodes(prog),
+    )
 
 
 def run_chunk(
@@ -167,64 +273,13 @@ def run_chunk(
     draft_vocab: [Vd] token ids of the learned drafter's reduced head (None: the full head). arm: int32
     scalar, which of `prog.modes` drafts this chunk's rounds.
     """
-    target = nnx.merge(prog.target, params)
-    drafter = nnx.merge(prog.drafter, dparams) if prog.drafter is not None and dparams is not None else None
-    sp, depth = prog.sampling, prog.max_depth
-    draft_head = _draft_head(prog, target, draft_vocab) if "eagle" in prog.uses else None
-
-    def drafter_of(mode: SpecMode) -> Any:
-        """(state, bank) -> (this mode's draft tree padded to tokens_to_verify nodes, the drafter cache)."""
-        strat = mode.strategy
-
-        def draft(st: DecodeState, bank: ngram_lib.NgramBank | None) -> tuple[DraftTree, Any]:
-            if mode.drafter == "eagle":
-                sampled = mode.rejection and not sp.greedy
-                return eagle_draft(
-                    target,
-                    drafter,
-                    st.aux.drafter_cache,
-                    st.last_token,
-                    st.aux.hidden,
-                    strat,
-                    prog.attn_impl,
-                    # draft randomness: the row's token key folded with a salt, independent of the
-                    # acceptance uniforms (drawn from the row's token key itself)
-                    sample_keys=jax.vmap(jax.random.fold_in, (0, None))(row_keys(st), DRAFT_SALT)
-                    if sampled
-                    else None,
-                    sp=sp if sampled else None,
-                    draft_vocab=draft_vocab,
-                    draft_head=draft_head,
-                )
-            num_nodes = min(strat.tokens_to_verify, 1 + strat.topk * strat.max_depth)
-            tree = ngram_lib.draft_ngram(st, bank, strat.max_depth, strat.topk, num_nodes, prog.ngram)
-            dcache = None if st.aux.drafter_cache is None else st.aux.drafter_cache
-            return _pad_tree(tree, strat.tokens_to_verify), dcache
-
-        return draft
+    m = round_models(prog, params, dparams, draft_vocab)
+    depth = prog.max_depth
 
     def round_(st: DecodeState, bank: ngram_lib.NgramBank | None) -> tuple[DecodeState, Any]:
         if not prog.modes:
-            return plain_step(target, drafter, st, eos_ids, sp, prog.attn_impl), None
-        branches = [drafter_of(m) for m in prog.modes]
-        if len(branches) == 1:
-            tree, dcache = branches[0](st, bank)
-        else:
-            tree, dcache = jax.lax.switch(arm, branches, st, bank)
-        lead = prog.modes[0]
-        return verify_round(
-            target,
-            drafter,
-            st,
-            tree,
-            sp,
-            eos_ids,
-            max_depth=depth,
-            attn_impl=prog.attn_impl,
-            acceptance=lead.acceptance,
-            accept_rule=lead.accept_rule,
-            drafter_cache=dcache,
-        )
+            return plain_step(m.target, m.drafter, st, eos_ids, prog.sampling, prog.attn_impl), None
+        return spec_round(prog, m, st, bank, eos_ids, arm)
 
     def cond(c: tuple) -> jax.Array:
         i, st = c[0], c[1]
