@@ -7,7 +7,8 @@ Three learners share the config and seed and differ only in `config.drafter.kind
 interleaved (step 1 of each, then step 2 of each, ...) so a drift of the machine's speed hits all three alike.
 With coupled verification the three see the same samples, so their rewards coincide (what differs, and why,
 is printed). Step 1 compiles most programs and is excluded from the timings; the compile time of programs
-first met in a later step (a new batch/cache bucket) is measured (`time/compile_rollout`) and subtracted.
+first met in a later step (a new batch/cache bucket, a new update shape) is measured (`time/compile_rollout`,
+`compile/<kind>_s`) and subtracted.
 
 The bound, from physics: SD changes only the decode time spent in the batch buckets where it is used. From the
 plain run's own decode time per batch bucket t_b and this run's per-bucket SD speedup s_b (SD tokens/s in
@@ -16,7 +17,10 @@ bucket b over plain tokens/s in bucket b; SD should be off where s_b < 1), the b
 Per-bucket speeds come from the chunk records of the steps measured (the chunk's batch bucket).
 
 Final line: `RESULT e2e_speedup_eagle=.. e2e_bound_eagle=.. e2e_speedup_ngram=.. rollout_speedup_eagle=..
-reward_curve_max_abs_diff=..` plus per-arm details; a PNG with step time and reward per step.
+reward_curve_max_abs_diff=..` plus per-arm details; a PNG with step time and reward per step. `--out DIR`
+keeps history.json (every arm's per-step metrics, time/* included), rollouts.jsonl (one line per arm and
+step: the rollout's per-row response and prompt lengths and its chunk records, `lockstep.rollout_record`:
+what `experiments/simulate_rl.py --validate DIR` replays) and the arms' workdirs.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 
@@ -59,9 +64,30 @@ def bucket_times(metrics: list[dict[str, float]], tag: str) -> dict[int, tuple[f
     return {b: (s, t) for b, (s, t) in out.items()}
 
 
+# compile/* keys that are totals over kinds, not a kind (lockstep logs both)
+_COMPILE_TOTALS = ("compile/trace_s", "compile/lower_s", "compile/backend_s", "compile/total_s")
+
+
+def compile_seconds(m: dict[str, float], key: str = "time/step") -> float:
+    """Seconds of `key` spent compiling: the rollout programs first met in the step (time/compile_rollout)
+    and, for the whole step, every other kind's (compile/<kind>_s outside the rollout: the log-prob and
+    update programs, ...). A step that meets a new update shape compiles it (15-21 s per arm in step 3 of a
+    --quick run on the 2-core CPU, 2026-11-24), which is not the arm's speed."""
+    rollout = m.get("time/compile_rollout", 0.0)
+    if key == "time/rollout":
+        return rollout
+    rest = [
+        v
+        for k, v in m.items()
+        if k.startswith("compile/") and k.endswith("_s") and k not in _COMPILE_TOTALS
+        if not k.startswith("compile/rollout")
+    ]
+    return rollout + sum(rest)
+
+
 def net(m: dict[str, float], key: str) -> float:
-    """A step's time without the compilation of rollout programs first met in it."""
-    return m[key] - m.get("time/compile_rollout", 0.0)
+    """A step's (or its rollout's) time without the compilation first met in it (`compile_seconds`)."""
+    return m[key] - compile_seconds(m, key)
 
 
 def bound(plain: list[dict[str, float]], spec: list[dict[str, float]]) -> tuple[float, dict[int, float]]:
@@ -128,7 +154,14 @@ def main() -> None:
             flush=True,
         )
 
-    history = lockstep.run_lockstep(configs, out, steps, report)
+    records = out / "rollouts.jsonl"
+    records.write_text("")
+
+    def keep_rollout(step: int, arm: str, rollout: Any) -> None:
+        with records.open("a") as f:
+            f.write(json.dumps({"arm": arm, "step": step, **lockstep.rollout_record(rollout)}) + "\n")
+
+    history = lockstep.run_lockstep(configs, out, steps, report, keep_rollout)
     (out / "history.json").write_text(json.dumps(history, indent=1))
 
     timed = {a: h[1:] if len(h) > 1 else h for a, h in history.items()}  # step 1 compiles
