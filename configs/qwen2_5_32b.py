@@ -5,6 +5,9 @@ state are also sharded over the data axis (trainer.fsdp): 32B x 12 bytes does no
   python -m tlt_jax.main --config configs/qwen2_5_32b.py --config.model.path=/models/Qwen2.5-32B \\
       --workdir /ckpt/qwen32b          (run on every host; jax.distributed finds the others)
 Args: as configs/qwen2_5_7b.py (dataset, steps, runlocal).
+Random weights of the same shapes (timing and memory only; GRPO refuses them, it scores text):
+`--config.model.init=random`, built on the devices by `config_lib.build_model(config)`;
+`experiments/memory_plans.py` plans this config's per-device memory from abstract shapes.
 """
 
 from tlt_jax import config_lib
@@ -18,5 +21,7 @@ def get_config(arg: str | None = None):
     c.trainer.fsdp = True
     if arg.runlocal:
         config_lib.shrink_for_cpu(c, "qwen2")
+    else:
+        c.model.arch = "qwen2_5_32b"  # the checkpoint's shapes are checked; init=random: random weights
         c.multiprocess = False
     return c

@@ -5,6 +5,9 @@
       --workdir /ckpt/qwen7b [--config.mesh.model=8] [--config.multiprocess=True on several hosts]
 Args: dataset=gsm_symbolic (a reasoning-gym dataset) or dataset=jsonl (then --config.task.path=/data/x.jsonl);
 steps=N; runlocal (the same algorithm on a tiny random Qwen2-architecture model on CPU: a pipeline check).
+Random weights of the same shapes (timing and memory only; GRPO refuses them, it scores text):
+`--config.model.init=random`, built on the devices by `config_lib.build_model(config)`;
+`experiments/memory_plans.py` plans this config's per-device memory from abstract shapes.
 """
 
 from tlt_jax import config_lib
@@ -16,4 +19,6 @@ def get_config(arg: str | None = None):
     c.mesh.data, c.mesh.model = -1, 4
     if arg.runlocal:
         config_lib.shrink_for_cpu(c, "qwen2")
+    else:
+        c.model.arch = "qwen2_5_7b"  # the checkpoint's shapes are checked; init=random: random weights
     return c

@@ -21,6 +21,9 @@ program keys, shapes and donation are exactly the engine's own; with every row d
 `lax.while_loop` runs zero rounds, so only compilation costs time. Plain chunk programs (the same in every
 layout) are not compiled. The drafter's weights do not change a program (shapes do): a random drafter with a
 `--draft-vocab`-token head (the warm-up's 8192 by default) is used, so no warmed drafter is needed.
+`experiments/memory_plans.py` compiles the same layouts (and the paper's "bucketed" one: per batch bucket only
+the tokens_to_verify group BEG-MAB plays there) for the paper's Qwen2.5-7B/32B configs from abstract shapes,
+with the functions below (`layout_engine`, `layout_programs`, `layout_totals`, `print_programs`, `plot`).
 Footprint = `ProgramInfo.footprint_bytes`: XLA's temporaries + outputs not aliased to donated inputs +
 generated code (weights and the donated state are arguments, shared by all programs and not counted), the
 JAX analogue of the memory a CUDA-graph capture pins. On XLA:CPU the temporaries are the buffers of the
@@ -36,6 +39,7 @@ mib_shared=.. compile_s_single=.. compile_s_naive=.. compile_s_shared=..`; a bar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import sys
@@ -57,10 +61,18 @@ from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from tlt_jax.rollout.ngram import NgramBank  # noqa: E402
 from tlt_jax.rollout.programs import ProgramInfo  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
+from tlt_jax.rollout.selector_config import (  # noqa: E402
+    PAPER_BUCKET_BOUNDS,
+    PAPER_BUCKET_TARGETS,
+    beg_eligibility,
+)
 from tlt_jax.rollout.types import DecodeState  # noqa: E402
 
 DEFAULT_STRATEGIES = "2_1_3,3_1_4,7_1_8,ngram_4_1_5,3_2_6,8_2_16"
 LAYOUTS = ("single", "naive", "shared")
+# + the paper's bucketed layout: shared programs, and per batch bucket only the tokens_to_verify group that
+# BEG-MAB's grouping (bs 1 -> 48, 2-4 -> 32, 5-20 -> 16, >= 21 -> 8) plays at its running rows
+ALL_LAYOUTS = (*LAYOUTS, "bucketed")
 PAPER = "paper Table 5 (Qwen, H100): per-strategy CUDA graphs 30.4 GB -> bucketed 10.7 GB (2.84x less)"
 
 
@@ -72,6 +84,52 @@ def register(engine: RolloutEngine, names: list[str]) -> list[str]:
             out.append(engine.add_mode("ngram", name.removeprefix("ngram_")))
         else:
             out.append(engine.add_mode("eagle", name))
+    return out
+
+
+def layout_engine(
+    layout: str,
+    model: Transformer,
+    ecfg: EngineConfig,
+    names: list[str],
+    single: str,
+    drafter: Drafter | None,
+    draft_vocab: np.ndarray | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> RolloutEngine:
+    """The engine of one layout: programs shared by tokens_to_verify except in "naive"; every strategy of
+    `names` registered except in "single" (only `single`)."""
+    ecfg = dataclasses.replace(ecfg, share_programs=layout != "naive")
+    engine = RolloutEngine(model, ecfg, eos_ids=[], drafter=drafter, draft_vocab=draft_vocab, mesh=mesh)
+    register(engine, [single] if layout == "single" else names)
+    return engine
+
+
+def beg_eligible(engine: RolloutEngine, mode: str, local_batch: int) -> bool:
+    """Whether BEG-MAB's paper grouping plays `mode` in a batch bucket of `local_batch` rows per data shard
+    (running rows in (local_batch / 2, local_batch], the rows compaction leaves in that bucket)."""
+    modes = sorted(engine.modes)
+    mask = beg_eligibility(
+        tuple(engine.modes[m].strategy.tokens_to_verify for m in modes), PAPER_BUCKET_TARGETS
+    )
+    rows = range(local_batch // 2 + 1, local_batch + 1)
+    buckets = {next(i for i, bound in enumerate(PAPER_BUCKET_BOUNDS) if r <= bound) for r in rows}
+    return any(mask[i][modes.index(mode)] for i in buckets)
+
+
+def layout_programs(engine: RolloutEngine, layout: str, batches: list[int]) -> list[tuple[int, str]]:
+    """(batch bucket, a mode that runs it) for every speculative chunk program of the layout: one per
+    (bucket, program group); "bucketed" keeps only the groups `beg_eligible` at each bucket (`batches` are
+    rows per data shard)."""
+    out = []
+    for b in batches:
+        seen: set[tuple[str, ...]] = set()
+        for mode in sorted(engine.modes):
+            group = engine.mode_group(mode)
+            if group in seen or (layout == "bucketed" and not beg_eligible(engine, mode, b)):
+                continue
+            seen.add(group)
+            out.append((b, mode))
     return out
 
 
@@ -97,11 +155,11 @@ def compile_layout(
     bank = None
     if engine.needs()[1]:
         bank = jax.device_put(NgramBank.empty(top, n, max_new), engine.replicated)
-    for b in batches:
+    layout = "naive" if not engine.config.share_programs else "shared"
+    for b, mode in layout_programs(engine, layout, batches):
         sub = rows_of(state, b, cache, engine)
-        for mode in engine.modes:
-            sub, record, bank = engine.decode_chunk(sub, mode, sp, bank, exit_live=-1)
-            assert record.steps == 0, record  # every row is done: nothing ran
+        sub, record, bank = engine.decode_chunk(sub, mode, sp, bank, exit_live=-1)
+        assert record.steps == 0, record  # every row is done: nothing ran
     return [i for i in engine.programs.infos("chunk") if i.key[4]]  # key[4]: the program's modes (plain: ())
 
 
@@ -147,17 +205,11 @@ def main() -> None:
     )
 
     infos: dict[str, list[ProgramInfo]] = {}
+    ecfg = EngineConfig(max_new_tokens=max_new, max_cache_len=cache, min_cache_bucket=min(64, cache))
     for layout in LAYOUTS:
-        ecfg = EngineConfig(
-            max_new_tokens=max_new,
-            max_cache_len=cache,
-            min_cache_bucket=min(64, cache),
-            share_programs=layout != "naive",
-        )
-        engine = RolloutEngine(model, ecfg, eos_ids=[], drafter=drafter, draft_vocab=vocab)
-        modes = register(engine, [args.single] if layout == "single" else names)
+        engine = layout_engine(layout, model, ecfg, names, args.single, drafter, vocab)
         if layout == "shared":
-            groups = sorted({engine.mode_group(m) for m in modes})
+            groups = sorted({engine.mode_group(m) for m in engine.modes})
             print("program groups (same tokens_to_verify): " + "; ".join("+".join(g) for g in groups))
         t0 = time.perf_counter()
         infos[layout] = compile_layout(engine, batches, cache, prompt, max_new)
@@ -166,20 +218,10 @@ def main() -> None:
             flush=True,
         )
 
-    mib = {k: sum(i.footprint_bytes for i in v) / 2**20 for k, v in infos.items()}
-    secs = {k: sum(i.compile_seconds for i in v) for k, v in infos.items()}
-    print(
-        "\nper program (batch bucket, tokens_to_verify, modes): footprint MiB (= temp + outputs + code), "
-        "compile seconds"
-    )
-    for layout, items in infos.items():
-        for i in sorted(items, key=lambda i: (i.key[1], i.key[3])):
-            parts = (i.temp_bytes, max(i.output_bytes - i.alias_bytes, 0), i.code_bytes)
-            print(
-                f"  {layout:>6} b={i.key[1]:<3} tv={i.key[3]:<3} {'+'.join(i.key[4]):<34} "
-                f"{i.footprint_bytes / 2**20:8.2f} MiB (temp {parts[0] / 2**20:.2f}, "
-                f"out {parts[1] / 2**20:.2f}, code {parts[2] / 2**20:.2f})  {i.compile_seconds:6.1f} s"
-            )
+    totals = layout_totals(infos)
+    mib = {k: t["bytes"] / 2**20 for k, t in totals.items()}
+    secs = {k: t["compile_s"] for k, t in totals.items()}
+    print_programs(infos)
     print(f"\n{'layout':>8} {'programs':>8} {'MiB':>9} {'compile s':>9}")
     for layout in LAYOUTS:
         print(f"{layout:>8} {len(infos[layout]):>8} {mib[layout]:>9.1f} {secs[layout]:>9.1f}")
@@ -196,31 +238,64 @@ def main() -> None:
     print("RESULT " + " ".join(f"{k}={v}" for k, v in res.items()))
 
 
+def layout_totals(infos: dict[str, list[ProgramInfo]]) -> dict[str, dict[str, float]]:
+    """Per layout: programs, summed footprint bytes (the paper's accounting: every CUDA graph pins its own
+    memory), the largest program's footprint (XLA frees temporaries between programs) and compile seconds."""
+    return {
+        k: {
+            "programs": len(v),
+            "bytes": sum(i.footprint_bytes for i in v),
+            "peak_bytes": max((i.footprint_bytes for i in v), default=0),
+            "compile_s": sum(i.compile_seconds for i in v),
+        }
+        for k, v in infos.items()
+    }
+
+
+def print_programs(infos: dict[str, list[ProgramInfo]], unit: str = "MiB") -> None:
+    """One line per chunk program: layout, batch bucket, tokens_to_verify, modes, footprint and its parts."""
+    div = {"MiB": 2**20, "GiB": 2**30}[unit]
+    print(
+        f"\nper program (batch bucket, tokens_to_verify, modes): footprint {unit} (= temp + outputs + code), "
+        "compile seconds"
+    )
+    for layout, items in infos.items():
+        for i in sorted(items, key=lambda i: (i.key[1], i.key[3])):
+            parts = (i.temp_bytes, max(i.output_bytes - i.alias_bytes, 0), i.code_bytes)
+            print(
+                f"  {layout:>8} b={i.key[1]:<3} tv={i.key[3]:<3} {'+'.join(i.key[4]):<34} "
+                f"{i.footprint_bytes / div:8.2f} {unit} (temp {parts[0] / div:.2f}, "
+                f"out {parts[1] / div:.2f}, code {parts[2] / div:.2f})  {i.compile_seconds:6.1f} s"
+            )
+
+
 def plot(
     infos: dict[str, list[ProgramInfo]],
     mib: dict[str, float],
     secs: dict[str, float],
     path: pathlib.Path,
     title: str,
+    unit: str = "MiB",
 ) -> pathlib.Path:
-    """Three bar panels per layout: chunk programs, footprint MiB, compile seconds."""
+    """Three bar panels per layout (those in `infos`): chunk programs, footprint, compile seconds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-    colors = ["#888888", "#d62728", "#2ca02c"]
+    colors = ["#888888", "#d62728", "#2ca02c", "#1f77b4"]
+    layouts = list(infos)
     for ax, (label, vals) in zip(
         axes,
         (
             ("chunk programs", {k: len(v) for k, v in infos.items()}),
-            ("footprint (MiB)", mib),
+            (f"footprint ({unit})", mib),
             ("compile seconds", secs),
         ),
         strict=True,
     ):
-        bars = ax.bar(list(LAYOUTS), [vals[k] for k in LAYOUTS], color=colors)
+        bars = ax.bar(layouts, [vals[k] for k in layouts], color=colors[: len(layouts)])
         ax.bar_label(bars, fmt="%.3g")
         ax.set_title(label)
     fig.suptitle(f"speculative chunk programs per layout ({title})", fontsize=10)

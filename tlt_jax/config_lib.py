@@ -4,6 +4,7 @@ Config files (`configs/*.py`) start from `base_config()` and override what they 
 every inconsistent field and the fix. The builders turn a validated config into objects:
 
     model, tokenizer = build_model_and_tokenizer(config)   # .gguf / HF dir, or a tiny random model
+    model, tokenizer = build_model(config, mesh)           # the same; random-weight presets born sharded
     mesh = build_mesh(config)                              # (data, model) mesh from config.mesh
     engine = build_engine(config, model, tokenizer, mesh)  # RolloutEngine with engine_config_from(config)
     sampling = sampling_from(config)                       # SamplingParams from config.rollout
@@ -27,7 +28,7 @@ from ml_collections import config_dict
 
 from tlt_jax import sharding as shd
 from tlt_jax.drafter.spot_trainer import SpotConfig
-from tlt_jax.models.build import model_problems
+from tlt_jax.models.build import build_model_and_tokenizer, model_problems
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
@@ -133,6 +134,11 @@ def base_config() -> mlc.ConfigDict:
     c.model = mlc.ConfigDict()
     c.model.path = config_dict.placeholder(str)  # a .gguf file or a HF model directory
     c.model.random = mlc.ConfigDict()  # OR tiny random architecture (ModelConfig fields) + ByteTokenizer
+    # OR a named architecture (tlt_jax.models.presets: qwen2_5_0_5b / 1_5b / 7b / 32b): with `path` it checks
+    # the checkpoint's shapes; with init="random" it is built with random weights born sharded on the devices
+    # and no tokenizer: timing and memory only, jobs that need text refuse it (`random` may override fields)
+    c.model.arch = ""
+    c.model.init = "auto"  # "auto" | "checkpoint" (weights from `path`) | "random"
     c.model.dtype = "float32"  # "bfloat16" on GPUs (this CPU has no bf16 instructions: use float32)
     # projections: "auto" (the CPU small-M kernel on one CPU device, else XLA), "xla", "cpu_ffi"
     c.model.linear_impl = "auto"
@@ -397,6 +403,14 @@ def validate(config: Any, check_paths: bool = True) -> None:
 def build_mesh(config: Any) -> Mesh:
     """The (data, model) mesh of `config.mesh` over all visible devices (all hosts in a multi-process run)."""
     return shd.make_mesh(data=config.mesh.data, model=config.mesh.model, devices=jax.devices())
+
+
+def build_model(config: Any, mesh: Mesh | None = None) -> tuple[Transformer, Any]:
+    """`build_model_and_tokenizer`, with a random-weight architecture (`config.model.arch` and
+    `init=random`) born on the devices of `mesh` (default `build_mesh(config)`) in the rollout engine's
+    parameter layout: a 7B or 32B policy never passes through the host."""
+    mesh = build_mesh(config) if mesh is None else mesh
+    return build_model_and_tokenizer(config, shard_fn=lambda params: shd.param_shardings(params, mesh))
 
 
 def engine_config_from(config: Any, drafter_kind: str | None = None) -> EngineConfig:
