@@ -446,7 +446,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--single", default="4_4_16", help="the single layout's strategy")
     ap.add_argument("--batches", default=None, help="rows per data shard of the SD buckets (1,2,4,8,16,32)")
     ap.add_argument("--prompt-len", type=int, default=512, help="prompt bucket (tokens)")
-    ap.add_argument("--response-lens", default=None, help="update response lengths (default 4096,32768)")
+    ap.add_argument("--response-lens", default=None, help="update response lengths (512,1024,4096,32768)")
     ap.add_argument(
         "--tail-rows", type=int, default=32, help="rows per shard of the long tail (SD threshold)"
     )
@@ -460,7 +460,7 @@ def parse_args() -> argparse.Namespace:
     a.check_layers = (0 if q else 6) if a.check_layers is None else a.check_layers
     a.strategies = (a.strategies or ("8_4_48,4_4_16" if q else PAPER_STRATEGIES)).split(",")
     a.batches = ints(a.batches or ("1,2" if q else "1,2,4,8,16,32"))
-    a.response_lens = ints(a.response_lens or ("1024" if q else "4096,32768"))
+    a.response_lens = ints(a.response_lens or ("1024" if q else "512,1024,4096,32768"))
     a.pallas_probe = (not q) if a.pallas_probe is None else bool(a.pallas_probe)
     a.configs = [c.strip() for c in a.configs.split(",")]
     if len(a.layers) != 2 or a.layers[0] >= a.layers[1] or a.single not in a.strategies:
