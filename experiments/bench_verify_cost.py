@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import math
 import pathlib
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -47,6 +46,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import verify_breakdown as vb  # noqa: E402  (experiments/ is on sys.path when run as a script)
 
 from tlt_jax.kernels import cpu_ffi  # noqa: E402
 from tlt_jax.kernels.small_m_linear import small_m_matmul  # noqa: E402
@@ -106,19 +107,6 @@ def chain_loop(m_rows: int, inner: int, use_kernel: bool) -> Callable:
     return jax.jit(run)
 
 
-def interleaved(calls: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
-    """Median seconds per call of each entry, timed round-robin (one untimed call each first)."""
-    for f in calls.values():
-        f()
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for _ in range(reps):
-        for k, f in calls.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 BREAKDOWN_TV = (4, 8, 16, 32, 64)
 PROMPT_TEXT = (
     "Speculative decoding drafts a few tokens with a small model and verifies them with one forward of the "
@@ -169,8 +157,6 @@ def breakdown_setup(args: argparse.Namespace) -> tuple[RolloutEngine, dict[str, 
 
 def breakdown(args: argparse.Namespace) -> None:
     """`--breakdown`: per-phase cost of a round vs TV (see the module docstring)."""
-    import verify_breakdown as vb
-
     t_start = time.perf_counter()
     engine, modes, state, desc = breakdown_setup(args)
     sp = SamplingParams(temperature=args.temperature)
@@ -340,7 +326,7 @@ def main() -> None:
 
         return call
 
-    fwd = interleaved({f"T{t}": fwd_call(t) for t in ts}, reps)
+    fwd = vb.interleaved({f"T{t}": fwd_call(t) for t in ts}, reps)
     step = fwd["T1"] / args.inner
     results: dict[str, float] = {"decode_step_ms": step * 1e3}
     print(f"\n{'T':>3} {'forward ms':>10} {'cost (steps)':>12}")
@@ -358,7 +344,7 @@ def main() -> None:
             f = chain_loop(m, args.inner, kern)
             x0 = jnp.zeros((m, cfg.hidden_size), jnp.float32)
             calls[f"{'kernel' if kern else 'xla'}_m{m}"] = lambda f=f, x0=x0: jax.block_until_ready(f(ws, x0))
-    mm = interleaved(calls, reps)
+    mm = vb.interleaved(calls, reps)
     print(f"\nweights per pass: {len(ws)} matrices, {nbytes / 1e6:.0f} MB")
     head = ("M", "kernel ms", "GB/s", "cost vs M=1", "XLA ms", "GB/s", "kernel speedup")
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, (3, 9, 5, 11, 8, 5, 14), strict=True)))

@@ -39,7 +39,7 @@ from tlt_jax.models.llama import Transformer
 from tlt_jax.models.random_init import abstract_params, bytes_per_device
 from tlt_jax.rl import trainer as rtr
 from tlt_jax.rl.batch import TrainBatch
-from tlt_jax.rl.config import spot_config_from
+from tlt_jax.rl.config import abstract_policy_trainer, spot_config_from
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.programs import ProgramCache, ProgramInfo
@@ -188,53 +188,10 @@ def compile_chunk(
 # ---- policy update ---------------------------------------------------------------------------------------
 
 
-def abstract_trainer(
-    config: Any, am: AbstractModels, mesh: Any, moments: str = "as_built"
-) -> tuple[rtr.PolicyTrainer, Any, Any]:
-    """(a PolicyTrainer without parameters, abstract float32 masters, abstract optimizer state), with the
-    fields `PolicyTrainer.__init__` sets from the config as the learner builds it (`tlt_jax.rl.learner`).
-
-    moments: "as_built" lays the AdamW state out as `PolicyTrainer.__init__` gets it from
-    `jax.jit(tx.init)(params)`: XLA shards none of those zeros (nothing flows from the params into them), so
-    the moments are replicated on every device (on an AbstractMesh: replicated, as that compile gives);
-    "sharded": like the params (what the trainer's comment intends: `jit(tx.init, out_shardings=...)`)."""
-    rl, tc = config.rl, config.trainer
-    t = rtr.PolicyTrainer.__new__(rtr.PolicyTrainer)
-    t.mesh = mesh
-    t.loss = rtr.LossConfig(
-        temperature=float(config.rollout.temperature),
-        clip_low=float(rl.clip_low),
-        clip_high=float(rl.clip_high),
-        aggregation=rl.loss_agg,
-        max_len=int(config.rollout.max_new_tokens),
-        kl_coef=float(rl.kl_coef),
-        fuse_old_logprobs=bool(tc.fuse_old_logprobs) and int(rl.mini_batches) == 1,
-        logits_chunk=int(tc.logits_chunk),
-    )
-    t.optim = rtr.OptimConfig(
-        lr=float(rl.lr), weight_decay=float(rl.weight_decay), grad_clip=float(rl.grad_clip)
-    )
-    t.micro_batch_size = int(tc.micro_batch_size)
-    t.compute_dtype = jnp.dtype(am.cfg.dtype)
-    t.graphdef = am.graphdef
-    t.rules = {**shd.DEFAULT_RULES, "embed": "data"} if tc.fsdp else dict(shd.DEFAULT_RULES)
-    t.param_shardings = shd.param_shardings(am.params, mesh, t.rules)
-    t.train_layers = int(tc.train_layers)
-    t.trainable = rtr.trainable_mask(am.params, am.cfg.num_layers, t.train_layers)
-    t.tx = rtr.make_optimizer(t.optim, t.trainable if t.train_layers else None)
-    master = jnp.dtype(tc.master_dtype)
-    masters = jax.tree.map(lambda x, s: sds(x.shape, master, s), am.params, t.param_shardings)
-    opt = jax.eval_shape(t.tx.init, masters)
-    replicated = NamedSharding(mesh, P())
-    if moments == "sharded":  # moments like the params they track, scalars (step counts) replicated
-        like = {x.shape: x.sharding for x in jax.tree.leaves(masters)}
-        t.opt_shardings = jax.tree.map(lambda x: like.get(x.shape, replicated), opt)
-    elif isinstance(mesh, Mesh):  # as PolicyTrainer.__init__ builds them
-        built = jax.jit(t.tx.init).lower(masters).compile().output_shardings
-        t.opt_shardings = jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else replicated, built)
-    else:
-        t.opt_shardings = jax.tree.map(lambda _: replicated, opt)
-    return t, masters, with_shardings(opt, t.opt_shardings)
+def abstract_trainer(config: Any, am: AbstractModels, mesh: Any) -> rtr.PolicyTrainer:
+    """The learner's `PolicyTrainer` for the abstract target: its layouts and optimizer as the learner builds
+    them, float32 masters and AdamW state as sharded `ShapeDtypeStruct`s (`PolicyTrainer.abstract`)."""
+    return abstract_policy_trainer(config, am.graphdef, am.params, am.cfg, mesh)
 
 
 def abstract_micro(config: Any, mesh: Mesh, prompt_len: int, response_len: int) -> tuple[TrainBatch, Any]:
@@ -261,13 +218,13 @@ def abstract_micro(config: Any, mesh: Mesh, prompt_len: int, response_len: int) 
 
 
 def compile_update(
-    config: Any, am: AbstractModels, mesh: Mesh, prompt_len: int, response_len: int, moments: str = "as_built"
+    config: Any, am: AbstractModels, mesh: Mesh, prompt_len: int, response_len: int
 ) -> list[ProgramInfo]:
     """The policy update's programs: at `response_len` the accumulation over one part (forward + backward of
     every micro-batch, the gradient buffer donated) and the log-prob forward (old / reference log-probs);
-    with response_len 0 the optimizer's apply (its AdamW state laid out by `moments`, see
-    `abstract_trainer`). Each with the out-shardings `PolicyTrainer` gives it."""
-    t, masters, opt = abstract_trainer(config, am, mesh, moments)
+    with response_len 0 the optimizer's apply. Each with the out-shardings `PolicyTrainer` gives it."""
+    t = abstract_trainer(config, am, mesh)
+    masters, opt = t.params, t.opt_state
     pin = lambda tree: jax.lax.with_sharding_constraint(tree, t.param_shardings)  # noqa: E731
 
     def accum(p: Any, acc: Any, m: TrainBatch, w: Any) -> tuple:
@@ -318,13 +275,14 @@ def compile_drafter_step(config: Any, am: AbstractModels, mesh: Mesh) -> Program
 # ---- resident state ----------------------------------------------------------------------------------
 
 
-def resident(config: Any, cfg: Any, mesh: Any, moments: str = "as_built") -> dict[str, int]:
+def resident(config: Any, cfg: Any, mesh: Any) -> dict[str, int]:
     """Per-device bytes of the state that lives through a whole step, at full depth (exact: abstract
     shardings): the engine's weights (bf16, its layout) and drafter, the trainer's float32 masters, AdamW
-    moments (`moments`: see `abstract_trainer`) and (with a KL term) reference weights, the spot trainer's
+    moments and (with a KL term) reference weights, the spot trainer's
     drafter state (replicated)."""
     am = abstract_models(cfg, mesh)
-    _, masters, opt = abstract_trainer(config, am, mesh, moments)
+    t = abstract_trainer(config, am, mesh)
+    masters, opt = t.params, t.opt_state
     embed = jax.tree.leaves(am.params["embed"])
     head = [] if cfg.tie_embeddings else jax.tree.leaves(am.params["lm_head"])
     spot = spot_config_from(config)

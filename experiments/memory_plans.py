@@ -25,9 +25,8 @@ Arguments, outputs and aliasing are the bfloat16 program's, as XLA reports them.
 reference (materialised scores); --pallas-probe compiles the tail with the kernel.
 Peaks add the resident state a program does not take as arguments (exact, from the abstract shardings at full
 depth): during the rollout the trainer's float32 masters, AdamW moments, reference weights and the drafter's
-train state; during the update the engine's weights. The AdamW moments are laid out as `PolicyTrainer` builds
-them today (`jit(tx.init)` returns zeros XLA does not shard: replicated on every device); a second verdict
-shards them like the params.
+train state; during the update the engine's weights. Every layout is the one the learner builds: the trainer
+comes from `rl.config.abstract_policy_trainer` (AdamW moments sharded like the params they track).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/memory_plans.py [--quick]
 Final line: `RESULT gib_<layout>_<cfg>=.. peak_<phase>_<cfg>=.. fits_<cfg>=0|1|uncertain ..
@@ -70,12 +69,7 @@ PAPER_STRATEGIES = "8_4_48,6_4_32,4_4_16,3_4_8"
 PAPER_GB = {"single": 7.81, "naive": 30.39, "bucketed": 10.69}  # Table 5, CUDA-graph memory (GB)
 DEVICE_GIB = 78.0  # what JAX sees of an 80 GB H100 (docs: "about 78 GiB")
 GIB = 2**30
-MOMENTS = ("as_built", "sharded")
-PHASES = (
-    "rollout",
-    "update",
-    "drafter",
-)  # the AdamW state's layout: as PolicyTrainer builds it / like the params
+PHASES = ("rollout", "update", "drafter")
 FIELDS = ("argument_bytes", "output_bytes", "temp_bytes", "code_bytes", "alias_bytes")
 # resident state outside each kind of program's arguments (see `resident`)
 OUTSIDE = {
@@ -97,7 +91,6 @@ class Spec:
     rep: tuple
     layouts: tuple[str, ...] = ()
     mode: str = "plain"
-    moments: str = ""  # the AdamW layout the program assumes ("": none)
 
 
 def program_specs(config: Any, engines: dict[str, Any], args: argparse.Namespace) -> list[Spec]:
@@ -126,8 +119,8 @@ def program_specs(config: Any, engines: dict[str, Any], args: argparse.Namespace
     specs += list(chunks.values())
     for nb in args.response_lens:
         specs += [own(("update_accum", nb), "update"), own(("logprobs", nb), "update")]
-    apply = [Spec(("update_apply", m), "update_apply", ("update_apply", m), moments=m) for m in MOMENTS]
-    return specs + apply + [Spec(("drafter_step",), "drafter", ())]
+    apply = Spec(("update_apply",), "update_apply", ("update_apply",))
+    return specs + [apply, Spec(("drafter_step",), "drafter", ())]
 
 
 class Compiler:
@@ -157,9 +150,8 @@ class Compiler:
             info = mpp.compile_drafter_step(self.config, self.am, self.mesh)
         else:
             if key not in self._update:
-                nb, moments = (0, spec.moments) if spec.moments else (key[1], "as_built")
-                plen = self.args.prompt_len
-                for i in mpp.compile_update(self.config, self.am, self.mesh, plen, nb, moments):
+                nb, plen = (0 if kind == "update_apply" else key[1]), self.args.prompt_len
+                for i in mpp.compile_update(self.config, self.am, self.mesh, plen, nb):
                     self._update[i.key if nb else key] = i
             info = self._update[key]
         return dataclasses.replace(info, key=key)
@@ -261,8 +253,7 @@ def plan_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         est=est,
         err=err,
         check=check,
-        res=mpp.resident(config, cfg, mesh, MOMENTS[0]),
-        res_fixed=mpp.resident(config, cfg, mesh, MOMENTS[1]),
+        res=mpp.resident(config, cfg, mesh),
         compile_s=time.perf_counter() - t0,
         probe=probe,
     )
@@ -281,16 +272,13 @@ def pallas_probe(name: str, mesh: Any, cfg: Any, tail: Spec, args: argparse.Name
     return out[0], out[1]
 
 
-def peaks(plan: dict[str, Any], end: str = "high", res: str = "res") -> dict[str, tuple[int, tuple]]:
+def peaks(plan: dict[str, Any], end: str = "high") -> dict[str, tuple[int, tuple]]:
     """Per phase: (the largest per-device need, its program) at one end of the estimate: arguments +
-    footprint + the resident state outside the program's arguments (OUTSIDE; `res`: "res" as built,
-    "res_fixed" with the AdamW moments sharded like the params)."""
+    footprint + the resident state outside the program's arguments (OUTSIDE)."""
     out: dict[str, tuple[int, tuple]] = {}
     for s in plan["specs"]:
-        if s.moments and s.moments != MOMENTS[res == "res_fixed"]:
-            continue
         info = plan["est"][s.key][end]
-        need = info.argument_bytes + info.footprint_bytes + sum(plan[res][k] for k in OUTSIDE[s.phase])
+        need = info.argument_bytes + info.footprint_bytes + sum(plan["res"][k] for k in OUTSIDE[s.phase])
         phase = "update" if s.phase == "update_apply" else s.phase
         if need > out.get(phase, (-1, ()))[0]:
             out[phase] = (need, s.key)
@@ -302,12 +290,12 @@ def layout_infos(plan: dict[str, Any], end: str = "high") -> dict[str, list[Prog
     return {lay: [plan["est"][s.key][end] for s in plan["specs"] if lay in s.layouts] for lay in ALL_LAYOUTS}
 
 
-def verdict(plan: dict[str, Any], res: str = "res") -> str:
+def verdict(plan: dict[str, Any]) -> str:
     """The plan on one device: "fits" when every phase's high estimate fits, "does not fit" when a low one
     does not, else "uncertain"."""
-    if max(v[0] for v in peaks(plan, "high", res).values()) <= DEVICE_GIB * GIB:
+    if max(v[0] for v in peaks(plan, "high").values()) <= DEVICE_GIB * GIB:
         return "fits"
-    low = max(v[0] for v in peaks(plan, "low", res).values())
+    low = max(v[0] for v in peaks(plan, "low").values())
     return "does not fit" if low > DEVICE_GIB * GIB else "uncertain"
 
 
@@ -354,13 +342,6 @@ def print_plan(plan: dict[str, Any]) -> None:
     for phase, (need, key) in peaks(plan, "high").items():
         print(f"peak {phase:<8} {low[phase][0] / GIB:6.2f}-{need / GIB:6.2f} GiB ({mpp.label(key)})")
     print(f"verdict on a {DEVICE_GIB:.0f} GiB device (80 GB H100): {verdict(plan)}")
-    fixed = peaks(plan, "high", "res_fixed")
-    print(
-        "with the AdamW moments sharded like the params (optimizer "
-        f"{plan['res_fixed']['optimizer'] / GIB:.2f} GiB): peaks "
-        + ", ".join(f"{k} {v[0] / GIB:.2f}" for k, v in fixed.items())
-        + f" GiB (high); verdict: {verdict(plan, 'res_fixed')}"
-    )
     if plan["probe"]:
         pal, ref = plan["probe"]
         print(
@@ -368,23 +349,17 @@ def print_plan(plan: dict[str, Any]) -> None:
             f"{pal / GIB:.2f} GiB with the Pallas kernel (interpret mode) vs {ref / GIB:.2f} GiB with the "
             "jnp reference"
         )
-    print(
-        "resident state per device on other meshes (data x model: GiB as built / moments sharded): "
-        + mesh_floors(plan)
-    )
+    print("resident state per device on other meshes (data x model: GiB): " + mesh_floors(plan))
 
 
 def mesh_floors(plan: dict[str, Any]) -> str:
     """The resident state per device (what must fit before any program runs) on meshes with 1-8 data
-    shards at the config's model axis (AbstractMesh: no devices needed), as built / moments sharded."""
+    shards at the config's model axis (AbstractMesh: no devices needed)."""
     model, out = plan["mesh"].shape["model"], []
     for data in (1, 2, 4, 8):
         am = AbstractMesh((data, model), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-        tot = [
-            sum(v for k, v in mpp.resident(plan["config"], plan["cfg"], am, m).items() if k != "engine_rest")
-            for m in ("as_built", "sharded")
-        ]
-        out.append(f"{data}x{model} {tot[0] / GIB:.1f} / {tot[1] / GIB:.1f}")
+        tot = sum(v for k, v in mpp.resident(plan["config"], plan["cfg"], am).items() if k != "engine_rest")
+        out.append(f"{data}x{model} {tot / GIB:.1f}")
     return "; ".join(out)
 
 
@@ -411,17 +386,11 @@ def plot(plans: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path:
         )
         row[0].set_title(f"{plan['name']}: SD chunk programs, summed footprint / device", fontsize=10)
         row[0].legend(fontsize=8)
-        x = range(len(PHASES))
-        for off, (res, color, what) in enumerate(
-            (("res", "#d62728", "moments as built"), ("res_fixed", "#1f77b4", "moments sharded"))
-        ):
-            hi, lo = peaks(plan, "high", res), peaks(plan, "low", res)
-            xs = [i + 0.4 * off - 0.2 for i in x]
-            row[1].bar(
-                xs, [hi[k][0] / GIB for k in PHASES], 0.4, color=color, alpha=0.45, label=f"{what} (high)"
-            )
-            row[1].bar(xs, [lo[k][0] / GIB for k in PHASES], 0.4, color=color, label=f"{what} (low)")
-        row[1].set_xticks(list(x), PHASES)
+        x = list(range(len(PHASES)))
+        hi, lo = peaks(plan, "high"), peaks(plan, "low")
+        row[1].bar(x, [hi[k][0] / GIB for k in PHASES], 0.6, color="#1f77b4", alpha=0.45, label="high")
+        row[1].bar(x, [lo[k][0] / GIB for k in PHASES], 0.6, color="#1f77b4", label="low")
+        row[1].set_xticks(x, PHASES)
         row[1].set_yscale("log")
         row[1].axhline(DEVICE_GIB, color="k", ls="--", label=f"device ({DEVICE_GIB:.0f} GiB)")
         row[1].set_title(
@@ -493,9 +462,6 @@ def main() -> None:
         for phase, (need, _) in peaks(plan, "high").items():
             res[f"peak_{phase}_{n}"] = f"{lo[phase][0] / GIB:.1f}-{need / GIB:.1f}"
         res[f"fits_{n}"] = {"fits": 1, "does not fit": 0}.get(verdict(plan), "uncertain")
-        res[f"fits_sharded_moments_{n}"] = {"fits": 1, "does not fit": 0}.get(
-            verdict(plan, "res_fixed"), "uncertain"
-        )
     errs = [p["err"][0] for p in plans if p["err"]]
     res["layer_fit_err_of_need"] = round(max(e[0] for e in errs), 4) if errs else "nan"
     res["layer_fit_err_of_field"] = round(max(e[1] for e in errs), 4) if errs else "nan"

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from flax import nnx
+from jax.sharding import AbstractMesh, Mesh
+
 from tlt_jax import config_lib
 from tlt_jax.drafter.spot_trainer import SpotConfig
 from tlt_jax.models.build import DTYPES
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.evaluation import EvalConfig
+from tlt_jax.rl.trainer import LossConfig, OptimConfig, PolicyTrainer
 
 
 def rl_problems(config: Any) -> list[str]:
@@ -101,6 +107,69 @@ def eval_config_from(config: Any) -> EvalConfig:
         return EvalConfig(**dict(config.get("eval", {})))
     except (TypeError, ValueError) as e:
         raise ValueError(f"config.eval is invalid: {e}") from e
+
+
+def loss_config_from(config: Any) -> LossConfig:
+    """The GRPO-family loss of `config.rl` at the rollout's temperature (old log-probs fused into the update's
+    forward when `trainer.fuse_old_logprobs` and one mini-batch per step)."""
+    rl, tc = config.rl, config.trainer
+    return LossConfig(
+        temperature=float(config.rollout.temperature),
+        clip_low=float(rl.clip_low),
+        clip_high=float(rl.clip_high),
+        aggregation=rl.loss_agg,
+        max_len=int(config.rollout.max_new_tokens),
+        kl_coef=float(rl.kl_coef),
+        fuse_old_logprobs=bool(tc.fuse_old_logprobs) and int(rl.mini_batches) == 1,
+        logits_chunk=int(tc.logits_chunk),
+    )
+
+
+def optim_config_from(config: Any) -> OptimConfig:
+    """The policy's AdamW settings from `config.rl`."""
+    rl = config.rl
+    return OptimConfig(
+        lr=float(rl.lr),
+        warmup_steps=int(rl.warmup_steps),
+        weight_decay=float(rl.weight_decay),
+        b1=float(rl.b1),
+        b2=float(rl.b2),
+        grad_clip=float(rl.grad_clip),
+    )
+
+
+def _trainer_options(config: Any) -> dict[str, Any]:
+    tc = config.trainer
+    return dict(
+        micro_batch_size=int(tc.micro_batch_size),
+        with_reference=float(config.rl.kl_coef) > 0,
+        master_dtype=str(tc.master_dtype),
+        fsdp=bool(tc.fsdp),
+        train_layers=int(tc.train_layers),
+    )
+
+
+def policy_trainer(config: Any, model: Transformer, mesh: Mesh) -> PolicyTrainer:
+    """The learner's `PolicyTrainer` for `model` (which it takes over) as `config` sets it up."""
+    return PolicyTrainer(
+        model, mesh, loss_config_from(config), optim_config_from(config), **_trainer_options(config)
+    )
+
+
+def abstract_policy_trainer(
+    config: Any, graphdef: nnx.GraphDef, params: Any, cfg: ModelConfig, mesh: Mesh | AbstractMesh
+) -> PolicyTrainer:
+    """The same trainer from abstract parameters (`PolicyTrainer.abstract`: nothing materialised), for
+    compiling its programs ahead of time at shapes that do not fit this machine."""
+    return PolicyTrainer.abstract(
+        graphdef,
+        params,
+        cfg,
+        mesh,
+        loss_config_from(config),
+        optim_config_from(config),
+        **_trainer_options(config),
+    )
 
 
 def validate(config: Any, check_paths: bool = True) -> None:

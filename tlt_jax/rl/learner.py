@@ -37,7 +37,6 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.batch import TrainBatch, build_train_batch, length_sorted_micro
 from tlt_jax.rl.evaluation import HeldOutEval
 from tlt_jax.rl.speculation import RolloutMonitor, resolve_drafter
-from tlt_jax.rl.trainer import LossConfig, OptimConfig, PolicyTrainer
 from tlt_jax.rollout.adaptive import build_policy
 from tlt_jax.rollout.hooks import ProgressHook
 from tlt_jax.rollout.types import Rollout
@@ -117,36 +116,7 @@ class Learner:
                 )
             self.adaptive = build_policy(config.bandit, self.engine, seed=int(config.seed))
         self.sampling = config_lib.sampling_from(config)
-        fused = bool(config.trainer.fuse_old_logprobs) and int(rl.mini_batches) == 1
-        loss = LossConfig(
-            temperature=float(config.rollout.temperature),
-            clip_low=float(rl.clip_low),
-            clip_high=float(rl.clip_high),
-            aggregation=rl.loss_agg,
-            max_len=int(config.rollout.max_new_tokens),
-            kl_coef=float(rl.kl_coef),
-            fuse_old_logprobs=fused,
-            logits_chunk=int(config.trainer.logits_chunk),
-        )
-        optim = OptimConfig(
-            lr=float(rl.lr),
-            warmup_steps=int(rl.warmup_steps),
-            weight_decay=float(rl.weight_decay),
-            b1=float(rl.b1),
-            b2=float(rl.b2),
-            grad_clip=float(rl.grad_clip),
-        )
-        self.trainer = PolicyTrainer(
-            model,
-            self.mesh,
-            loss,
-            optim,
-            micro_batch_size=int(config.trainer.micro_batch_size),
-            with_reference=rl.kl_coef > 0,
-            master_dtype=config.trainer.master_dtype,
-            fsdp=bool(config.trainer.fsdp),
-            train_layers=int(config.trainer.train_layers),
-        )
+        self.trainer = rl_config.policy_trainer(config, model, self.mesh)
         del model  # the trainer owns (and donates) its buffers now
         self.engine.set_params(self.trainer.compute_params())
         self.task = make_task(config.task)
