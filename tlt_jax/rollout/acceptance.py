@@ -141,23 +141,50 @@ def tree_accept(
     chex.assert_rank(target_probs_bnv, 3)
     chex.assert_equal_shape_prefix([tokens_bn, target_probs_bnv], 2)
     chex.assert_type(target_probs_bnv, jnp.float32)
+    rows = jnp.arange(tokens_bn.shape[0])
+    key_u, key_bonus = jax.random.split(key)
+    tok, walked = _tree_walk(key_u, rows, tokens_bn, parents_bn, target_probs_bnv, max_depth)
+    cur, live, n_acc, path, acc_tok = walked
+    bonus = _tree_bonus(key_bonus, rows, parents_bn, tok, target_probs_bnv, cur, live)
+    return TreeAcceptance(
+        num_accepted=n_acc,
+        path=path,
+        tokens=_emitted_tokens(acc_tok, n_acc, bonus),
+        bonus=bonus,
+        last_node=cur,
+    )
+
+
+def _children_of(parents_bn: jax.Array, cur_b: jax.Array, live_b: jax.Array) -> jax.Array:
+    """[B, N]: the nodes whose parent is the row's current node, in the rows still `live`."""
+    return (parents_bn == cur_b[:, None]) & live_b[:, None]
+
+
+def _tree_walk(
+    key_u: jax.Array,
+    rows: jax.Array,
+    tokens_bn: jax.Array,
+    parents_bn: jax.Array,
+    target_probs_bnv: jax.Array,
+    max_depth: int,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """`tree_accept`'s walk from the root: one loop trip per depth, with a fresh uniform per depth and row.
+
+    Returns the node tokens clipped into the vocabulary [B, N] and the loop's final state: the current node
+    [B], whether the row still walks [B] (False: it rejected every child of its current node), the accepted
+    count [B], the path [B, max_depth + 1] and the accepted tokens [B, max_depth] (PAD past the count).
+    """
     b, n = tokens_bn.shape
     v = target_probs_bnv.shape[-1]
-    rows = jnp.arange(b)
-
-    key_u, key_bonus = jax.random.split(key)
     uniforms_bd = jax.random.uniform(key_u, (b, max(max_depth, 1)), jnp.float32)
     tok = jnp.clip(tokens_bn, 0, v - 1)  # padding tokens may be out of range; they are masked below
     total_bn = jnp.sum(target_probs_bnv, axis=-1)  # actual float32 mass of each node's distribution
     same_tok_nn = tok[:, :, None] == tok[:, None, :]  # [B, N, N]
     earlier_nn = jnp.tril(jnp.ones((n, n), bool), k=-1)  # [j, i]: i < j
 
-    def children_of(cur_b: jax.Array, live_b: jax.Array) -> jax.Array:
-        return (parents_bn == cur_b[:, None]) & live_b[:, None]
-
     def step(d: int, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         cur, live, n_acc, path, acc_tok = state
-        child = children_of(cur, live)  # [B, N]
+        child = _children_of(parents_bn, cur, live)  # [B, N]
         # A child whose token an earlier sibling already carried has working mass 0 (zeroed on rejection).
         dup = jnp.any(child[:, None, :] & same_tok_nn & earlier_nn[None], axis=-1)
         mass = jnp.where(child & ~dup, target_probs_bnv[rows[:, None], cur[:, None], tok], 0.0)
@@ -178,21 +205,28 @@ def tree_accept(
         jnp.full((b, max_depth + 1), PAD, jnp.int32).at[:, 0].set(0),
         jnp.full((b, max_depth), PAD, jnp.int32),
     )
-    cur, live, n_acc, path, acc_tok = jax.lax.fori_loop(0, max_depth, step, init)
+    return tok, jax.lax.fori_loop(0, max_depth, step, init)
 
-    # A row that stopped (live=False) rejected every child of `cur`: remove their tokens. A row still live ran
-    # out of depth: its children (if any) were never tested, so nothing is removed.
-    stopped_child = children_of(cur, ~live)  # [B, N]
+
+def _tree_bonus(
+    key_bonus: jax.Array,
+    rows: jax.Array,
+    parents_bn: jax.Array,
+    tok: jax.Array,
+    target_probs_bnv: jax.Array,
+    cur: jax.Array,
+    live: jax.Array,
+) -> jax.Array:
+    """[B] the bonus token after the walk: sampled from the last node's p minus its rejected children.
+
+    A row that stopped (live=False) rejected every child of `cur`: remove their tokens. A row still live ran
+    out of depth: its children (if any) were never tested, so nothing is removed.
+    """
+    b, v = tok.shape[0], target_probs_bnv.shape[-1]
+    stopped_child = _children_of(parents_bn, cur, ~live)  # [B, N]
     removed_bv = jnp.zeros((b, v), bool).at[rows[:, None], tok].max(stopped_child)
     p_last = target_probs_bnv[rows, cur]  # [B, V]
-    bonus = _sample_or_fallback(key_bonus, jnp.where(removed_bv, 0.0, p_last), p_last)
-    return TreeAcceptance(
-        num_accepted=n_acc,
-        path=path,
-        tokens=_emitted_tokens(acc_tok, n_acc, bonus),
-        bonus=bonus,
-        last_node=cur,
-    )
+    return _sample_or_fallback(key_bonus, jnp.where(removed_bv, 0.0, p_last), p_last)
 
 
 def tree_accept_greedy(

@@ -110,103 +110,163 @@ def eagle_draft(
     b = root_token_b.shape[0]
     chex.assert_shape(root_hidden_bh, (b, drafter.cfg.hidden_size))
     chex.assert_equal(dcache.batch_size, b)
-    d, k, n = strategy.max_depth, strategy.topk, strategy.tokens_to_verify
-    nd, num_c = strategy.draft_slots, strategy.num_candidates
-    layer = drafter.layer
-    cfg = drafter.cfg
-    base = dcache.lengths
-    slot_depth = np.concatenate([[0], np.repeat(np.arange(1, d), k)]).astype(np.int32)
-    cos, sin = rope_cos_sin(
-        base[:, None] + 1 + jnp.asarray(slot_depth)[None, :], cfg.head_dim, cfg.rope_theta
+    ctx = _DraftContext(
+        target, drafter, dcache, strategy, attn_impl, sample_keys, sp, draft_vocab, draft_head
     )
-    fc = drafter.fc[...]
-    rows = jnp.arange(b)
-    sampled = sample_keys is not None
-    if sampled and (k != 1 or sp is None or sp.greedy):
-        raise ValueError(f"sampled drafting needs a chain (topk=1, got {k}) and sampling parameters at T > 0")
+    buf = ctx.initial_buffers(dcache)
+    h0, buf = ctx.forward(
+        buf, 0, root_token_b[:, None], root_hidden_bh[:, None], jnp.zeros((b, 1), jnp.int32)
+    )
+    cand, front = ctx.root_frontier(h0)
+    # one compiled body for every depth: compile time does not grow with the strategy's depth (a depth-1
+    # tree has no frontier forward: its body, traced even for zero trips, would not fit the 1-slot buffer)
+    if strategy.max_depth > 1:
+        buf, cand, _ = jax.lax.fori_loop(1, strategy.max_depth, ctx.expand, (buf, cand, front))
+    tree = _verify_tree(cand, root_token_b, strategy, ctx.rows, ctx.sampled)
+    return tree, KVCache(k=(buf["k"],), v=(buf["v"],), lengths=dcache.lengths)
+
+
+class _DraftContext:
+    """What every drafter forward of one `eagle_draft` call shares, and the steps that use it.
+
+    Built once per call, at trace time: the draft slots' RoPE tables (slot s of depth d sits at position
+    base + 1 + d), the drafter's fc weight and layer, the row indices, and how a drafter output becomes child
+    tokens (the top-k of the draft head, or one sampled draw per row). The methods are `eagle_draft`'s steps
+    in the order it calls them: `initial_buffers`, `forward` (the root), `root_frontier`, `expand` (the
+    loop body of depths 1..max_depth-1).
+    """
+
+    def __init__(
+        self,
+        target: Transformer,
+        drafter: Drafter,
+        dcache: KVCache,
+        strategy: Strategy,
+        attn_impl: str,
+        sample_keys: jax.Array | None,
+        sp: SamplingParams | None,
+        draft_vocab: jax.Array | None,
+        draft_head: jax.Array | None,
+    ):
+        self.target, self.attn_impl = target, attn_impl
+        self.b = dcache.batch_size
+        self.d, self.k = strategy.max_depth, strategy.topk
+        self.nd, self.num_c = strategy.draft_slots, strategy.num_candidates
+        self.layer, self.cfg = drafter.layer, drafter.cfg
+        self.base = dcache.lengths
+        slot_depth = np.concatenate([[0], np.repeat(np.arange(1, self.d), self.k)]).astype(np.int32)
+        self.cos, self.sin = rope_cos_sin(
+            self.base[:, None] + 1 + jnp.asarray(slot_depth)[None, :], self.cfg.head_dim, self.cfg.rope_theta
+        )
+        self.fc = drafter.fc[...]
+        self.rows = jnp.arange(self.b)
+        self.sample_keys, self.sp = sample_keys, sp
+        self.sampled = sample_keys is not None
+        if self.sampled and (self.k != 1 or sp is None or sp.greedy):
+            raise ValueError(
+                f"sampled drafting needs a chain (topk=1, got {self.k}) and sampling parameters at T > 0"
+            )
+        if (draft_vocab is None) != (draft_head is None):
+            raise ValueError("eagle_draft: pass draft_vocab and draft_head together")
+        self.draft_vocab, self.draft_head = draft_vocab, draft_head
+        self.vocab_size = target.cfg.vocab_size
+
+    def initial_buffers(self, dcache: KVCache) -> dict:
+        """The draft slots' layer inputs (activations in cfg.dtype; the weights may be bf16), visibility
+        (each slot sees itself) and the drafter's K/V cache."""
+        b, nd, cfg = self.b, self.nd, self.cfg
+        return {
+            "x": jnp.zeros((b, nd, cfg.hidden_size), jnp.dtype(cfg.dtype)),
+            "vis": jnp.broadcast_to(jnp.eye(nd, dtype=bool), (b, nd, nd)),
+            "k": dcache.k[0],
+            "v": dcache.v[0],
+        }
 
     def forward(
-        buf: dict, off: jax.Array | int, tok_bt: jax.Array, feat_bth: jax.Array, parent_slot_bt: jax.Array
-    ):
+        self,
+        buf: dict,
+        off: jax.Array | int,
+        tok_bt: jax.Array,
+        feat_bth: jax.Array,
+        parent_slot_bt: jax.Array,
+    ) -> tuple[jax.Array, dict]:
         """Feed T draft nodes at slots [off, off + T): returns (their drafter outputs [B, T, H], buffers)."""
-        t = tok_bt.shape[1]
-        emb = target.embed_tokens(tok_bt)
-        x_new = linear(jnp.concatenate([emb, feat_bth.astype(emb.dtype)], -1), fc, cfg.linear_impl)
+        layer, t = self.layer, tok_bt.shape[1]
+        emb = self.target.embed_tokens(tok_bt)
+        x_new = linear(jnp.concatenate([emb, feat_bth.astype(emb.dtype)], -1), self.fc, self.cfg.linear_impl)
         x_buf = jax.lax.dynamic_update_slice_in_dim(buf["x"], x_new.astype(buf["x"].dtype), off, axis=1)
-        own = jax.nn.one_hot(off + jnp.arange(t), nd, dtype=bool)[None]
+        own = jax.nn.one_hot(off + jnp.arange(t), self.nd, dtype=bool)[None]
         rows_vis = jnp.take_along_axis(buf["vis"], parent_slot_bt[:, :, None], axis=1) | own
         vis = jax.lax.dynamic_update_slice_in_dim(buf["vis"], rows_vis, off, axis=1)
         h = layer.input_norm(x_buf) if layer.input_norm is not None else x_buf
-        a, kc, vc = layer.attn(h, cos, sin, buf["k"], buf["v"], base, vis, attn_impl)
+        a, kc, vc = layer.attn(h, self.cos, self.sin, buf["k"], buf["v"], self.base, vis, self.attn_impl)
         x = x_new + jax.lax.dynamic_slice_in_dim(a, off, t, axis=1)
         return x + layer.mlp(layer.post_attn_norm(x)), {"x": x_buf, "vis": vis, "k": kc, "v": vc}
 
-    if (draft_vocab is None) != (draft_head is None):
-        raise ValueError("eagle_draft: pass draft_vocab and draft_head together")
-    vocab_size = target.cfg.vocab_size
-
-    def draft_logits(h: jax.Array) -> jax.Array:
+    def draft_logits(self, h: jax.Array) -> jax.Array:
         """The drafter's LM head: the target's (shared), over the draft vocabulary if one is set."""
-        if draft_head is None:
-            return target.logits(h)
-        return linear(h, draft_head, target.cfg.linear_impl, preferred_element_type=jnp.float32)
+        if self.draft_head is None:
+            return self.target.logits(h)
+        return linear(h, self.draft_head, self.target.cfg.linear_impl, preferred_element_type=jnp.float32)
 
-    def to_token(idx: jax.Array) -> jax.Array:
-        return (idx if draft_vocab is None else draft_vocab[idx]).astype(jnp.int32)
+    def to_token(self, idx: jax.Array) -> jax.Array:
+        """Draft-head column -> token id (the identity without a draft vocabulary)."""
+        return (idx if self.draft_vocab is None else self.draft_vocab[idx]).astype(jnp.int32)
 
-    def top_children(h_bth: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logp = jax.nn.log_softmax(draft_logits(h_bth), axis=-1)
-        vals, idx = jax.lax.top_k(logp, k)
-        return vals, to_token(idx)
+    def top_children(self, h_bth: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The k most likely children of each node: (their draft log-probs, their tokens)."""
+        logp = jax.nn.log_softmax(self.draft_logits(h_bth), axis=-1)
+        vals, idx = jax.lax.top_k(logp, self.k)
+        return vals, self.to_token(idx)
 
-    def sampled_child(h_bh: jax.Array, depth: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def sampled_child(
+        self, h_bh: jax.Array, depth: int | jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """One draft per row drawn from q (key: the row's key folded with the depth): (log q, token, q)."""
-        q = target_probs(draft_logits(h_bh), sp)  # [B, V] or [B, Vd]
-        keys = jax.vmap(jax.random.fold_in, (0, None))(sample_keys, depth)
+        q = target_probs(self.draft_logits(h_bh), self.sp)  # [B, V] or [B, Vd]
+        keys = jax.vmap(jax.random.fold_in, (0, None))(self.sample_keys, depth)
         idx = jax.vmap(lambda kk, w: categorical(kk, w[None])[0])(keys, q).astype(jnp.int32)
-        lq = jnp.log(q[rows, idx])
-        if draft_vocab is not None:  # q over the whole vocabulary: zero outside the draft vocabulary
-            q = jnp.zeros((b, vocab_size), jnp.float32).at[:, draft_vocab].set(q)
-        return lq, to_token(idx), q
+        lq = jnp.log(q[self.rows, idx])
+        if self.draft_vocab is not None:  # q over the whole vocabulary: zero outside the draft vocabulary
+            q = jnp.zeros((self.b, self.vocab_size), jnp.float32).at[:, self.draft_vocab].set(q)
+        return lq, self.to_token(idx), q
 
-    buf = {
-        "x": jnp.zeros((b, nd, cfg.hidden_size), jnp.dtype(cfg.dtype)),  # activations (weights may be bf16)
-        "vis": jnp.broadcast_to(jnp.eye(nd, dtype=bool), (b, nd, nd)),
-        "k": dcache.k[0],
-        "v": dcache.v[0],
-    }
-    h0, buf = forward(buf, 0, root_token_b[:, None], root_hidden_bh[:, None], jnp.zeros((b, 1), jnp.int32))
-    if sampled:
-        lq, tok, q = sampled_child(h0[:, 0], 0)
-        vals, idx = lq[:, None], tok[:, None]
-    else:
-        vals, idx = top_children(h0[:, 0])  # [B, k]: the root's children, the depth-1 frontier
-    cand = {  # all scored candidates, in depth order (parents before children); parent -1 = the root
-        "tok": jnp.zeros((b, num_c), jnp.int32).at[:, :k].set(idx),
-        "score": jnp.full((b, num_c), -jnp.inf, jnp.float32).at[:, :k].set(vals),
-        "parent": jnp.full((b, num_c), -1, jnp.int32),
-    }
-    if sampled:  # the draft distribution of each depth, for rejection sampling
-        cand["q"] = jnp.zeros((b, d, q.shape[-1]), jnp.float32).at[:, 0].set(q)
-    front = {
-        "tok": idx,
-        "score": vals,
-        "feat": jnp.broadcast_to(h0, (b, k, h0.shape[-1])),
-        "slot": jnp.zeros((b, k), jnp.int32),  # the drafter slot of each frontier node's parent
-        "cand": jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k)),
-    }
+    def root_frontier(self, h0: jax.Array) -> tuple[dict, dict]:
+        """From forward 0's output: the candidate table (the root's children, scored) and the frontier."""
+        b, k = self.b, self.k
+        if self.sampled:
+            lq, tok, q = self.sampled_child(h0[:, 0], 0)
+            vals, idx = lq[:, None], tok[:, None]
+        else:
+            vals, idx = self.top_children(h0[:, 0])  # [B, k]: the root's children, the depth-1 frontier
+        cand = {  # all scored candidates, in depth order (parents before children); parent -1 = the root
+            "tok": jnp.zeros((b, self.num_c), jnp.int32).at[:, :k].set(idx),
+            "score": jnp.full((b, self.num_c), -jnp.inf, jnp.float32).at[:, :k].set(vals),
+            "parent": jnp.full((b, self.num_c), -1, jnp.int32),
+        }
+        if self.sampled:  # the draft distribution of each depth, for rejection sampling
+            cand["q"] = jnp.zeros((b, self.d, q.shape[-1]), jnp.float32).at[:, 0].set(q)
+        front = {
+            "tok": idx,
+            "score": vals,
+            "feat": jnp.broadcast_to(h0, (b, k, h0.shape[-1])),
+            "slot": jnp.zeros((b, k), jnp.int32),  # the drafter slot of each frontier node's parent
+            "cand": jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k)),
+        }
+        return cand, front
 
-    def expand(j: jax.Array, carry: tuple) -> tuple:
+    def expand(self, j: jax.Array, carry: tuple) -> tuple:
         """Forward j >= 1: feed the depth-j frontier, score its k*k children, keep the best k."""
         buf, cand, front = carry
+        b, k, rows = self.b, self.k, self.rows
         off = 1 + (j - 1) * k
         c_start = k + (j - 1) * k * k
-        h, buf = forward(buf, off, front["tok"], front["feat"], front["slot"])  # [B, k, H]
-        if sampled:
-            lq, t1, q = sampled_child(h[:, 0], j)
+        h, buf = self.forward(buf, off, front["tok"], front["feat"], front["slot"])  # [B, k, H]
+        if self.sampled:
+            lq, t1, q = self.sampled_child(h[:, 0], j)
             vals, idx = lq[:, None, None], t1[:, None, None]
         else:
-            vals, idx = top_children(h)  # [B, k, k]
+            vals, idx = self.top_children(h)  # [B, k, k]
         score = (front["score"][:, :, None] + vals).reshape(b, k * k)
         tok = idx.reshape(b, k * k)
         parent = jnp.repeat(front["cand"], k, axis=1)
@@ -217,7 +277,7 @@ def eagle_draft(
                 for name, val in (("tok", tok), ("score", score), ("parent", parent))
             },
         }
-        if sampled:
+        if self.sampled:
             cand["q"] = jax.lax.dynamic_update_slice_in_dim(cand["q"], q[:, None], j, axis=1)
         _, sel = jax.lax.top_k(score, k)
         front = {
@@ -229,12 +289,16 @@ def eagle_draft(
         }
         return buf, cand, front
 
-    # one compiled body for every depth: compile time does not grow with the strategy's depth (a depth-1
-    # tree has no frontier forward: its body, traced even for zero trips, would not fit the 1-slot buffer)
-    if d > 1:
-        buf, cand, _ = jax.lax.fori_loop(1, d, expand, (buf, cand, front))
-    c_depth = [np.full(k, 1)] + [np.full(k * k, j + 1) for j in range(1, d)]
 
+def _verify_tree(
+    cand: dict, root_token_b: jax.Array, strategy: Strategy, rows: jax.Array, sampled: bool
+) -> DraftTree:
+    """The verify tree: the root plus the tokens_to_verify - 1 highest-scoring candidates of all depths, in
+    candidate (topological) order; a kept node whose parent was not kept becomes padding (defensive: a child
+    never scores above its parent, and ties keep the lower index)."""
+    b = root_token_b.shape[0]
+    d, k, n, num_c = strategy.max_depth, strategy.topk, strategy.tokens_to_verify, strategy.num_candidates
+    c_depth = [np.full(k, 1)] + [np.full(k * k, j + 1) for j in range(1, d)]
     all_tok, all_score, all_parent = cand["tok"], cand["score"], cand["parent"]
     all_depth = jnp.asarray(np.concatenate(c_depth), jnp.int32)
     _, sel = jax.lax.top_k(all_score, n - 1)
@@ -251,10 +315,9 @@ def eagle_draft(
     depth = jnp.where(parents == -2, 0, depth)
     # a sampled chain keeps all d drafts in depth order (n - 1 = d, every score is finite), so node i + 1 was
     # drawn from cand["q"][:, i]
-    tree = DraftTree(
+    return DraftTree(
         tokens=tokens,
         parents=parents.astype(jnp.int32),
         depth=depth,
         draft_probs=cand["q"][:, : n - 1] if sampled else None,
     )
-    return tree, KVCache(k=(buf["k"],), v=(buf["v"],), lengths=dcache.lengths)
