@@ -9,7 +9,9 @@ from flax import nnx
 from tlt_jax import sharding as shd
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.llama import Transformer
+from tlt_jax.rollout import interface
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.interface import EngineLike
 from tlt_jax.rollout.sampling import SamplingParams
 
 EOS = 3
@@ -144,6 +146,13 @@ def test_prompt_longer_than_cache_is_a_clear_error(model):
         eng.generate([[1, 2], [1] * 80], n=1, key=jax.random.key(0), sampling=SamplingParams(0.0))
     with pytest.raises(ValueError, match="empty"):
         eng.generate([[]], n=1, key=jax.random.key(0), sampling=SamplingParams(0.0))
+
+
+def test_engine_satisfies_its_clients_protocol(model):
+    """The host loop, the harvester, the adaptive policy and the spot trainer type their engine with
+    `interface.EngineLike`: the engine has every member it names (a runtime-checkable Protocol)."""
+    assert isinstance(_engine(model), EngineLike)
+    assert EngineConfig is interface.EngineConfig  # still importable from rollout.engine
 
 
 @pytest.mark.devices(8)

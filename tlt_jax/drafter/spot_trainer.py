@@ -48,6 +48,7 @@ from tlt_jax.drafter.loss import LossConfig, loss_sums, normalize_metrics
 from tlt_jax.drafter.packing import DrafterSample, PackedBatch, eagle_inputs, pack_samples, to_device
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.hooks import ChunkView, FinishedSequences, IdleWork, RolloutHooks, RolloutInfo
+from tlt_jax.rollout.interface import EngineLike
 from tlt_jax.utils.checkpoint import Checkpointer
 
 SPOT_MODES = ("off", "idle_devices", "between_chunks", "after_rollout")
@@ -161,7 +162,7 @@ def topk_hits(
 class SpotTrainer(RolloutHooks):
     """Online drafter training inside the RL loop (see the module docstring). A rollout hook."""
 
-    def __init__(self, cfg: SpotConfig, drafter: Drafter, engine: Any):
+    def __init__(self, cfg: SpotConfig, drafter: Drafter, engine: EngineLike):
         if cfg.mode == "idle_devices" and (engine.data_size < 2 or engine.mesh.shape["model"] != 1):
             raise ValueError(
                 "config.spot.mode=idle_devices needs a data axis of >= 2 devices and no model axis; this "

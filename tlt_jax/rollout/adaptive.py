@@ -25,6 +25,7 @@ from typing import Any
 
 from tlt_jax.rollout.beg_mab import BanditPolicy
 from tlt_jax.rollout.hooks import ChunkView, RolloutHooks, RolloutInfo
+from tlt_jax.rollout.interface import EngineLike
 from tlt_jax.rollout.selector_config import MAX_RUNNING, PLAIN, SelectorConfig, all_arms_eligibility
 
 
@@ -72,7 +73,7 @@ class AdaptivePolicy(RolloutHooks):
         return out
 
 
-def build_policy(section: Any, engine: Any, seed: int = 0) -> AdaptivePolicy:
+def build_policy(section: Any, engine: EngineLike, seed: int = 0) -> AdaptivePolicy:
     """The `bandit` config section -> an AdaptivePolicy over arms registered in `engine`.
 
     Arms: "plain", an EAGLE strategy like "3_1_4", or "ngram_<strategy>". With `all_arms` every arm is

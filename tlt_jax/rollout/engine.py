@@ -14,6 +14,7 @@ device work, cache growth. Each sequence owns a PRNG stream and verification is 
     out = engine.generate(prompts, n=8, key=key, sampling=SamplingParams(0.9), hooks=[...])
     out.stats.mean_accept_length, out.stats.summary(), engine.programs.summary()
 More modes: `name = engine.add_mode("eagle" | "ngram", "4_2_8")`, chosen by a hook's `choose_mode`.
+Its settings (`EngineConfig`) and the members its clients use (`EngineLike`) are in `rollout.interface`.
 """
 
 from __future__ import annotations
@@ -36,46 +37,12 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout import decode, scheduler, spmd
 from tlt_jax.rollout.hooks import IdleWork, RolloutHooks
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.ngram import NgramBank, NgramParams
-from tlt_jax.rollout.programs import MATMUL_PRECISIONS, ProgramCache, pow2_at_least, program_precision
+from tlt_jax.rollout.programs import ProgramCache, pow2_at_least, program_precision
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.strategy import AcceptRule, SpecConfig, SpecMode, Strategy, resolve_acceptance
+from tlt_jax.rollout.strategy import AcceptRule, SpecMode, Strategy, resolve_acceptance
 from tlt_jax.rollout.types import ChunkRecord, DecodeState, Rollout
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    max_new_tokens: int = 256
-    max_cache_len: int = 2048  # prompt + response must fit; longer prompts are rejected with a clear error
-    chunk_steps: int = 16  # decode steps (or verify rounds) per device call (host decisions happen between)
-    min_cache_bucket: int = 64  # cache-length buckets are powers of two from here up to max_cache_len
-    prompt_bucket: int = 16  # prompt lengths are padded to powers of two >= this
-    compact: bool = True  # compact live rows into smaller batch buckets as sequences finish
-    # "auto" | "reference" | "pallas" | "cpu_ffi" (see tlt_jax.kernels.tree_attention)
-    attn_impl: str = "auto"
-    stop_strings: tuple[str, ...] = ()
-    spec: SpecConfig = SpecConfig()  # speculative rollouts (off by default)
-    # also return the target's final hidden states of the prompt and of the first `hidden_window` response
-    # positions of every sequence (`Rollout.features`, `FinishedSequences.hidden`): drafter training data
-    # from the rollout with no second target forward; the window bounds device and host memory
-    record_hidden: bool = False
-    hidden_window: int = 512
-    # strategies with the same tokens_to_verify share one program per (batch bucket, cache bucket): the
-    # strategy is a runtime operand (`RolloutEngine.mode_group`); False: one program per strategy
-    share_programs: bool = True
-    # dots in every rollout program: "auto" = "highest" for float32 models, the process default for bf16
-    matmul_precision: str = "auto"  # (rollout.programs.program_precision)
-
-    def __post_init__(self) -> None:
-        if self.matmul_precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"matmul_precision={self.matmul_precision!r}: use one of {MATMUL_PRECISIONS}.")
-        if self.max_new_tokens < 1 or self.chunk_steps < 1 or self.hidden_window < 1:
-            raise ValueError("max_new_tokens, chunk_steps and hidden_window must be >= 1")
-        if self.max_new_tokens >= self.max_cache_len:
-            raise ValueError(
-                f"max_new_tokens={self.max_new_tokens} leaves no room for a prompt in max_cache_len="
-                f"{self.max_cache_len}: raise max_cache_len or lower max_new_tokens."
-            )
 
 
 def _drafter_weight_dtype(name: str, model: Transformer) -> jnp.dtype | None:
@@ -334,29 +301,46 @@ class RolloutEngine:
         t0 = time.perf_counter()  # after compiling: the chunk's seconds are its execution only
         result = program(*args)
         out = result if work is None else result[0]  # the fused tick returns (chunk out, drafter work out)
-        running, emitted, rows, hist = jax.device_get((out.running, out.emitted, out.rows, out.hist))
+        fetched = jax.device_get((out.running, out.emitted, out.rows, out.hist))
         dt = time.perf_counter() - t0
         if work is not None:
             work.on_done(result[1], dt)
+        compile_s = t0 - t_compile if compiled else 0.0
+        record = self._chunk_record(mode, prog, (b, cap), fetched, dt, compiled, compile_s)
+        return out.state, record, (out.bank if bank_in is not None else bank)
+
+    def _chunk_record(
+        self,
+        mode: str,
+        prog: decode.ChunkProgram,
+        buckets: tuple[int, int],
+        fetched: tuple[Any, Any, Any, Any],
+        seconds: float,
+        compiled: bool,
+        compile_seconds: float,
+    ) -> ChunkRecord:
+        """The record of a chunk that ran, from its fetched (running per step, emitted tokens, verify rounds,
+        accept histogram) and its (batch, cache) buckets: steps that ran are those where some device had a
+        live row (-1 marks a step after the chunk's early exit)."""
+        running, emitted, rows, hist = fetched
         per_step = np.asarray(running).reshape(-1, self.config.chunk_steps)  # [devices or 1, steps]
         steps = int((per_step >= 0).any(axis=0).sum())
         running = tuple(int(r) for r in np.maximum(per_step, 0).sum(axis=0)[:steps])
-        record = ChunkRecord(
+        return ChunkRecord(
             mode=mode,
-            batch_bucket=b,
-            cache_bucket=cap,
+            batch_bucket=buckets[0],
+            cache_bucket=buckets[1],
             steps=len(running),
             running_start=running[0] if running else 0,
-            seconds=dt,
+            seconds=seconds,
             accepted_tokens=int(emitted) if prog.modes else 0,
             verify_rounds=int(rows) if prog.modes else 0,
             strategy="" if mode == "plain" else self.modes[mode].strategy.name,
             accept_hist=tuple(int(x) for x in hist) if prog.modes else (),
             running=running,
             compiled=compiled,
-            compile_seconds=t0 - t_compile if compiled else 0.0,
+            compile_seconds=compile_seconds,
         )
-        return out.state, record, (out.bank if bank_in is not None else bank)
 
     def gather_rows(self, state: DecodeState, sel: np.ndarray, pad: np.ndarray) -> DecodeState:
         """Compaction within shards: `sel` holds each shard's kept rows as LOCAL indices (shard-major)."""
@@ -411,24 +395,10 @@ class RolloutEngine:
         """
         cfg = self.config
         self.validate_prompts(prompts, max_new_tokens)
-        num_p, total = len(prompts), len(prompts) * n
-        prompt_lens = np.asarray([len(p) for p in prompts], np.int32)
-        pb = pow2_at_least(num_p)
-        tb = min(pow2_at_least(int(prompt_lens.max()), cfg.prompt_bucket), cfg.max_cache_len)
-        tokens = np.zeros((pb, tb), np.int32)
-        lens = np.ones((pb,), np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
-            lens[i] = len(p)
-        b = self.batch_bucket(total)
-        rows = np.zeros((b,), np.int32)
-        rows[:total] = np.repeat(np.arange(num_p), n)
-        pad = np.arange(b) >= total
-        seq_ids = np.where(pad, -1, np.arange(b)).astype(np.int32)
-        keys = np.zeros((b, 2), np.uint32)
-        keys[:total] = np.asarray(jax.random.key_data(jax.random.split(key, total)))
-        max_total = int(prompt_lens.max()) + max_new_tokens
-        s = self.cache_bucket(min(max(tb, int(prompt_lens.max()) + cfg.chunk_steps + 1), max_total))
+        tokens, lens, rows, pad, seq_ids, keys = self._prefill_rows(prompts, n, key)
+        (pb, tb), b, longest = tokens.shape, len(rows), max(len(p) for p in prompts)
+        max_total = longest + max_new_tokens
+        s = self.cache_bucket(min(max(tb, longest + cfg.chunk_steps + 1), max_total))
         s = max(s, self.cache_bucket(tb))
         use_drafter, use_prompt = self.needs()
         prog = decode.PrefillProgram(
@@ -474,6 +444,32 @@ class RolloutEngine:
             cfg.record_hidden,
         )
         return self.programs.run(key_, fn, args)[0]
+
+    def _prefill_rows(
+        self, prompts: Sequence[Sequence[int]], n: int, key: jax.Array
+    ) -> tuple[np.ndarray, ...]:
+        """The host arrays of a prefill: the unique prompts [P_bucket, T_bucket] and their lengths [P_bucket]
+        (buckets: powers of two; padding prompts have length 1), then per row of the batch bucket
+        (sequence-major; padding rows past len(prompts) * n): its prompt, padding flag, sequence id (-1 for
+        padding) and PRNG key data (`key` split into one key per sequence)."""
+        cfg = self.config
+        num_p, total = len(prompts), len(prompts) * n
+        prompt_lens = np.asarray([len(p) for p in prompts], np.int32)
+        pb = pow2_at_least(num_p)
+        tb = min(pow2_at_least(int(prompt_lens.max()), cfg.prompt_bucket), cfg.max_cache_len)
+        tokens = np.zeros((pb, tb), np.int32)
+        lens = np.ones((pb,), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+            lens[i] = len(p)
+        b = self.batch_bucket(total)
+        rows = np.zeros((b,), np.int32)
+        rows[:total] = np.repeat(np.arange(num_p), n)
+        pad = np.arange(b) >= total
+        seq_ids = np.where(pad, -1, np.arange(b)).astype(np.int32)
+        keys = np.zeros((b, 2), np.uint32)
+        keys[:total] = np.asarray(jax.random.key_data(jax.random.split(key, total)))
+        return tokens, lens, rows, pad, seq_ids, keys
 
     # ---- the host loop --------------------------------------------------------------------------------
     def generate(

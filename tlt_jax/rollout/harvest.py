@@ -10,13 +10,13 @@ final `Rollout` in sequence order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.rollout.hooks import FinishedSequences, RolloutHooks
+from tlt_jax.rollout.interface import EngineLike
 from tlt_jax.rollout.types import DecodeState, Rollout, RolloutStats
 
 
@@ -25,7 +25,7 @@ class Harvester:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineLike,
         prompts: Sequence[Sequence[int]],
         n: int,
         max_new: int,

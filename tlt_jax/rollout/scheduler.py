@@ -18,14 +18,15 @@ import jax
 import numpy as np
 
 from tlt_jax.rollout.harvest import Harvester
-from tlt_jax.rollout.hooks import ChunkView, RolloutHooks, RolloutInfo, ThresholdPolicy, as_hooks
+from tlt_jax.rollout.hooks import ChunkView, HookList, RolloutHooks, RolloutInfo, ThresholdPolicy, as_hooks
+from tlt_jax.rollout.interface import EngineLike
 from tlt_jax.rollout.ngram import NgramBank
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.types import Rollout, RolloutStats
+from tlt_jax.rollout.types import DecodeState, Rollout, RolloutStats
 
 
 def generate(
-    engine: Any,
+    engine: EngineLike,
     prompts: Sequence[Sequence[int]],
     *,
     n: int,
@@ -35,20 +36,48 @@ def generate(
     hooks: RolloutHooks | Iterable[RolloutHooks | None] | None,
 ) -> Rollout:
     """Sample `n` responses for each prompt with `engine` (a `RolloutEngine`, which calls this; see the module
-    docstring)."""
-    cfg = engine.config
-    max_new = max_new_tokens or cfg.max_new_tokens
+    docstring): prefill, then one `_HostLoop.step` per chunk until every sequence has finished."""
+    max_new = max_new_tokens or engine.config.max_new_tokens
     t_start = time.perf_counter()
     stats = RolloutStats()
+    hook = _rollout_hooks(engine, hooks)
+    hook.on_start(RolloutInfo(len(prompts), n, max_new, engine.data_size, tuple(engine.modes)))
+    loop = _prefill(engine, prompts, n, key, sampling, max_new, hook, stats)
+    while loop.step():
+        pass
+    rollout = loop.harvest.rollout(stats)
+    stats.wall_seconds = time.perf_counter() - t_start
+    hook.on_end(rollout)
+    return rollout
+
+
+def _rollout_hooks(
+    engine: EngineLike, hooks: RolloutHooks | Iterable[RolloutHooks | None] | None
+) -> HookList:
+    """The caller's hooks, then (when `config.spec` registered a mode) the SpecConfig threshold switch, which
+    chooses the mode of the chunks no earlier hook chose."""
     default = None
     if engine.spec_mode is not None:
-        s = cfg.spec
+        s = engine.config.spec
         default = ThresholdPolicy(engine.spec_mode, s.threshold, s.min_steps_below)
-    hook = as_hooks(hooks, default)
-    num_p = len(prompts)
-    hook.on_start(RolloutInfo(num_p, n, max_new, engine.data_size, tuple(engine.modes)))
+    return as_hooks(hooks, default)
 
+
+def _prefill(
+    engine: EngineLike,
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    key: jax.Array,
+    sampling: SamplingParams,
+    max_new: int,
+    hook: RolloutHooks,
+    stats: RolloutStats,
+) -> _HostLoop:
+    """Prefill the prompts (the drafter's weights read once here: the rollout drafts with one snapshot) and
+    set up the loop: the harvester (with the prompts' hidden states when recorded), each row's sequence id
+    (-1: padding row) and, for n-gram modes, the sibling bank."""
     t0 = time.perf_counter()
+    num_p = len(prompts)
     dparams = engine.drafter_params  # one snapshot of the drafter for the whole rollout
     state, prompt_h = engine.prefill(
         prompts, n=n, key=key, sampling=sampling, max_new_tokens=max_new, drafter_params=dparams
@@ -65,45 +94,97 @@ def generate(
         bank = jax.device_put(bank, engine.replicated)
     stats.add_time("prefill", time.perf_counter() - t0)
     max_total = int(max(len(p) for p in prompts)) + max_new
+    return _HostLoop(engine, hook, harvest, stats, sampling, dparams, state, seq_ids, bank, max_total)
 
-    while True:
+
+@dataclasses.dataclass
+class _HostLoop:
+    """The rollout between chunks: the device state, each row's sequence id (-1: padding) and the n-gram
+    bank change every chunk; the rest is fixed for the rollout. `step` runs one iteration of the loop."""
+
+    engine: EngineLike
+    hook: RolloutHooks
+    harvest: Harvester
+    stats: RolloutStats
+    sampling: SamplingParams
+    dparams: Any  # the drafter's weights, read once at the prefill
+    state: DecodeState
+    seq_ids: np.ndarray
+    bank: NgramBank | None
+    max_total: int  # the longest prompt + max_new: no row's cache needs more
+
+    def step(self) -> bool:
+        """Harvest, compact, choose the mode, grow the cache, run one chunk; False once all have finished."""
         t0 = time.perf_counter()
-        state, done, lengths = harvest.collect(state, seq_ids)
-        d = engine.data_size
-        b_local = state.done.shape[0] // d
+        self.state, done, lengths = self.harvest.collect(self.state, self.seq_ids)
+        d = self.engine.data_size
+        b_local = self.state.done.shape[0] // d
         live_shard = (~done).reshape(d, b_local).sum(axis=1)
         if live_shard.sum() == 0:
-            break
+            return False
+        done, lengths, b_local = self._compact(done, lengths, live_shard, b_local)
+        mode = self._choose_mode(int(live_shard.sum()))
+        self._grow_cache(mode, done, lengths)
+        self.stats.add_time("host", time.perf_counter() - t0)
+        self._run_chunk(mode, done, b_local)
+        return True
+
+    def _compact(
+        self, done: np.ndarray, lengths: np.ndarray, live_shard: np.ndarray, b_local: int
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Gather each shard's live rows into the smallest local bucket that holds the fullest shard (when
+        `config.compact` and it is smaller); returns the rows' done flags, lengths and the local bucket."""
+        engine, d = self.engine, self.engine.data_size
         new_local = engine.local_bucket(int(live_shard.max()))
-        if cfg.compact and new_local < b_local:
-            if bank is not None:
-                bank = engine.update_bank(bank, state)
+        if engine.config.compact and new_local < b_local:
+            if self.bank is not None:
+                self.bank = engine.update_bank(self.bank, self.state)
             sel, pad = _shard_selection((~done).reshape(d, b_local), new_local)
-            state = engine.gather_rows(state, sel, pad.reshape(-1))
+            self.state = engine.gather_rows(self.state, sel, pad.reshape(-1))
             glob = (np.arange(d)[:, None] * b_local + sel.reshape(d, new_local)).reshape(-1)
-            seq_ids = np.where(pad.reshape(-1), -1, seq_ids[glob])
+            self.seq_ids = np.where(pad.reshape(-1), -1, self.seq_ids[glob])
             done, lengths = done[glob] | pad.reshape(-1), lengths[glob]
             b_local = new_local
-        n_live = int(live_shard.sum())
-        mode = hook.choose_mode(n_live, state.done.shape[0]) or "plain"
-        if mode != "plain" and mode not in engine.modes:
+        return done, lengths, b_local
+
+    def _choose_mode(self, n_live: int) -> str:
+        """The hooks' mode for the next chunk ("plain" when none chooses); it must be a registered mode."""
+        mode = self.hook.choose_mode(n_live, self.state.done.shape[0]) or "plain"
+        if mode != "plain" and mode not in self.engine.modes:
             raise KeyError(
-                f"a hook chose mode {mode!r}: registered modes {sorted(engine.modes)} (and 'plain')"
+                f"a hook chose mode {mode!r}: registered modes {sorted(self.engine.modes)} (and 'plain')"
             )
+        return mode
+
+    def _grow_cache(self, mode: str, done: np.ndarray, lengths: np.ndarray) -> None:
+        """Resize the cache to the bucket the chunk needs: the longest live row plus the chunk's tokens and
+        lookahead, capped at the longest sequence the rollout can reach."""
+        engine = self.engine
         per_step, ahead = (
             (1, 1) if mode == "plain" else (engine.modes[mode].tokens_per_step, engine.modes[mode].lookahead)
         )
-        need = min(int(lengths[~done].max()) + cfg.chunk_steps * per_step + ahead, max_total + ahead)
+        need = min(
+            int(lengths[~done].max()) + engine.config.chunk_steps * per_step + ahead, self.max_total + ahead
+        )
         s_new = engine.cache_bucket(need)
-        if s_new != state.cache.capacity:
-            state = engine.resize_cache(state, s_new)
-        stats.add_time("host", time.perf_counter() - t0)
+        if s_new != self.state.cache.capacity:
+            self.state = engine.resize_cache(self.state, s_new)
 
-        exit_live = b_local // 2 if cfg.compact and b_local > 1 else -1
-        before = harvest.tokens_so_far(state, seq_ids)
-        work = hook.idle_work(tuple(int(x) for x in (~done).reshape(d, -1).sum(axis=1))) if d > 1 else None
-        state, record, bank = engine.decode_chunk(state, mode, sampling, bank, exit_live, dparams, work)
-        record = dataclasses.replace(record, new_tokens=harvest.tokens_so_far(state, seq_ids) - before)
+    def _run_chunk(self, mode: str, done: np.ndarray, b_local: int) -> None:
+        """Run the chunk (exiting early once half the local bucket has finished, when compacting; with idle
+        work from the hooks fused in on a data axis > 1), record its timeline and report it to the hooks."""
+        engine, stats, d = self.engine, self.stats, self.engine.data_size
+        exit_live = b_local // 2 if engine.config.compact and b_local > 1 else -1
+        before = self.harvest.tokens_so_far(self.state, self.seq_ids)
+        work = (
+            self.hook.idle_work(tuple(int(x) for x in (~done).reshape(d, -1).sum(axis=1))) if d > 1 else None
+        )
+        self.state, record, self.bank = engine.decode_chunk(
+            self.state, mode, self.sampling, self.bank, exit_live, self.dparams, work
+        )
+        record = dataclasses.replace(
+            record, new_tokens=self.harvest.tokens_so_far(self.state, self.seq_ids) - before
+        )
         stats.add_time("decode" if mode == "plain" else "speculative", record.seconds)
         if record.compiled:
             stats.add_time("compile", record.compile_seconds)
@@ -111,13 +192,9 @@ def generate(
         stats.sd_per_step.extend([mode != "plain"] * record.steps)
         stats.seconds_per_step.extend([record.seconds / max(record.steps, 1)] * record.steps)
         stats.chunks.append(record)
-        done_now = np.asarray(jax.device_get(state.done)).reshape(d, -1)
-        hook.on_chunk(ChunkView(record, tuple(int(x) for x in (~done_now).sum(axis=1)), harvest.num_finished))
-
-    rollout = harvest.rollout(stats)
-    stats.wall_seconds = time.perf_counter() - t_start
-    hook.on_end(rollout)
-    return rollout
+        done_now = np.asarray(jax.device_get(self.state.done)).reshape(d, -1)
+        live = tuple(int(x) for x in (~done_now).sum(axis=1))
+        self.hook.on_chunk(ChunkView(record, live, self.harvest.num_finished))
 
 
 def _shard_selection(live_db: np.ndarray, new_local: int) -> tuple[np.ndarray, np.ndarray]:
