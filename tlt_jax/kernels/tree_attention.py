@@ -29,18 +29,15 @@ it runs an online softmax in two phases:
 With `kv_splits > 1` the prefix blocks are split over an extra grid axis (more programs for small batches,
 flash-decoding style) and the partial results are merged in the wrapper; `kv_splits=0` picks the split count
 per call from the grid size (a batch-1 call fills the GPU, a batch-32 one takes no split).
+The tile and launch parameters (`BlockSizes`, and the tuned defaults) are in `tree_attention_blocks`,
+re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import math
-import os
-import pathlib
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -50,6 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tlt_jax.kernels import cpu_ffi
+from tlt_jax.kernels.tree_attention_blocks import BLOCK_SIZES_ENV as BLOCK_SIZES_ENV
+from tlt_jax.kernels.tree_attention_blocks import BlockSizes, default_block_sizes
 
 IMPLS = ("auto", "reference", "pallas", "cpu_ffi")
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
@@ -96,84 +95,8 @@ def tree_attention_reference(
     return out.reshape(b, t, hq, d).astype(q_bthd.dtype)
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
-
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile and launch parameters of the Pallas kernel (static: hashable, used as a jit static argument).
-
-    Attributes:
-      block_q: query rows per program; a row is one (new token, query head of the KV group) pair. Clipped to
-        the next power of two >= the row count (and >= 16, the smallest `tl.dot` tile).
-      block_k: keys per inner step over the prefix, and the chunk size over the tree tokens.
-      kv_splits: programs sharing one row's prefix (flash-decoding split-K); > 1 helps small batches on
-        big GPUs, at the cost of a merge in the wrapper. 0: per call, the fewest splits that bring the grid
-        to `target_programs` programs (at most one per key block): split-K where the batch is small only.
-      target_programs: the grid size `kv_splits=0` aims for (about 1-2 programs per SM).
-      num_warps: Triton warps per program; None = 4 for head dim <= 64, else 8.
-      num_stages: Triton software-pipelining stages.
-    """
-
-    block_q: int = 64
-    block_k: int = 64
-    kv_splits: int = 1
-    target_programs: int = 256
-    num_warps: int | None = None
-    num_stages: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("block_q", "block_k"):
-            val = getattr(self, name)
-            if not (_is_pow2(val) and val >= 16):
-                raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {val}")
-        if self.kv_splits < 0 or self.target_programs < 1:
-            raise ValueError(f"BlockSizes: kv_splits must be >= 0 and target_programs >= 1, got {self}")
-
-    def splits_for(self, programs: int, key_blocks: int) -> int:
-        """KV splits for a grid of `programs` (rows x KV heads x query blocks) over `key_blocks` blocks."""
-        if self.kv_splits:
-            return self.kv_splits
-        return max(1, min(-(-self.target_programs // programs), key_blocks))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, fields: Mapping[str, Any]) -> BlockSizes:
-        """From `to_dict()`'s output; unknown keys are errors (a typo must not fall back silently)."""
-        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"BlockSizes: unknown fields {sorted(unknown)}")
-        return cls(**fields)
-
-
-# Tuned block sizes (the tuning hook): `experiments/bench_tree_attention.py --tune --tuned-out FILE` writes
-# {"by_dtype": {"bfloat16": {...BlockSizes fields...}}, ...} for the device it ran on; pointing this variable
-# at FILE (or holding that JSON inline) makes every caller that passes no `block_sizes` use them for that
-# dtype (other dtypes keep `BlockSizes()`). experiments/gpu_suite.py sets it for the phases after tuning.
-BLOCK_SIZES_ENV = "TLT_TREE_ATTENTION_BLOCK_SIZES"
-
-
-@functools.cache
-def default_block_sizes(dtype: str) -> BlockSizes:
-    """The kernel's block sizes when a caller gives none: `BlockSizes()`, or the tuned entry for `dtype` (a
-    dtype name, e.g. "bfloat16") in `$TLT_TREE_ATTENTION_BLOCK_SIZES`. Read once per process and dtype
-    (traced programs are cached by jit anyway); a malformed file raises rather than silently untuned."""
-    spec = os.environ.get(BLOCK_SIZES_ENV, "").strip()
-    if not spec:
-        return BlockSizes()
-    try:
-        tuned = json.loads(spec if spec.startswith("{") else pathlib.Path(spec).read_text())
-        entry = tuned.get("by_dtype", {}).get(dtype)
-        return BlockSizes() if entry is None else BlockSizes.from_dict(entry)
-    except (OSError, ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"${BLOCK_SIZES_ENV}={spec[:200]!r}: not a tuned block-size file ({e})") from e
 
 
 def _tree_attention_kernel(
@@ -274,48 +197,104 @@ def _pallas_forward(
     block_sizes: BlockSizes,
     interpret: bool,
 ) -> jax.Array:
-    """Layout plumbing around the kernel: group query rows, slice the tree K/V, pad to Triton shapes."""
+    """Layout plumbing around the kernel: group query rows, slice the tree K/V, pad to Triton shapes, call the
+    kernel, merge its KV splits and ungroup the rows."""
     b, t, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     g = hq // hkv
-    out_dtype = q.dtype
-    cdt = k.dtype  # tl.dot wants equal operand types: compute in the cache dtype
+    tiles = _tiles(t, g, d, s, block_sizes)
     lengths = lengths.astype(jnp.int32)
+    operands = _kernel_operands(q, k, v, lengths, tree_mask, tiles)
+    splits = block_sizes.splits_for(b * hkv * (tiles.rows_pad // tiles.block_m), tiles.s_pad // tiles.block_k)
+    out = _call_kernel(operands, tiles, block_sizes, splits, d, q.dtype, interpret)
+    if splits > 1:
+        out = _merge_splits(*out, q.dtype)
+    out = out[:, :, : tiles.rows, :d].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(b, t, hq, d)
 
-    # Tree tokens' K/V, sliced out of the cache ([B, Hkv, T, D]; tiny next to the cache).
+
+class _Tiles(NamedTuple):
+    """One call's static tile sizes and padded extents (Python ints)."""
+
+    rows: int  # query rows of one KV group: row r = token (r // G), head (r % G)
+    block_m: int  # query rows per program
+    rows_pad: int
+    t_pad: int  # tree tokens, padded
+    block_t: int  # tree tokens per inner step
+    d_pad: int  # head dim, padded
+    block_k: int  # prefix keys per inner step
+    s_pad: int  # cache length, padded
+
+
+def _tiles(t: int, g: int, d: int, s: int, block_sizes: BlockSizes) -> _Tiles:
+    """Triton-friendly shapes: power-of-two tiles >= 16 (the smallest `tl.dot`) clipped to the problem. The
+    head dim is padded only when not a power of two >= 16 and the cache only when S is not a multiple of
+    block_k (either is a copy of the cache, so keep head dims 32/64/128)."""
+    rows = t * g
+    block_m = min(block_sizes.block_q, max(16, pl.next_power_of_2(rows)))
+    t_pad = max(16, pl.next_power_of_2(t))
+    block_k = min(block_sizes.block_k, max(16, pl.next_power_of_2(s)))
+    return _Tiles(
+        rows=rows,
+        block_m=block_m,
+        rows_pad=_round_up(rows, block_m),
+        t_pad=t_pad,
+        block_t=min(t_pad, block_sizes.block_k),
+        d_pad=max(16, pl.next_power_of_2(d)),
+        block_k=block_k,
+        s_pad=_round_up(s, block_k),
+    )
+
+
+def _kernel_operands(
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_mask: jax.Array, tiles: _Tiles
+) -> tuple[jax.Array, ...]:
+    """The kernel's inputs, zero-padded to `tiles`: lengths [B]; the query rows of each KV group [B, Hkv,
+    rows, D] in the cache dtype (`tl.dot` wants equal operand types); the K and V cache [B, Hkv, S, D]; the
+    tree tokens' K and V sliced out of it [B, Hkv, T, D] (tiny next to the cache); the tree mask per query
+    row [B, rows, T] int8."""
+    b, t, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv
+
     def take_new(cache_hsd: jax.Array, start: jax.Array) -> jax.Array:
         return lax.dynamic_slice_in_dim(cache_hsd, start, t, axis=1)
 
     k_new = jax.vmap(take_new)(k, lengths)
     v_new = jax.vmap(take_new)(v, lengths)
-
-    # Query rows of one KV group: row r = token (r // G), head (r % G).
-    rows = t * g
-    block_m = min(block_sizes.block_q, max(16, pl.next_power_of_2(rows)))
-    rows_pad = _round_up(rows, block_m)
-    q_rows = q.astype(cdt).reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-    t_pad = max(16, pl.next_power_of_2(t))
-    block_t = min(t_pad, block_sizes.block_k)
+    q_rows = (
+        q.astype(k.dtype).reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tiles.rows, d)
+    )
     tm_rows = jnp.repeat(tree_mask, g, axis=1).astype(jnp.int8)  # [B, rows, T]
+    pad_rows, pad_t, pad_d = tiles.rows_pad - tiles.rows, tiles.t_pad - t, tiles.d_pad - d
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, pad_rows), (0, pad_d)))
+    tm_rows = jnp.pad(tm_rows, ((0, 0), (0, pad_rows), (0, pad_t)))
+    k_new, v_new = (jnp.pad(x, ((0, 0), (0, 0), (0, pad_t), (0, pad_d))) for x in (k_new, v_new))
+    if tiles.s_pad != s or tiles.d_pad != d:
+        k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, tiles.s_pad - s), (0, pad_d))) for x in (k, v))
+    return lengths, q_rows, k, v, k_new, v_new, tm_rows
 
-    # Triton-friendly padding. Head dim: only when not a power of two >= 16 (a copy of the cache, so keep
-    # head dims 32/64/128). Cache length: only when S is not a multiple of block_k (also a copy).
-    d_pad = max(16, pl.next_power_of_2(d))
-    block_k = min(block_sizes.block_k, max(16, pl.next_power_of_2(s)))
-    s_pad = _round_up(s, block_k)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_pad - rows), (0, d_pad - d)))
-    tm_rows = jnp.pad(tm_rows, ((0, 0), (0, rows_pad - rows), (0, t_pad - t)))
-    k_new, v_new = (jnp.pad(x, ((0, 0), (0, 0), (0, t_pad - t), (0, d_pad - d))) for x in (k_new, v_new))
-    if s_pad != s or d_pad != d:
-        k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, s_pad - s), (0, d_pad - d))) for x in (k, v))
 
-    splits = block_sizes.splits_for(b * hkv * (rows_pad // block_m), s_pad // block_k)
-    grid = (b, hkv, rows_pad // block_m, splits)
+def _call_kernel(
+    operands: tuple[jax.Array, ...],
+    tiles: _Tiles,
+    block_sizes: BlockSizes,
+    splits: int,
+    head_dim: int,
+    out_dtype: jnp.dtype,
+    interpret: bool,
+) -> Any:
+    """The pallas_call over the grid (B, Hkv, query-row blocks, KV splits). Returns the output [B, Hkv,
+    rows_pad, d_pad] in `out_dtype`, or with `splits` > 1 the float32 partials: the unnormalised output
+    [B, Hkv, splits, rows_pad, d_pad], its running max and sum [B, Hkv, splits, rows_pad]."""
+    b, hkv = operands[1].shape[:2]
+    cdt = operands[2].dtype
+    block_m, d_pad, s_pad, t_pad = tiles.block_m, tiles.d_pad, tiles.s_pad, tiles.t_pad
     kernel = functools.partial(
         _tree_attention_kernel,
-        sm_scale=1.0 / math.sqrt(d),
-        block_k=block_k,
-        block_t=block_t,
+        sm_scale=1.0 / math.sqrt(head_dim),
+        block_k=tiles.block_k,
+        block_t=tiles.block_t,
         kv_splits=splits,
         precision=lax.Precision.HIGHEST if cdt == jnp.float32 else None,  # fp32: IEEE dots, not TF32
     )
@@ -329,13 +308,13 @@ def _pallas_forward(
         pl.BlockSpec((None, block_m, t_pad), lambda bi, h, i, sp: (bi, i, 0)),
     ]
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((b, hkv, rows_pad, d_pad), out_dtype)
+        out_shape = jax.ShapeDtypeStruct((b, hkv, tiles.rows_pad, d_pad), out_dtype)
         out_specs = pl.BlockSpec((None, None, block_m, d_pad), lambda bi, h, i, sp: (bi, h, i, 0))
     else:
         out_shape = (
-            jax.ShapeDtypeStruct((b, hkv, splits, rows_pad, d_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, splits, rows_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, splits, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, tiles.rows_pad, d_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, tiles.rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, tiles.rows_pad), jnp.float32),
         )
         out_specs = (
             pl.BlockSpec((None, None, None, block_m, d_pad), lambda bi, h, i, sp: (bi, h, sp, i, 0)),
@@ -343,26 +322,25 @@ def _pallas_forward(
             pl.BlockSpec((None, None, None, block_m), lambda bi, h, i, sp: (bi, h, sp, i)),
         )
     num_warps = block_sizes.num_warps or (4 if d_pad <= 64 else 8)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=grid,
+        grid=(b, hkv, tiles.rows_pad // block_m, splits),
         in_specs=in_specs,
         out_specs=out_specs,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=block_sizes.num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(lengths, q_rows, k, v, k_new, v_new, tm_rows)
+    )(*operands)
 
-    if splits > 1:  # merge the per-split partial softmaxes (base-2 logits)
-        o_part, m_part, l_part = out
-        m_all = jnp.max(m_part, axis=2, keepdims=True)
-        w = jnp.exp2(m_part - m_all)  # [B, Hkv, splits, rows_pad]; empty splits weigh 0
-        l_all = jnp.sum(w * l_part, axis=2)
-        o_sum = jnp.sum(w[..., None] * o_part, axis=2)
-        out = (o_sum / jnp.where(l_all > 0, l_all, 1.0)[..., None]).astype(out_dtype)
-    out = out[:, :, :rows, :d].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
-    return out.reshape(b, t, hq, d)
+
+def _merge_splits(o_part: jax.Array, m_part: jax.Array, l_part: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    """Merge the per-split partial softmaxes (base-2 logits) into the output [B, Hkv, rows_pad, d_pad]."""
+    m_all = jnp.max(m_part, axis=2, keepdims=True)
+    w = jnp.exp2(m_part - m_all)  # [B, Hkv, splits, rows_pad]; empty splits weigh 0
+    l_all = jnp.sum(w * l_part, axis=2)
+    o_sum = jnp.sum(w[..., None] * o_part, axis=2)
+    return (o_sum / jnp.where(l_all > 0, l_all, 1.0)[..., None]).astype(out_dtype)
 
 
 _Arrays5 = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
