@@ -55,7 +55,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.utils.checkpoint import Checkpointer, DrafterCheckpointer
+from tlt_jax.utils.checkpoint import Checkpointer, DrafterCheckpointer, SaveInfo
 from tlt_jax.utils.tracking import JsonlTracker
 
 DRAFTER_DIR = "drafter"
@@ -182,9 +182,8 @@ def train(
         state = trainer.restore(ckpt)
         _log(f"resumed drafter training at step {start}")
     tracker.truncate_from(start + 1)
-    steps = int(tc.steps)
     stats: dict[str, float] = {"train_tokens": 0.0, "train_seconds": 0.0}
-    if start >= steps:
+    if start >= int(tc.steps):
         ckpt.close()
         return trainer.graphdef, state, stats
     embed_w, head_w = target_weights(target)
@@ -195,50 +194,77 @@ def train(
         f"{tc.rows}x{tc.seq_len}, chain steps trained {1 + loss_cfg.ttt_steps}, CE over "
         f"{head_w.shape[0] if head_w.shape[0] != target.cfg.vocab_size else 'the full'} vocabulary"
     )
-    seq_len, rows = int(tc.seq_len), int(tc.rows)
-    plan = batch_plan(train_samples, seq_len, rows, int(config.seed), loss_cfg.max_loss_tokens)
-    log_every = max(1, int(tc.log_every))
-    acc: dict[str, float] = {}
-    t_window = t_start = time.perf_counter()
-    bar = tqdm(total=steps, initial=start, desc="drafter train", file=sys.stderr, mininterval=5.0)
-    try:
-        for step in range(start, steps):
-            picked = [train_samples[i] for i in plan(step)]
-            batch, _ = pack_samples(
-                picked, seq_len, rows, train_samples[0].hidden_size, loss_cfg.max_loss_tokens
-            )
-            state, m = trainer.step(state, to_device(batch), embed_w, head_w)
-            for k, v in m.items():
-                acc[k] = acc.get(k, 0.0) + float(v)
-            bar.update(1)
-            done = step + 1
-            if done % log_every == 0 or done == steps:
-                n = log_every if done % log_every == 0 else done % log_every
-                dt = time.perf_counter() - t_window
-                tok = acc.get("num_tokens", 0.0)
-                row = {f"train/{k}": v / n for k, v in acc.items() if k != "num_tokens"}
-                row.update(
-                    {
-                        "train/lr": float(sched(step)),
-                        "train/loss_tokens_per_s": tok / max(dt, 1e-9),
-                        "train/step_s": dt / n,
-                    }
-                )
-                tracker.log(done, row)
-                bar.set_postfix_str(
-                    f"loss {row['train/loss']:.3f} ce {row['train/ce']:.3f} top1 {row['train/top1_acc']:.3f}",
-                    refresh=False,
-                )
-                stats["train_tokens"] += tok
-                acc, t_window = {}, time.perf_counter()
-            if done % max(1, int(tc.checkpoint_every)) == 0 or done == steps:
-                trainer.save(ckpt, state)
-    finally:
-        bar.close()
-        ckpt.close()
-    stats["train_seconds"] = time.perf_counter() - t_start
+    loop = _TrainLoop(config, trainer, sched, loss_cfg, train_samples, tracker, embed_w, head_w)
+    state = loop.run(state, ckpt, start, stats)
     stats.update(_heldout_loss(config, trainer.graphdef, loss_cfg, state, eval_samples, embed_w, head_w))
     return trainer.graphdef, state, stats
+
+
+@dataclasses.dataclass
+class _TrainLoop:
+    """`train`'s step loop: the fixed pieces of one training run (trainer, schedule, data, target weights)."""
+
+    config: Any
+    trainer: DrafterTrainer
+    sched: Any  # the learning-rate schedule (logged)
+    loss_cfg: LossConfig
+    samples: Sequence[DrafterSample]
+    tracker: JsonlTracker
+    embed_w: jax.Array
+    head_w: jax.Array
+
+    def run(self, state: TrainState, ckpt: Checkpointer, start: int, stats: dict[str, float]) -> TrainState:
+        """Steps `start`..`train.steps`: pack each step's planned batch and update; log the mean metrics every
+        `log_every` steps, checkpoint every `checkpoint_every` (and both at the end). Closes `ckpt`; adds the
+        loss tokens and the wall seconds to `stats`."""
+        tc, samples, max_loss = self.config.train, self.samples, self.loss_cfg.max_loss_tokens
+        steps, seq_len, rows = int(tc.steps), int(tc.seq_len), int(tc.rows)
+        plan = batch_plan(samples, seq_len, rows, int(self.config.seed), max_loss)
+        log_every = max(1, int(tc.log_every))
+        acc: dict[str, float] = {}
+        t_window = t_start = time.perf_counter()
+        bar = tqdm(total=steps, initial=start, desc="drafter train", file=sys.stderr, mininterval=5.0)
+        try:
+            for step in range(start, steps):
+                picked = [samples[i] for i in plan(step)]
+                batch, _ = pack_samples(picked, seq_len, rows, samples[0].hidden_size, max_loss)
+                state, m = self.trainer.step(state, to_device(batch), self.embed_w, self.head_w)
+                for k, v in m.items():
+                    acc[k] = acc.get(k, 0.0) + float(v)
+                bar.update(1)
+                done = step + 1
+                if done % log_every == 0 or done == steps:
+                    n = log_every if done % log_every == 0 else done % log_every
+                    stats["train_tokens"] += self._log_window(
+                        bar, step, acc, n, time.perf_counter() - t_window
+                    )
+                    acc, t_window = {}, time.perf_counter()
+                if done % max(1, int(tc.checkpoint_every)) == 0 or done == steps:
+                    self.trainer.save(ckpt, state)
+        finally:
+            bar.close()
+            ckpt.close()
+        stats["train_seconds"] = time.perf_counter() - t_start
+        return state
+
+    def _log_window(self, bar: tqdm, step: int, acc: dict[str, float], n: int, dt: float) -> float:
+        """Log the mean metrics of the last `n` steps (summed in `acc`, over `dt` seconds) at step + 1, with
+        the learning rate and throughput; returns the window's loss tokens."""
+        tok = acc.get("num_tokens", 0.0)
+        row = {f"train/{k}": v / n for k, v in acc.items() if k != "num_tokens"}
+        row.update(
+            {
+                "train/lr": float(self.sched(step)),
+                "train/loss_tokens_per_s": tok / max(dt, 1e-9),
+                "train/step_s": dt / n,
+            }
+        )
+        self.tracker.log(step + 1, row)
+        bar.set_postfix_str(
+            f"loss {row['train/loss']:.3f} ce {row['train/ce']:.3f} top1 {row['train/top1_acc']:.3f}",
+            refresh=False,
+        )
+        return tok
 
 
 def _heldout_loss(
@@ -290,36 +316,21 @@ def _fmt_eval(r: AcceptanceResult) -> str:
 
 
 def run(config: Any, workdir: str | os.PathLike) -> str:
-    """Run (or resume) the drafter warm-up in `workdir`; returns "done". See the module docstring."""
+    """Run (or resume) the drafter warm-up in `workdir`; returns "done". See the module docstring: its phases
+    are `train` and the helpers below, in the order this calls them."""
     wd = pathlib.Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
     data_dir = wd / DATA_DIR
     data_dir.mkdir(exist_ok=True)
     times = PhaseTimes(wd / PHASE_TIMES_FILE)
     result_path = wd / RESULT_FILE
-    finished = json.loads(result_path.read_text()) if result_path.exists() else {}
-    if finished.get("complete"):
-        trained = int(finished.get("drafter_checkpoint", {}).get("step", 0))
-        if trained >= int(config.train.steps):
-            _log(f"already complete: {result_path}")
-            return "done"
-        # a longer schedule for a finished workdir: training resumes from its last state (the cosine
-        # schedule is recomputed for the new length: a warm restart), on the cached data plus any new prompts
-        _log(f"extending the finished warm-up from {trained} to {int(config.train.steps)} training steps")
+    if _already_complete(config, result_path):
+        return "done"
     tracker = JsonlTracker(wd)
     tracker.log_config(config)
     t_run = time.perf_counter()
-
-    t0 = time.perf_counter()
-    target, tokenizer = build_target(config)
-    times.add("load_target", time.perf_counter() - t0)
-    _log(
-        f"target: {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}, "
-        f"vocab {target.cfg.vocab_size}"
-    )
-
-    # ---- data
-    gen = config.generation
+    target, tokenizer = _load_target(config, times)
+    # phase 2: the training and held-out data (generated, or loaded from the cache)
     (train_samples, train_data), (eval_samples, eval_data) = build_data(
         config, target, tokenizer, data_dir, times
     )
@@ -327,68 +338,18 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
         f"data: {len(train_samples)} train sequences ({int(train_data['response_tokens'])} response tokens), "
         f"{len(eval_samples)} held-out ({int(eval_data['response_tokens'])})"
     )
+    vocab_path, draft_vocab = _draft_vocab(config, wd, target, tokenizer)
+    evaluator, params0 = _evaluator(config, target, draft_vocab)
+    before = _eval_before(config, wd, evaluator, params0, eval_samples, target, times, tracker)
 
-    # ---- the drafter head's reduced vocabulary (tlt_jax.drafter.draft_vocab): the target's most frequent
-    # generated tokens; used by the training CE (train.ce_draft_vocab), the sampled evaluation and rollouts
-    vocab_size = int(config.get("draft_vocab_size", 0))
-    vocab_path, draft_vocab = None, None
-    if vocab_size > 0:
-        vocab_path = build_from_warmup(
-            wd, min(vocab_size, target.cfg.vocab_size), target.cfg.vocab_size, tokenizer.eos_token_ids
-        )
-        draft_vocab = load_draft_vocab(wd)
-        _log(f"draft vocabulary ({vocab_size} most frequent generated tokens): {vocab_path}")
-
-    # ---- eval before
-    drafter0 = init_drafter(target, int(config.seed))
-    graphdef, params0 = nnx.split(drafter0, nnx.Param)
-    ec = config.eval
-    # sampled acceptance at the data's sampling settings (what rejection-sampled chains in rollouts get)
-    eval_sp = SamplingParams(temperature=float(ec.temperature), top_p=float(gen.top_p))
-    evaluator = AcceptanceEvaluator(
-        graphdef, int(ec.depth), int(ec.seq_len), int(ec.rows), sampling=eval_sp, draft_vocab=draft_vocab
-    )
-    before_path = wd / EVAL_BEFORE_FILE
-    before: AcceptanceResult | None = None
-    if not bool(ec.get("before", True)):
-        _log("before training: skipped (config.eval.before=False; an untrained drafter accepts ~nothing)")
-    elif before_path.exists():
-        before = AcceptanceResult(**json.loads(before_path.read_text()))
-    else:
-        t0 = time.perf_counter()
-        before = _evaluate(evaluator, params0, eval_samples, target)
-        times.add("eval_before", time.perf_counter() - t0)
-        write_json(before_path, before.to_dict())
-        tracker.log(0, before.metrics("eval/"))
-    if before is not None:
-        _log(f"before training: {_fmt_eval(before)}")
-
-    # ---- train
     t0 = time.perf_counter()
-    graphdef, state, train_stats = train(
+    _, state, train_stats = train(
         config, wd, target, train_samples, eval_samples, tracker, draft_vocab=draft_vocab
     )
     times.add("train", time.perf_counter() - t0)
 
-    # ---- eval after + save
-    t0 = time.perf_counter()
-    after = _evaluate(evaluator, state.params, eval_samples, target)
-    times.add("eval_after", time.perf_counter() - t0)
-    tracker.log(int(config.train.steps), after.metrics("eval/"))
-    _log(f"after {int(config.train.steps)} steps: {_fmt_eval(after)}")
-    saver = DrafterCheckpointer(wd / DRAFTER_DIR, max_to_keep=1)
-    info = saver.save(
-        int(config.train.steps),
-        drafter_params_dict(state.params),
-        meta={
-            "target": dataclasses.asdict(target.cfg),
-            "accept_length": after.accept_length,
-            "depth": after.depth,
-        },
-    )
-    saver.close()
+    after, info = _eval_after_and_save(config, wd, evaluator, state, eval_samples, target, times, tracker)
     tracker.close()
-
     summary = {
         "complete": True,
         "before": before.to_dict() if before is not None else None,
@@ -412,6 +373,124 @@ def run(config: Any, workdir: str | os.PathLike) -> str:
     write_json(result_path, summary)
     _log(f"wrote {result_path}; phase seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.times.items()))
     return "done"
+
+
+def _already_complete(config: Any, result_path: pathlib.Path) -> bool:
+    """Whether a finished warm-up already trained `train.steps` steps. A finished workdir asked for a longer
+    schedule is extended instead: training resumes from its last state (the cosine schedule is recomputed for
+    the new length: a warm restart), on the cached data plus any new prompts."""
+    finished = json.loads(result_path.read_text()) if result_path.exists() else {}
+    if finished.get("complete"):
+        trained = int(finished.get("drafter_checkpoint", {}).get("step", 0))
+        if trained >= int(config.train.steps):
+            _log(f"already complete: {result_path}")
+            return True
+        _log(f"extending the finished warm-up from {trained} to {int(config.train.steps)} training steps")
+    return False
+
+
+def _load_target(config: Any, times: PhaseTimes) -> tuple[Transformer, Any]:
+    """Phase 1: the target model and its tokenizer (timed as `load_target`)."""
+    t0 = time.perf_counter()
+    target, tokenizer = build_target(config)
+    times.add("load_target", time.perf_counter() - t0)
+    _log(
+        f"target: {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}, "
+        f"vocab {target.cfg.vocab_size}"
+    )
+    return target, tokenizer
+
+
+def _draft_vocab(
+    config: Any, wd: pathlib.Path, target: Transformer, tokenizer: Any
+) -> tuple[pathlib.Path | None, np.ndarray | None]:
+    """The drafter head's reduced vocabulary (tlt_jax.drafter.draft_vocab) when `draft_vocab_size` > 0: the
+    target's most frequent generated tokens; used by the training CE (train.ce_draft_vocab), the sampled
+    evaluation and rollouts. Returns (its file, its token ids), or (None, None)."""
+    vocab_size = int(config.get("draft_vocab_size", 0))
+    vocab_path, draft_vocab = None, None
+    if vocab_size > 0:
+        vocab_path = build_from_warmup(
+            wd, min(vocab_size, target.cfg.vocab_size), target.cfg.vocab_size, tokenizer.eos_token_ids
+        )
+        draft_vocab = load_draft_vocab(wd)
+        _log(f"draft vocabulary ({vocab_size} most frequent generated tokens): {vocab_path}")
+    return vocab_path, draft_vocab
+
+
+def _evaluator(
+    config: Any, target: Transformer, draft_vocab: np.ndarray | None
+) -> tuple[AcceptanceEvaluator, nnx.State]:
+    """The acceptance evaluator of `config.eval` and the untrained drafter's params. Its sampled acceptance
+    uses the data's sampling settings (what rejection-sampled chains in rollouts get)."""
+    drafter0 = init_drafter(target, int(config.seed))
+    graphdef, params0 = nnx.split(drafter0, nnx.Param)
+    ec = config.eval
+    eval_sp = SamplingParams(temperature=float(ec.temperature), top_p=float(config.generation.top_p))
+    evaluator = AcceptanceEvaluator(
+        graphdef, int(ec.depth), int(ec.seq_len), int(ec.rows), sampling=eval_sp, draft_vocab=draft_vocab
+    )
+    return evaluator, params0
+
+
+def _eval_before(
+    config: Any,
+    wd: pathlib.Path,
+    evaluator: AcceptanceEvaluator,
+    params0: nnx.State,
+    eval_samples: Sequence[DrafterSample],
+    target: Transformer,
+    times: PhaseTimes,
+    tracker: JsonlTracker,
+) -> AcceptanceResult | None:
+    """Phase 3: the untrained drafter's acceptance on the held-out data (cached in `eval_before.json`;
+    skipped, None, with `eval.before=False`)."""
+    before_path = wd / EVAL_BEFORE_FILE
+    before: AcceptanceResult | None = None
+    if not bool(config.eval.get("before", True)):
+        _log("before training: skipped (config.eval.before=False; an untrained drafter accepts ~nothing)")
+    elif before_path.exists():
+        before = AcceptanceResult(**json.loads(before_path.read_text()))
+    else:
+        t0 = time.perf_counter()
+        before = _evaluate(evaluator, params0, eval_samples, target)
+        times.add("eval_before", time.perf_counter() - t0)
+        write_json(before_path, before.to_dict())
+        tracker.log(0, before.metrics("eval/"))
+    if before is not None:
+        _log(f"before training: {_fmt_eval(before)}")
+    return before
+
+
+def _eval_after_and_save(
+    config: Any,
+    wd: pathlib.Path,
+    evaluator: AcceptanceEvaluator,
+    state: TrainState,
+    eval_samples: Sequence[DrafterSample],
+    target: Transformer,
+    times: PhaseTimes,
+    tracker: JsonlTracker,
+) -> tuple[AcceptanceResult, SaveInfo]:
+    """Phase 5: the trained drafter's acceptance, then its weights saved to `DIR/drafter` (step = train
+    steps). Returns the result and the checkpointer's save info."""
+    t0 = time.perf_counter()
+    after = _evaluate(evaluator, state.params, eval_samples, target)
+    times.add("eval_after", time.perf_counter() - t0)
+    tracker.log(int(config.train.steps), after.metrics("eval/"))
+    _log(f"after {int(config.train.steps)} steps: {_fmt_eval(after)}")
+    saver = DrafterCheckpointer(wd / DRAFTER_DIR, max_to_keep=1)
+    info = saver.save(
+        int(config.train.steps),
+        drafter_params_dict(state.params),
+        meta={
+            "target": dataclasses.asdict(target.cfg),
+            "accept_length": after.accept_length,
+            "depth": after.depth,
+        },
+    )
+    saver.close()
+    return after, info
 
 
 def main(argv: Sequence[str]) -> None:

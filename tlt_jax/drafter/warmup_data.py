@@ -29,6 +29,7 @@ from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.hooks import ProgressHook
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.types import Rollout
 from tlt_jax.utils.tracking import RolloutProgress
 
 
@@ -239,49 +240,15 @@ def build_split(
     for c in range(num_chunks):
         path = _chunk_path(data_dir, split, c)
         count = min(bp, num_prompts - c * bp)
-        ident = {
-            "task": json.dumps(_plain(config.task), sort_keys=True),
-            "start": start + c * bp,
-            "count": count,
-            "n": n,
-            "temperature": float(temperature),
-            "max_new_tokens": int(gen.max_new_tokens),
-            "seed": int(config.seed),
-        }
+        ident = _chunk_ident(config, start + c * bp, count, n, temperature)
         if path.exists():
-            chunk, meta = load_chunk(path)
-            old = {k: meta.get(k) for k in ident}
-            if old != ident:
-                raise ValueError(
-                    f"{path} was generated with {old} but this config asks for {ident}: use a new workdir "
-                    f"(or delete {data_dir}) when changing the task, prompts or sampling."
-                )
+            chunk, meta = _load_cached(path, ident, data_dir)
         else:
             problems, _ = task.batch(start + c * bp, count)
             prompts = [tokenizer.encode_chat(task.messages(p)) for p in problems]
-            t0 = time.perf_counter()
-            desc = f"generate {split} {c + 1}/{num_chunks}"
-            with RolloutProgress(total=count * n, desc=desc, disable=False, mininterval=10.0) as bar:
-                roll = engine.generate(
-                    prompts, n=n, key=jax.random.fold_in(key, c), sampling=sampling, hooks=ProgressHook(bar)
-                )
-            t_gen = time.perf_counter() - t0
-            groups = [list(roll.prompt_tokens[i * n]) for i in range(count)]
-            resp = [[roll.response(i * n + k) for k in range(n)] for i in range(count)]
-            t0 = time.perf_counter()
-            seq_len = int(config.forward.seq_len)
-            if roll.hidden is not None:  # recorded while generating: every position but the newest token
-                hidden = [[roll.features(g * n + k)[:seq_len] for k in range(n)] for g in range(count)]
-            else:
-                hidden = target_hidden_states(hidden_fn, groups, resp, int(config.forward.rows), seq_len)
-            t_fwd = time.perf_counter() - t0
-            chunk = []
-            for g in range(count):
-                for k in range(n):
-                    h = hidden[g][k]
-                    seq = np.asarray(groups[g] + resp[g][k], np.int32)[: len(h)]
-                    m = np.arange(len(h)) >= len(groups[g])
-                    chunk.append(DrafterSample(seq, _hidden_dtype(config.forward.hidden_dtype, h), m))
+            desc = f"{split} {c + 1}/{num_chunks}"
+            roll, t_gen = _generate(engine, prompts, n, jax.random.fold_in(key, c), sampling, desc)
+            chunk, t_fwd = _chunk_samples(config, roll, count, n, hidden_fn)
             meta = {
                 **ident,
                 "generate_s": t_gen,
@@ -302,6 +269,76 @@ def build_split(
         for k in totals:
             totals[k] += float(meta.get(k) or 0.0)
     return samples, totals
+
+
+def _chunk_ident(config: Any, start: int, count: int, n: int, temperature: float) -> dict[str, Any]:
+    """What a cached chunk was generated from (task, prompt range, sampling, seed): a cached chunk is reused
+    only when all of it matches."""
+    return {
+        "task": json.dumps(_plain(config.task), sort_keys=True),
+        "start": start,
+        "count": count,
+        "n": n,
+        "temperature": float(temperature),
+        "max_new_tokens": int(config.generation.max_new_tokens),
+        "seed": int(config.seed),
+    }
+
+
+def _load_cached(
+    path: pathlib.Path, ident: dict[str, Any], data_dir: pathlib.Path
+) -> tuple[list[DrafterSample], dict[str, Any]]:
+    """A cached chunk and its meta; a chunk generated from other settings (`ident`) is an error."""
+    chunk, meta = load_chunk(path)
+    old = {k: meta.get(k) for k in ident}
+    if old != ident:
+        raise ValueError(
+            f"{path} was generated with {old} but this config asks for {ident}: use a new workdir "
+            f"(or delete {data_dir}) when changing the task, prompts or sampling."
+        )
+    return chunk, meta
+
+
+def _generate(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    n: int,
+    key: jax.Array,
+    sampling: SamplingParams,
+    desc: str,
+) -> tuple[Rollout, float]:
+    """The target's `n` answers to each prompt (with a progress bar); returns the rollout and its seconds."""
+    t0 = time.perf_counter()
+    with RolloutProgress(
+        total=len(prompts) * n, desc=f"generate {desc}", disable=False, mininterval=10.0
+    ) as bar:
+        roll = engine.generate(prompts, n=n, key=key, sampling=sampling, hooks=ProgressHook(bar))
+    return roll, time.perf_counter() - t0
+
+
+def _chunk_samples(
+    config: Any, roll: Rollout, count: int, n: int, hidden_fn: HiddenFn
+) -> tuple[list[DrafterSample], float]:
+    """The chunk's training samples (prompt + response tokens, target features, loss on the response), from
+    the features the engine recorded while generating (every position but the newest token) or, without
+    them, a target forward (`target_hidden_states`); returns them and the features' seconds."""
+    groups = [list(roll.prompt_tokens[i * n]) for i in range(count)]
+    resp = [[roll.response(i * n + k) for k in range(n)] for i in range(count)]
+    t0 = time.perf_counter()
+    seq_len = int(config.forward.seq_len)
+    if roll.hidden is not None:  # recorded while generating: every position but the newest token
+        hidden = [[roll.features(g * n + k)[:seq_len] for k in range(n)] for g in range(count)]
+    else:
+        hidden = target_hidden_states(hidden_fn, groups, resp, int(config.forward.rows), seq_len)
+    t_fwd = time.perf_counter() - t0
+    chunk = []
+    for g in range(count):
+        for k in range(n):
+            h = hidden[g][k]
+            seq = np.asarray(groups[g] + resp[g][k], np.int32)[: len(h)]
+            m = np.arange(len(h)) >= len(groups[g])
+            chunk.append(DrafterSample(seq, _hidden_dtype(config.forward.hidden_dtype, h), m))
+    return chunk, t_fwd
 
 
 def build_data(
