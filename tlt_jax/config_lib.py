@@ -115,7 +115,8 @@ def base_config() -> mlc.ConfigDict:
 
     Sections: model (what to load), mesh, task (kwargs of `tlt_jax.tasks.make_task`), rollout (engine +
     sampling), drafter (what drafts for speculative rollouts), spec (how: strategy, threshold, acceptance), rl
-    (GRPO algorithm + optimizer), trainer (shapes/batching of the learner's forward and backward), wandb.
+    (GRPO algorithm + optimizer), trainer (shapes/batching of the learner's forward and backward), wandb. The
+    sections with many fields are built by the `_*_section` functions below.
     """
     c = mlc.ConfigDict()
     c.job = "grpo"  # "grpo" | "drafter_warmup"
@@ -130,44 +131,10 @@ def base_config() -> mlc.ConfigDict:
     # persistent XLA compilation cache: "auto" = $TLT_JAX_COMPILATION_CACHE, else ~/.cache/tlt_jax/xla (shared
     # by the runs on a machine: a rerun of a config compiles nothing); a folder; or "" (off)
     c.compilation_cache_dir = "auto"
-
-    c.model = mlc.ConfigDict()
-    c.model.path = config_dict.placeholder(str)  # a .gguf file or a HF model directory
-    c.model.random = mlc.ConfigDict()  # OR tiny random architecture (ModelConfig fields) + ByteTokenizer
-    # OR a named architecture (tlt_jax.models.presets: qwen2_5_0_5b / 1_5b / 7b / 32b): with `path` it checks
-    # the checkpoint's shapes; with init="random" it is built with random weights born sharded on the devices
-    # and no tokenizer: timing and memory only, jobs that need text refuse it (`random` may override fields)
-    c.model.arch = ""
-    c.model.init = "auto"  # "auto" | "checkpoint" (weights from `path`) | "random"
-    c.model.dtype = "float32"  # "bfloat16" on GPUs (this CPU has no bf16 instructions: use float32)
-    # projections: "auto" (the CPU small-M kernel on one CPU device, else XLA), "xla", "cpu_ffi"
-    c.model.linear_impl = "auto"
-
+    c.model = _model_section()
     c.mesh = mlc.ConfigDict(dict(data=-1, model=1))  # data=-1: all remaining devices
-
     c.task = mlc.ConfigDict(dict(kind="counting"))
-
-    c.rollout = mlc.ConfigDict()
-    c.rollout.temperature = 1.0
-    c.rollout.top_k = 0
-    c.rollout.top_p = 1.0
-    c.rollout.max_new_tokens = 256
-    c.rollout.max_cache_len = 1024
-    c.rollout.chunk_steps = 16
-    c.rollout.min_cache_bucket = 64
-    c.rollout.prompt_bucket = 16
-    c.rollout.compact = True
-    # "auto": Pallas on GPU, the CPU FFI kernel on one CPU device, else the jnp reference
-    c.rollout.attn_impl = "auto"
-    # dots in the rollout programs: "auto" = full float32 for float32 models whatever the process default
-    # (lossless coupled verification on GPUs, whose default is TF32), the process default for bfloat16
-    c.rollout.matmul_precision = "auto"
-    c.rollout.stop_strings = ()
-    # the target's hidden states of the prompt and the first `hidden_window` response tokens of every sequence
-    # (drafter training data; recorded whenever the spot trainer runs)
-    c.rollout.record_hidden = False
-    c.rollout.hidden_window = 512
-
+    c.rollout = _rollout_section()
     # What drafts for the rollouts (tlt_jax.rl.speculation): "none" (plain decoding), "ngram" (model-free,
     # TLT-Base), "eagle" (a warmed drafter from `path`: a warm-up workdir or its drafter/ folder), or "auto"
     # (eagle when `path` holds one, else ngram). min_accept_len: the acceptance-collapse alarm's floor.
@@ -176,15 +143,71 @@ def base_config() -> mlc.ConfigDict:
     c.spec = mlc.ConfigDict(
         {k: v for k, v in dataclasses.asdict(SpecConfig()).items() if k not in SPEC_FROM_DRAFTER}
     )
-
     # The spot trainer (tlt_jax.drafter.spot_trainer): the EAGLE drafter trained online during the rollout on
     # idle devices ("idle_devices"), between tail chunks on one device ("between_chunks"), after the rollout
     # ("after_rollout"), or not at all ("off")
     c.spot = mlc.ConfigDict(dataclasses.asdict(SpotConfig()))
-    # The adaptive engine (tlt_jax.rollout.adaptive): a selector picks each chunk's mode among `arms`
-    # ("plain", EAGLE strategies "3_1_4", n-gram "ngram_4_1_5") per running-batch bucket; "off": the
-    # SpecConfig threshold switch
-    c.bandit = mlc.ConfigDict(
+    c.bandit = _bandit_section()
+    # Held-out evaluation (tlt_jax.rl.evaluation): the same problems and sampling keys before training and
+    # every `every` steps, a paired measure of learning; 0 = off
+    c.eval = mlc.ConfigDict(dict(every=0, prompts=16, samples=2))
+    c.rl = _rl_section()
+    c.trainer = _trainer_section()
+    c.wandb = mlc.ConfigDict()
+    c.wandb.mode = config_dict.placeholder(str)  # None: $WANDB_MODE, else offline
+    c.wandb.project = "tlt_jax"
+    c.wandb.name = config_dict.placeholder(str)
+    return c
+
+
+def _model_section() -> mlc.ConfigDict:
+    """`config.model`: what to load (a checkpoint path, a tiny random architecture or a named one), in which
+    dtype, with which projection kernels."""
+    m = mlc.ConfigDict()
+    m.path = config_dict.placeholder(str)  # a .gguf file or a HF model directory
+    m.random = mlc.ConfigDict()  # OR tiny random architecture (ModelConfig fields) + ByteTokenizer
+    # OR a named architecture (tlt_jax.models.presets: qwen2_5_0_5b / 1_5b / 7b / 32b): with `path` it checks
+    # the checkpoint's shapes; with init="random" it is built with random weights born sharded on the devices
+    # and no tokenizer: timing and memory only, jobs that need text refuse it (`random` may override fields)
+    m.arch = ""
+    m.init = "auto"  # "auto" | "checkpoint" (weights from `path`) | "random"
+    m.dtype = "float32"  # "bfloat16" on GPUs (this CPU has no bf16 instructions: use float32)
+    # projections: "auto" (the CPU small-M kernel on one CPU device, else XLA), "xla", "cpu_ffi"
+    m.linear_impl = "auto"
+    return m
+
+
+def _rollout_section() -> mlc.ConfigDict:
+    """`config.rollout`: the engine (lengths, buckets, chunking, kernels, stop strings, recorded hidden
+    states) and the sampling (temperature, top-k, top-p)."""
+    r = mlc.ConfigDict()
+    r.temperature = 1.0
+    r.top_k = 0
+    r.top_p = 1.0
+    r.max_new_tokens = 256
+    r.max_cache_len = 1024
+    r.chunk_steps = 16
+    r.min_cache_bucket = 64
+    r.prompt_bucket = 16
+    r.compact = True
+    # "auto": Pallas on GPU, the CPU FFI kernel on one CPU device, else the jnp reference
+    r.attn_impl = "auto"
+    # dots in the rollout programs: "auto" = full float32 for float32 models whatever the process default
+    # (lossless coupled verification on GPUs, whose default is TF32), the process default for bfloat16
+    r.matmul_precision = "auto"
+    r.stop_strings = ()
+    # the target's hidden states of the prompt and the first `hidden_window` response tokens of every sequence
+    # (drafter training data; recorded whenever the spot trainer runs)
+    r.record_hidden = False
+    r.hidden_window = 512
+    return r
+
+
+def _bandit_section() -> mlc.ConfigDict:
+    """`config.bandit`, the adaptive engine (tlt_jax.rollout.adaptive): a selector picks each chunk's mode
+    among `arms` ("plain", EAGLE strategies "3_1_4", n-gram "ngram_4_1_5") per running-batch bucket; "off":
+    the SpecConfig threshold switch."""
+    return mlc.ConfigDict(
         dict(
             algorithm="off",  # off | beg_mab | egreedy | ucb1 | fixed | sglang | threshold
             arms=("plain", "3_1_4"),
@@ -202,42 +225,41 @@ def base_config() -> mlc.ConfigDict:
         )
     )
 
-    # Held-out evaluation (tlt_jax.rl.evaluation): the same problems and sampling keys before training and
-    # every `every` steps, a paired measure of learning; 0 = off
-    c.eval = mlc.ConfigDict(dict(every=0, prompts=16, samples=2))
 
-    c.rl = mlc.ConfigDict()
-    c.rl.prompts_per_step = 8
-    c.rl.samples_per_prompt = 8  # GRPO group size
-    c.rl.advantage = "grpo"  # grpo | drgrpo (see tlt_jax.rl.grpo.ADVANTAGE_METHODS)
-    c.rl.adv_eps = 1e-6
-    c.rl.loss_agg = "seq_mean_token_mean"  # token_mean (DAPO) | seq_mean_token_mean | seq_mean_token_sum_norm
-    c.rl.clip_low = 0.2
-    c.rl.clip_high = 0.2  # DAPO clip-higher: 0.28
-    c.rl.dynamic_sampling = False  # DAPO: groups with equal rewards are masked out of the loss
-    c.rl.kl_coef = 0.0  # low_var_kl to the frozen initial policy; 0 skips the reference forward
-    c.rl.mini_batches = 1  # optimizer updates per RL step (PPO mini-batches over the step's samples)
-    c.rl.lr = 1e-6
-    c.rl.warmup_steps = 0  # linear warm-up in optimizer updates
-    c.rl.weight_decay = 0.01
-    c.rl.b1 = 0.9
-    c.rl.b2 = 0.999
-    c.rl.grad_clip = 1.0  # global-norm clip; 0 disables
+def _rl_section() -> mlc.ConfigDict:
+    """`config.rl`: the GRPO algorithm (group size, advantages, loss aggregation, clipping, KL) and the
+    optimizer (AdamW, warm-up, clipping)."""
+    r = mlc.ConfigDict()
+    r.prompts_per_step = 8
+    r.samples_per_prompt = 8  # GRPO group size
+    r.advantage = "grpo"  # grpo | drgrpo (see tlt_jax.rl.grpo.ADVANTAGE_METHODS)
+    r.adv_eps = 1e-6
+    r.loss_agg = "seq_mean_token_mean"  # token_mean (DAPO) | seq_mean_token_mean | seq_mean_token_sum_norm
+    r.clip_low = 0.2
+    r.clip_high = 0.2  # DAPO clip-higher: 0.28
+    r.dynamic_sampling = False  # DAPO: groups with equal rewards are masked out of the loss
+    r.kl_coef = 0.0  # low_var_kl to the frozen initial policy; 0 skips the reference forward
+    r.mini_batches = 1  # optimizer updates per RL step (PPO mini-batches over the step's samples)
+    r.lr = 1e-6
+    r.warmup_steps = 0  # linear warm-up in optimizer updates
+    r.weight_decay = 0.01
+    r.b1 = 0.9
+    r.b2 = 0.999
+    r.grad_clip = 1.0  # global-norm clip; 0 disables
+    return r
 
-    c.trainer = mlc.ConfigDict()
-    c.trainer.micro_batch_size = 8  # rows per forward/backward (gradient accumulation over micro-batches)
-    c.trainer.seq_bucket = 32  # prompt/response lengths are padded to multiples of this (fewer compiles)
-    c.trainer.fuse_old_logprobs = True  # with one mini-batch, take old log-probs from the update's forward
-    c.trainer.logits_chunk = 0  # compute response logits in chunks of this many positions (0: at once)
-    c.trainer.master_dtype = "float32"  # optimizer/master weights (the model computes in model.dtype)
-    c.trainer.fsdp = False  # also shard the trainer's params/optimizer state over the data axis (ZeRO-3-like)
-    c.trainer.train_layers = 0  # 0: train every parameter; K: only the top K decoder layers + final norm
 
-    c.wandb = mlc.ConfigDict()
-    c.wandb.mode = config_dict.placeholder(str)  # None: $WANDB_MODE, else offline
-    c.wandb.project = "tlt_jax"
-    c.wandb.name = config_dict.placeholder(str)
-    return c
+def _trainer_section() -> mlc.ConfigDict:
+    """`config.trainer`: shapes and batching of the learner's forward and backward, and what it trains."""
+    t = mlc.ConfigDict()
+    t.micro_batch_size = 8  # rows per forward/backward (gradient accumulation over micro-batches)
+    t.seq_bucket = 32  # prompt/response lengths are padded to multiples of this (fewer compiles)
+    t.fuse_old_logprobs = True  # with one mini-batch, take old log-probs from the update's forward
+    t.logits_chunk = 0  # compute response logits in chunks of this many positions (0: at once)
+    t.master_dtype = "float32"  # optimizer/master weights (the model computes in model.dtype)
+    t.fsdp = False  # also shard the trainer's params/optimizer state over the data axis (ZeRO-3-like)
+    t.train_layers = 0  # 0: train every parameter; K: only the top K decoder layers + final norm
+    return t
 
 
 def tiny_random_model(architecture: str = "llama", vocab_size: int = 264, **kw: Any) -> mlc.ConfigDict:
