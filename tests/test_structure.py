@@ -1,6 +1,6 @@
-"""The package's shape: imports point one way (no cycles between modules, nor between packages) and every
-module stays small. Read from the source with `ast`, so it checks what is written, including imports inside
-functions."""
+"""The package's shape: imports point one way (no cycles between modules, nor between packages), every
+module and every function stays small, and the main objects are typed at every seam (never `Any`). Read from
+the source with `ast`, so it checks what is written, including imports inside functions."""
 
 from __future__ import annotations
 
@@ -100,3 +100,77 @@ def test_modules_stay_small() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Functions (issue #25): short enough to read at once, and the project's main objects typed at every seam
+# ----------------------------------------------------------------------------------------------------------
+
+MAX_FUNCTION_LINES = 80  # from the `def` line (decorators not counted) to the body's last line
+# parameters holding the project's main objects: typed with their class or a Protocol (the engine's clients:
+# `tlt_jax.rollout.interface.EngineLike`), never `Any`
+TYPED_PARAMS = {
+    "engine",
+    "learner",
+    "trainer",
+    "spot",
+    "spot_trainer",
+    "selector",
+    "policy",
+    "harvester",
+    "evaluator",
+    "drafter",
+}
+
+
+def functions(path: pathlib.Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Every function and method of a module, nested ones included."""
+    tree = ast.parse(path.read_text())
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def is_any(annotation: ast.expr | None) -> bool:
+    """`Any` / `typing.Any` / "Any", or a union or Optional with `Any` in it."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        try:
+            annotation = ast.parse(annotation.value, mode="eval").body
+        except SyntaxError:
+            return False
+    if isinstance(annotation, ast.Name):
+        return annotation.id == "Any"
+    if isinstance(annotation, ast.Attribute):
+        return annotation.attr == "Any"
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        return is_any(annotation.left) or is_any(annotation.right)
+    if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value).split(".")[-1] in (
+        "Optional",
+        "Union",
+    ):
+        inner = annotation.slice
+        return any(is_any(e) for e in (inner.elts if isinstance(inner, ast.Tuple) else [inner]))
+    return False
+
+
+def test_functions_stay_short() -> None:
+    """No function over MAX_FUNCTION_LINES lines (`ast`: end_lineno - lineno + 1, docstring included)."""
+    long = [
+        f"{p.relative_to(PKG.parent)}:{f.lineno} {f.name} ({n} lines)"
+        for p in sorted(PKG.rglob("*.py"))
+        for f in functions(p)
+        if (n := f.end_lineno - f.lineno + 1) > MAX_FUNCTION_LINES
+    ]
+    assert not long, (
+        f"functions over {MAX_FUNCTION_LINES} lines (split them into named helpers):\n" + "\n".join(long)
+    )
+
+
+def test_main_objects_are_not_typed_any() -> None:
+    """No parameter named like one of the main objects (TYPED_PARAMS) is annotated `Any`."""
+    bad = [
+        f"{p.relative_to(PKG.parent)}:{f.lineno} {f.name}({arg.arg}: {ast.unparse(arg.annotation)})"
+        for p in sorted(PKG.rglob("*.py"))
+        for f in functions(p)
+        for arg in (*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs)
+        if arg.arg in TYPED_PARAMS and is_any(arg.annotation)
+    ]
+    assert not bad, "main objects typed Any (use their class or a Protocol):\n" + "\n".join(bad)

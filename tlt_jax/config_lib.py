@@ -30,6 +30,7 @@ from tlt_jax import sharding as shd
 from tlt_jax.drafter.spot_trainer import SpotConfig
 from tlt_jax.models.build import build_model_and_tokenizer, model_problems
 from tlt_jax.models.config import tiny_config
+from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.programs import MATMUL_PRECISIONS
@@ -485,7 +486,7 @@ def build_engine(
     mesh: Mesh | None = None,
     *,
     drafter_kind: str | None = None,
-    drafter: Any | None = None,
+    drafter: Drafter | None = None,
     draft_vocab: Any | None = None,
 ) -> RolloutEngine:
     """A `RolloutEngine` for `model` that stops at the tokenizer's EOS / end-of-turn ids; speculative for
