@@ -70,7 +70,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 bench: setup
-	$(PY) experiments/bench_decode.py --quick
+	$(PY) -m experiments.bench_decode --quick
 
 clean:
 	rm -rf $(VENV) $(CACHE) .pytest_cache tlt_jax/kernels/cpu/build
@@ -78,4 +78,4 @@ clean:
 # What a lent GPU machine (no network) needs beyond its image: wheels (ml-collections, gguf, reasoning-gym and
 # their missing dependencies) and the SmolLM2 GGUF split in two parts, one per device call (docs/gpu.md).
 gpu-bundle: $(GGUF)
-	$(PY) experiments/gpu_bundle.py build
+	$(PY) -m gpu.gpu_bundle build

@@ -19,9 +19,9 @@ are: the stall a save costs the trainer) and `durable` = until the step is final
 training run does) after the previous one is durable; the first save of each manager is an untimed warm-up.
 The optimizer moments are filled with random values, so no mode writes suspiciously compressible zeros.
 
-    python experiments/bench_checkpoint.py            # SmolLM2 drafter, 7 reps
-    python experiments/bench_checkpoint.py --quick    # 3 reps
-    python experiments/bench_checkpoint.py --tiny --quick   # tiny random target (tests)
+    python -m experiments.bench_checkpoint            # SmolLM2 drafter, 7 reps
+    python -m experiments.bench_checkpoint --quick    # 3 reps
+    python -m experiments.bench_checkpoint --tiny --quick   # tiny random target (tests)
 
 Writes `<out>/bench_checkpoint.png` (bar plot of the medians) and `<out>/bench_checkpoint.json`; the last
 line is `RESULT full_sync_ms=<a> async_ms=<b> selective_async_ms=<c>` (blocking medians) followed on the same
@@ -30,7 +30,6 @@ line by the durable medians and sizes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import statistics
@@ -43,13 +42,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tlt_jax.drafter.loss import LossConfig  # noqa: E402
-from tlt_jax.drafter.trainer import DrafterTrainer, optimizer_from_config  # noqa: E402
-from tlt_jax.models.drafter import Drafter  # noqa: E402
-from tlt_jax.utils.checkpoint import Checkpointer, DrafterCheckpointer  # noqa: E402
+from experiments import harness as h
+from tlt_jax.drafter.loss import LossConfig
+from tlt_jax.drafter.trainer import DrafterTrainer, optimizer_from_config
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.utils.checkpoint import Checkpointer, DrafterCheckpointer
 
 MODES = ("full_sync", "async", "selective_async")
 
@@ -61,10 +58,9 @@ def build_target(tiny: bool) -> Any:
         from tlt_jax.models.llama import Transformer
 
         return Transformer(tiny_config(vocab_size=512), nnx.Rngs(0))
-    from tlt_jax import config_lib
     from tlt_jax.models.build import build_model_and_tokenizer
 
-    config = config_lib.load_config_file(ROOT / "configs" / "default.py")
+    config = h.load_config("default.py")
     model_path = pathlib.Path(config.model.path)
     if not model_path.exists():
         sys.exit(f"missing {model_path}: run `make setup` (it fetches the SmolLM2 GGUF)")
@@ -124,13 +120,8 @@ def measure(mode: str, directory: pathlib.Path, full: Any, weights: Any, reps: i
 
 
 def plot(medians: dict[str, dict[str, float]], path: pathlib.Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     x = np.arange(len(MODES))
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = h.pyplot().subplots(figsize=(7, 4))
     for i, (kind, label) in enumerate((("blocking_ms", "blocks training"), ("durable_ms", "until durable"))):
         vals = [medians[m][kind] for m in MODES]
         bars = ax.bar(x + (i - 0.5) * 0.38, vals, 0.38, label=label)
@@ -139,18 +130,19 @@ def plot(medians: dict[str, dict[str, float]], path: pathlib.Path, title: str) -
     ax.set_ylabel("ms (median)")
     ax.set_title(title, fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    h.save_plot(fig, path, dpi=110)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="3 repetitions")
+    ap = h.parser(
+        __doc__,
+        quick="3 repetitions",
+        out=h.ROOT / "workdirs" / "bench_checkpoint",
+        out_help="plot + json folder",
+    )
     ap.add_argument("--reps", type=int, default=None, help="timed saves per mode (default 7, --quick 3)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random target instead of SmolLM2")
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
-    ap.add_argument("--out", default=str(ROOT / "workdirs" / "bench_checkpoint"), help="plot + json folder")
     args = ap.parse_args()
     reps = args.reps or (3 if args.quick else 7)
 
@@ -174,8 +166,7 @@ def main() -> None:
                 flush=True,
             )
     medians = {m: {k: statistics.median(v) for k, v in r.items()} for m, r in results.items()}
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = h.out_dir(args)
     a, b, c = (medians[m]["blocking_ms"] for m in MODES)
     title = (
         f"{name} drafter checkpoint ({sizes['full']:.0f} MiB full, {sizes['selective']:.0f} MiB selective)"
@@ -187,11 +178,10 @@ def main() -> None:
         )
     )
     print(f"plot: {out / 'bench_checkpoint.png'}; speedup full sync -> selective async: {a / c:.1f}x")
-    durable = " ".join(f"{m}_durable_ms={medians[m]['durable_ms']:.1f}" for m in MODES)
-    print(
-        f"RESULT full_sync_ms={a:.1f} async_ms={b:.1f} selective_async_ms={c:.1f} {durable} "
-        f"full_mib={sizes['full']:.1f} selective_mib={sizes['selective']:.1f}"
-    )
+    res = {"full_sync_ms": a, "async_ms": b, "selective_async_ms": c}
+    res |= {f"{m}_durable_ms": medians[m]["durable_ms"] for m in MODES}
+    res |= {"full_mib": sizes["full"], "selective_mib": sizes["selective"]}
+    h.result(res, args, fmt=".1f")
 
 
 if __name__ == "__main__":

@@ -15,19 +15,17 @@ bandwidth (measured in this run: on CPU a jitted reduction over 1 GiB; on a GPU 
 also counts the B rows' KV-cache reads at the mean context. Final line: `RESULT key=value ...`; `--json FILE`
 also writes every row as it completes (a run cut short keeps its finished batches).
 
-    python experiments/bench_decode.py --quick      # batch 1 and 4, < 5 minutes on 2 cores
-    python experiments/bench_decode.py              # batch 1, 4, 16, 64
-    python experiments/bench_decode.py --dtype bfloat16 --batches 1,4,16,64 --json decode.json   # a GPU
-    python experiments/bench_decode.py --tiny --new 4   # tiny random model (+ same weights in HF): smoke
+    python -m experiments.bench_decode --quick      # batch 1 and 4, < 5 minutes on 2 cores
+    python -m experiments.bench_decode              # batch 1, 4, 16, 64
+    python -m experiments.bench_decode --dtype bfloat16 --batches 1,4,16,64 --json decode.json   # a GPU
+    python -m experiments.bench_decode --tiny --new 4   # tiny random model (+ same weights in HF): smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import sys
 import time
 from typing import Any
 
@@ -35,13 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from tlt_jax.models.config import ModelConfig, tiny_config  # noqa: E402
-from tlt_jax.models.llama import Transformer, from_hf_tensors  # noqa: E402
-from tlt_jax.models.loading import DEFAULT_GGUF_PATH, expected_shapes, load_gguf  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
+from experiments import harness as h
+from tlt_jax.models.config import ModelConfig, tiny_config
+from tlt_jax.models.llama import Transformer, from_hf_tensors
+from tlt_jax.models.loading import expected_shapes
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
 
 PASSAGE = (
     "Reinforcement learning for reasoning models spends most of each step sampling long answers. "
@@ -166,9 +163,8 @@ def tiny_models(dtype: str, with_hf: bool) -> tuple[ModelConfig, Transformer, An
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="batch 1 and 4, fewer tokens (< 5 min)")
-    ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
+    ap = h.parser(__doc__, quick="batch 1 and 4, fewer tokens (< 5 min)", out=None)
+    h.add_model_args(ap)
     ap.add_argument("--prompt-len", type=int, default=448, help="context length at the start of decoding")
     ap.add_argument("--new", type=int, default=None, help="tokens generated per row")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
@@ -183,7 +179,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="ours and HF's")
     ap.add_argument("--attn-impl", default="auto", help="EngineConfig.attn_impl (auto: Pallas on a GPU)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of the GGUF (smoke)")
-    ap.add_argument("--json", default="", help="write the meta and every finished row here")
     return ap.parse_args()
 
 
@@ -231,9 +226,8 @@ def main() -> None:
         prompt = np.random.default_rng(0).integers(1, cfg.vocab_size, size=args.prompt_len).tolist()
         name = "tiny random Llama"
     else:
-        loaded = load_gguf(args.gguf, dtype=args.dtype)
+        loaded, model = h.load_target(args.gguf, dtype=args.dtype)
         cfg = loaded.config
-        model = from_hf_tensors(cfg, loaded.tensors)
         prompt = build_prompt(loaded.tokenizer, args.prompt_len)
         name = "SmolLM2-135M"
     cache_len = 1 << int(np.ceil(np.log2(len(prompt) + new + 1)))
@@ -250,7 +244,7 @@ def main() -> None:
     roofline = bw * 1e9 / weight_bytes
     device = jax.devices()[0]
     print(
-        f"jax {jax.__version__} on {device.platform} ({device.device_kind}), {os.cpu_count()} cores; {name} "
+        f"{h.device_line(kind=True)}; {name} "
         f"{args.dtype}, attn {args.attn_impl}, {weight_bytes / 1e6:.0f} MB of weights per step; bandwidth "
         f"{bw:.1f} GB/s -> batch-1 roofline {roofline:.1f} tok/s; context {len(prompt)}..{len(prompt) + new}"
     )
@@ -275,21 +269,22 @@ def main() -> None:
         "hf_fast": fast_skip or f"static cache + torch.compile at batches {fast_batches}",
     }
     bench = (engine, hf, prompt, new, reps, bw, weight_bytes, kv_row_bytes)
-    results = measure_all(bench, batches, fast_batches, meta, args.json)
+    results = measure_all(bench, batches, fast_batches, meta, h.json_path(args))
     if 1 in batches:
         results["roofline_frac_bs1"] = results["ours_tok_s_bs1"] / roofline
     results["bandwidth_gb_s"] = bw
-    if args.json:
-        data = json.loads(pathlib.Path(args.json).read_text())
-        pathlib.Path(args.json).write_text(json.dumps({**data, "results": results}, indent=2))
     keys = ["ours_tok_s_bs1", "hf_tok_s_bs1", "hf_fast_tok_s_bs1", "ratio_vs_hf_bs1", "ratio_vs_hf_fast_bs1"]
     keys.append("roofline_frac_bs1")
     keys += [k for k in results if k not in keys]
-    print("RESULT " + " ".join(f"{k}={results[k]:.3f}" for k in keys if k in results))
+    h.result({k: results[k] for k in keys if k in results}, args)  # --json: merged beside the rows
 
 
 def measure_all(
-    bench: tuple, batches: list[int], fast_batches: list[int], meta: dict[str, Any], json_path: str
+    bench: tuple,
+    batches: list[int],
+    fast_batches: list[int],
+    meta: dict[str, Any],
+    json_path: pathlib.Path | None,
 ) -> dict[str, float]:
     """Per batch: ours, HF dynamic cache, HF fast path (where planned); a row printed and (with --json) the
     file rewritten after every batch, so a run stopped midway keeps what finished."""
@@ -322,7 +317,7 @@ def measure_all(
         row |= {"hf_fast_warmup_s": warm, "roofline_tok_s": bound, "roofline_frac": ours / bound}
         rows.append(row | ({"hf_fast_error": fast_error} if fast_error else {}))
         if json_path:
-            pathlib.Path(json_path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+            json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     return results
 
 

@@ -6,8 +6,8 @@ top-p floor by bisection over the float bits (31 masked sums, `tlt_jax/rollout/s
 jitted on the same [B, V] logits (V = 49,152, SmolLM2's vocabulary; a verify pass over T tokens has B = rows
 x T), interleaved over `--reps` rounds, medians reported; the kept sets are checked equal on every shape.
 
-    python experiments/bench_sampling.py --quick     # ~1 minute
-    python experiments/bench_sampling.py
+    python -m experiments.bench_sampling --quick     # ~1 minute
+    python -m experiments.bench_sampling
 
 Final line: `RESULT speedup_b1=<sort/ours> speedup_b64=... ms_ours_b64=... ms_sort_b64=...`; a PNG of ms per
 step against the batch.
@@ -15,19 +15,15 @@ step against the batch.
 
 from __future__ import annotations
 
-import argparse
-import pathlib
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from tlt_jax.rollout.sampling import SamplingParams, target_probs  # noqa: E402
+from experiments import harness as h
+from tlt_jax.rollout.sampling import SamplingParams, target_probs
 
 
 def sorted_top_p(logits: jax.Array, params: SamplingParams) -> jax.Array:
@@ -42,12 +38,10 @@ def sorted_top_p(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="batches 1, 8, 64 and 3 rounds")
+    ap = h.parser(__doc__, quick="batches 1, 8, 64 and 3 rounds", out="workdirs/bench_sampling")
     ap.add_argument("--vocab", type=int, default=49_152)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--out", default="workdirs/bench_sampling")
     args = ap.parse_args()
     batches = (1, 8, 64) if args.quick else (1, 2, 4, 8, 16, 32, 64, 192)
     reps = args.reps or (3 if args.quick else 7)
@@ -82,30 +76,24 @@ def main() -> None:
         ours, srt = ms[("ours", b)], ms[("sort", b)]
         print(f"{b:>6} {ours:>9.2f} {srt:>9.2f} {srt / ours:>9.1f}")
 
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = h.out_dir(args)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = h.pyplot().subplots(figsize=(6, 4))
         for name in fns:
             ax.plot(batches, [ms[(name, b)] for b in batches], marker="o", label=name)
         ax.set(xscale="log", yscale="log", xlabel="rows (batch x verify tokens)", ylabel="ms per call")
         ax.set_title(f"top-p {args.top_p} distribution, V = {args.vocab}")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "bench_sampling.png", dpi=120)
-        print(f"plot: {out / 'bench_sampling.png'}")
+        print(f"plot: {h.save_plot(fig, out / 'bench_sampling.png')}")
     except ImportError:
         print("matplotlib missing: no plot")
-    print(
-        f"RESULT speedup_b1={ms[('sort', 1)] / ms[('ours', 1)]:.1f} "
-        f"speedup_b64={ms[('sort', 64)] / ms[('ours', 64)]:.1f} "
-        f"ms_ours_b64={ms[('ours', 64)]:.2f} ms_sort_b64={ms[('sort', 64)]:.2f}"
-    )
+    res = {
+        "speedup_b1": ms[("sort", 1)] / ms[("ours", 1)],
+        "speedup_b64": ms[("sort", 64)] / ms[("ours", 64)],
+        "ms_ours_b64": ms[("ours", 64)],
+        "ms_sort_b64": ms[("sort", 64)],
+    }
+    h.result(res, args, fmt=".2f", formats={"speedup_b1": ".1f", "speedup_b64": ".1f"})
 
 
 if __name__ == "__main__":

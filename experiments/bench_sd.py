@@ -22,191 +22,31 @@ On this CPU the short chains win at batch 1 (a verify pass over T tokens costs m
 grows: docs/benchmarks.md); the GPU regime of the paper favours the wide trees.
 The model-free n-gram drafter (default 4_1_5) runs at batch 1 against the same plain baseline.
 
-    python experiments/bench_sd.py --quick                   # batch 1, TV 3/4/8/16 + n-gram, 8 prompts x 64
-    python experiments/bench_sd.py --quick --random-drafter  # smoke test without a warmed drafter
-    python experiments/bench_sd.py                           # batches 1..32 x TV 3..64
+    python -m experiments.bench_sd --quick                   # batch 1, TV 3/4/8/16 + n-gram, 8 prompts x 64
+    python -m experiments.bench_sd --quick --random-drafter  # smoke test without a warmed drafter
+    python -m experiments.bench_sd                           # batches 1..32 x TV 3..64
 Final line: `RESULT accept_len_bs1=... sd_speedup_bs1=... ngram_speedup_bs1=... speedup_bs{B}_tv{TV}=...`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import os
-import pathlib
-import sys
 import time
-from collections.abc import Callable
 
-import jax
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from tlt_jax.drafter.draft_vocab import load_draft_vocab  # noqa: E402
-from tlt_jax.drafter.warmup import DRAFTER_DIR, init_drafter, load_drafter  # noqa: E402
-from tlt_jax.models.drafter import Drafter  # noqa: E402
-from tlt_jax.models.llama import Transformer, from_hf_tensors  # noqa: E402
-from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.hooks import FixedMode  # noqa: E402
-from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
-from tlt_jax.rollout.strategy import Strategy  # noqa: E402
-from tlt_jax.tasks.datasets import ReasoningGymTask  # noqa: E402
-
-WARMUP_CMD = "python -m tlt_jax.main --config configs/drafter_warmup.py --workdir workdirs/drafter_warmup"
-TASK_KWARGS = {
-    "chain_sum": {},  # as configs/drafter_warmup.py (the drafter's training distribution)
-    "gsm_symbolic": {},
-}
-
-
-def strategy_for(tv: int, max_depth: int = 8) -> str:
-    """depth = min(max_depth, tv - 1); topk = smallest k with k + (depth - 1) k^2 >= tv - 1."""
-    depth = min(max_depth, tv - 1)
-    k = 1
-    while k + (depth - 1) * k * k < tv - 1:
-        k += 1
-    return Strategy(depth, k, tv).name
-
-
-class Totals:
-    """Decode tokens/seconds and verify stats summed over the chunk records of several rollouts."""
-
-    def __init__(self) -> None:
-        self.tokens = self.accepted = self.rounds = self.steps = 0
-        self.seconds = 0.0
-        self.compiles = 0
-
-    def add(self, stats, spec: bool) -> None:  # noqa: ANN001
-        for c in stats.chunks:
-            if (c.mode != "plain") != spec:
-                raise RuntimeError(f"unexpected {c.mode!r} chunk in a {'SD' if spec else 'plain'} rollout")
-            self.tokens += c.new_tokens
-            self.seconds += c.seconds
-            self.accepted += c.accepted_tokens
-            self.rounds += c.verify_rounds
-            self.steps += c.steps
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / max(self.seconds, 1e-9)
-
-    @property
-    def step_seconds(self) -> float:
-        """Device seconds per decode step (plain) or per verify round (SD), batch-wide."""
-        return self.seconds / max(self.steps, 1)
-
-    @property
-    def accept_len(self) -> float:
-        return self.accepted / self.rounds if self.rounds else float("nan")
-
-
-def one_pass(
-    engine: RolloutEngine, groups: list[list[list[int]]], mode: str | None, new: int, temp: float, seed: int
-) -> Totals:
-    """One rollout of every prompt group: plain (mode None) or speculative from the first chunk."""
-    sp = SamplingParams(temperature=temp)
-    tot = Totals()
-    c0 = engine.compile_count
-    for i, prompts in enumerate(groups):
-        sel = FixedMode(mode or "plain")  # SD for the whole rollout: on from the first chunk
-        out = engine.generate(
-            prompts, n=1, key=jax.random.key(seed + i), sampling=sp, max_new_tokens=new, hooks=sel
-        )
-        tot.add(out.stats, spec=mode is not None)
-    tot.compiles = engine.compile_count - c0
-    return tot
-
-
-@dataclasses.dataclass
-class Pairs:
-    """`reps` interleaved (plain, SD) passes over the same prompts and keys: medians of the per-pair ratios,
-    so a drift of the machine's speed during the run cancels within each pair."""
-
-    plain: list[Totals]
-    sd: list[Totals]
-
-    def _median_ratio(self, f: Callable[[Totals], float]) -> float:
-        pairs = zip(self.plain, self.sd, strict=True)
-        return float(np.median([f(s) / max(f(p), 1e-9) for p, s in pairs]))
-
-    @property
-    def speedup(self) -> float:
-        return self._median_ratio(lambda t: t.tok_s)
-
-    @property
-    def round_cost(self) -> float:
-        return self._median_ratio(lambda t: t.step_seconds)
-
-    @property
-    def plain_tok_s(self) -> float:
-        return float(np.median([p.tok_s for p in self.plain]))
-
-    @property
-    def sd_tok_s(self) -> float:
-        return float(np.median([s.tok_s for s in self.sd]))
-
-
-def measure_pairs(
-    plain_engine: RolloutEngine,
-    engine: RolloutEngine,
-    groups: list[list[list[int]]],
-    mode: str,
-    new: int,
-    temp: float,
-    seed: int,
-    reps: int,
-) -> Pairs:
-    """An untimed SD warm-up pass (it compiles every program the trajectory needs; the caller warms the plain
-    engine up once per batch size), then `reps` timed pairs: a plain pass, then an SD pass."""
-    one_pass(engine, groups, mode, new, temp, seed)
-    out = Pairs([], [])
-    for _ in range(reps):
-        out.plain.append(one_pass(plain_engine, groups, None, new, temp, seed))
-        out.sd.append(one_pass(engine, groups, mode, new, temp, seed))
-    return out
-
-
-def load_drafter_or_exit(
-    args: argparse.Namespace, model: Transformer
-) -> tuple[Drafter, str, np.ndarray | None, str]:
-    """The EAGLE drafter of `args.drafter` (a warm-up workdir or its drafter/), or an untrained one with
-    `args.random_drafter`; exits with the warm-up command when there is none. Also its draft vocabulary per
-    `args.draft_vocab` ('auto' | 'none' | a .npy file). Returns (drafter, its name, vocabulary, a note).
-    Shared with the sibling scripts (sd_heatmaps.py, case_study.py)."""
-    drafter_path = pathlib.Path(args.drafter)
-    missing = (
-        f"error: no drafter checkpoint under {drafter_path} (expected {drafter_path / DRAFTER_DIR}). "
-        f"Warm up the drafter first:\n    {WARMUP_CMD}\n"
-        "or pass --random-drafter to smoke-test this script (its acceptance is meaningless)."
-    )
-    if not args.random_drafter and not (drafter_path / DRAFTER_DIR).is_dir() and not drafter_path.is_dir():
-        sys.exit(missing)
-    if args.random_drafter:
-        drafter, dname = init_drafter(model, args.seed), "random (smoke test)"
-    else:
-        try:
-            drafter, dname = load_drafter(drafter_path, model.cfg), str(drafter_path)
-        except FileNotFoundError as e:
-            sys.exit(f"{missing}\n({e})")
-    if args.draft_vocab == "none" or args.random_drafter:
-        draft_vocab = None
-    elif args.draft_vocab == "auto":
-        draft_vocab = load_draft_vocab(drafter_path)
-    else:
-        draft_vocab = np.load(args.draft_vocab)
-    vocab_note = "full head" if draft_vocab is None else f"draft vocabulary {len(draft_vocab)} tokens"
-    return drafter, dname, draft_vocab, vocab_note
+from experiments import harness as h
+from experiments.sd_pairs import TASK_KWARGS, measure_pairs, one_pass, strategy_for
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.tasks.datasets import ReasoningGymTask
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="batch 1, TV 3/4/8/16, short generations (< 10 min)")
-    ap.add_argument("--drafter", default="workdirs/drafter_warmup", help="warm-up workdir or its drafter/")
-    ap.add_argument("--random-drafter", action="store_true", help="untrained drafter (smoke test only)")
-    ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
+    ap = h.parser(__doc__, quick="batch 1, TV 3/4/8/16, short generations (< 10 min)", out=None)
+    h.add_drafter_args(ap, "workdirs/drafter_warmup")
+    h.add_model_args(ap)
     ap.add_argument("--task", default="chain_sum", choices=sorted(TASK_KWARGS))
     ap.add_argument(
         "--task-offset",
@@ -238,12 +78,6 @@ def main() -> None:
     )
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --new tokens")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--draft-vocab",
-        default="auto",
-        help="drafter head vocabulary: 'auto' (the warm-up's drafter/draft_vocab.npy if present, from "
-        "`python -m tlt_jax.drafter.draft_vocab`), 'none' (the full head), or a .npy file of token ids",
-    )
     args = ap.parse_args()
     t_start = time.perf_counter()
     batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,2,4,8,16,32")).split(",")]
@@ -251,14 +85,12 @@ def main() -> None:
     new = args.new or (64 if args.quick else 128)
     n_prompts = max(args.prompts or (8 if args.quick else 4), max(batches))
 
-    loaded = load_gguf(args.gguf)
-    cfg, tok = loaded.config, loaded.tokenizer
-    model = from_hf_tensors(cfg, loaded.tensors)
-    drafter, dname, draft_vocab, vocab_note = load_drafter_or_exit(args, model)
+    loaded, model = h.load_target(args.gguf)
+    tok = loaded.tokenizer
+    drafter, dname, draft_vocab, vocab_note = h.load_drafter_or_exit(args, model)
 
     task = ReasoningGymTask(args.task, size=5000, seed=0, dataset_kwargs=TASK_KWARGS[args.task])
-    problems, _ = task.batch(args.task_offset, n_prompts)
-    prompts = [tok.encode_chat(task.messages(p)) for p in problems]
+    _, prompts = h.task_prompts(task, tok, args.task_offset, n_prompts)
     # column -> (strategy, variant); variant "rej": a chain with sampled drafts and rejection sampling;
     # "fp32": the drafter's weights in float32 (a second SD engine), to compare with the default side by side
     if args.strategies:  # explicit strategies: columns are named after them
@@ -281,8 +113,7 @@ def main() -> None:
     # One cache bucket for the whole run (fewer programs to compile; identical for plain and SD).
     ecfg = EngineConfig(max_new_tokens=new, max_cache_len=cache, min_cache_bucket=cache, chunk_steps=16)
     eos = [] if args.ignore_eos else list(tok.eos_token_ids)
-    plain_engine = RolloutEngine(model, ecfg, eos_ids=eos)
-    sd_engine = RolloutEngine(model, ecfg, eos_ids=eos, drafter=drafter, draft_vocab=draft_vocab)
+    plain_engine, sd_engine = h.engine_pair(model, ecfg, eos, drafter, draft_vocab)
     engines = {col: sd_engine for col in strategies}
     modes = {}
     for col, (s, v) in strategies.items():
@@ -298,7 +129,7 @@ def main() -> None:
     wdt = sd_engine.drafter_weight_dtype or "float32"
 
     print(
-        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M fp32; "
+        f"{h.device_line()}; SmolLM2-135M fp32; "
         f"drafter {dname} ({vocab_note}, {wdt} weights); task {args.task} ({n_prompts} prompts, "
         f"{min(map(len, prompts))}.."
         f"{max(map(len, prompts))} tokens); temperature {args.temperature}; <= {new} new tokens; "
@@ -378,8 +209,7 @@ def main() -> None:
         results = {**head, **results}
     results["wall_s"] = time.perf_counter() - t_start
     print(f"wall {results['wall_s']:.0f} s")
-    fmt = [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()]
-    print("RESULT " + " ".join(fmt))
+    h.result(results, args)
 
 
 if __name__ == "__main__":

@@ -20,20 +20,18 @@ The table then runs with the winner, and `--tuned-out FILE` writes it as
 every caller that passes no block sizes (`tree_attention.default_block_sizes`). `--json FILE` writes
 everything; `--budget-s` stops starting new work when exceeded (what ran is still reported).
 
-Meant for a GPU (`python experiments/bench_tree_attention.py [--tune]`); on CPU the kernel runs in Pallas
+Meant for a GPU (`python -m experiments.bench_tree_attention [--tune]`); on CPU the kernel runs in Pallas
 interpret mode, which is slow by design, so use `--quick` there (B=1, T in {8, 16}) to check the script.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
 import math
 import pathlib
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,11 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    from tlt_jax.kernels import tree_attention as ta
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from tlt_jax.kernels import tree_attention as ta
+from experiments import harness as h
+from tlt_jax.kernels import tree_attention as ta
 
 MODELS = {"smollm2": (9, 3, 64), "qwen7b": (28, 4, 128), "tiny": (4, 2, 16)}  # (Hq, Hkv, D); tiny: dry runs
 TUNE_SPACE = {  # coordinate-descent order: the parameters that move time most first
@@ -221,10 +216,7 @@ def tuning_shapes(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="B=1, T in {8,16} only (for CPU/interpret)")
+    parser = h.parser(__doc__, quick="B=1, T in {8,16} only (for CPU/interpret)", out=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument(
         "--iters", type=int, default=0, help="timed samples per shape (0: 20 on GPU, 3 on CPU)"
@@ -250,7 +242,6 @@ def main() -> None:
     parser.add_argument(
         "--tuned-out", default="", help="write the tuned block sizes here (the kernel's hook)"
     )
-    parser.add_argument("--json", default="", help="write all rows, tuning and the summary here")
     parser.add_argument("--budget-s", type=float, default=0.0, help="stop starting new shapes after this")
     args = parser.parse_args()
     t_start = time.perf_counter()
@@ -307,15 +298,14 @@ def main() -> None:
     meta.update(interpret=interpret, lowering=lowering, block_sizes=block_sizes.to_dict())
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
+    json_path = h.json_path(args)  # --json: all rows, tuning and the summary (rewritten after every row)
 
     def dump(complete: bool) -> dict[str, Any]:
         """The summary so far; also rewritten to --json after every row (a crash keeps what finished)."""
         summary = {**meta, **summarize(rows), "skipped_for_budget": skipped, "complete": complete}
         summary["wall_s"] = time.perf_counter() - t_start
-        if args.json:
-            pathlib.Path(args.json).write_text(
-                json.dumps({**summary, "rows": rows, "tuning": tuning}, indent=2)
-            )
+        if json_path is not None:
+            json_path.write_text(json.dumps({**summary, "rows": rows, "tuning": tuning}, indent=2))
         return summary
 
     dump(False)
@@ -341,12 +331,11 @@ def main() -> None:
                 )
                 dump(False)
     summary = dump(True)
-    fields = " ".join(f"{r['model']}_B{r['B']}_T{r['T']}={r['ratio']:.3f}" for r in rows)
     tag = lowering.split(":")[0].replace(" ", "_")  # "error" when the kernel did not lower
-    print(
-        f"RESULT backend={backend} dtype={dname} lowering={tag} geomean_ratio={summary['geomean_ratio']:.3f} "
-        f"max_err={summary['max_err']:.2e} faster_t16_64={summary['faster_t16_64']} {fields}"
-    )
+    res = {"backend": backend, "dtype": dname, "lowering": tag, "geomean_ratio": summary["geomean_ratio"]}
+    res |= {"max_err": summary["max_err"], "faster_t16_64": summary["faster_t16_64"]}
+    res |= {f"{r['model']}_B{r['B']}_T{r['T']}": r["ratio"] for r in rows}
+    h.result(res, args, formats={"max_err": ".2e"})
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -24,10 +24,10 @@ trips each phase's compiled program runs. `--trace DIR` records the timed calls 
 a trace's kernel names to JAX source. Final line: `RESULT plain_step_ms=... round_tv64_steps=...
 round_tv64_draft_steps=... kernels_tv64_accept=...` (plot: `--out`/verify_breakdown.png).
 
-    python experiments/bench_verify_cost.py --quick    # ~2 minutes
-    python experiments/bench_verify_cost.py
-    python experiments/bench_verify_cost.py --breakdown --quick --random-drafter --draft-vocab 8192  # ~5 min
-    python experiments/bench_verify_cost.py --breakdown --drafter workdirs/drafter_tlt --trace /tmp/tr
+    python -m experiments.bench_verify_cost --quick    # ~2 minutes
+    python -m experiments.bench_verify_cost
+    python -m experiments.bench_verify_cost --breakdown --quick --random-drafter --draft-vocab 8192  # ~5 min
+    python -m experiments.bench_verify_cost --breakdown --drafter workdirs/drafter_tlt --trace /tmp/tr
 """
 
 from __future__ import annotations
@@ -45,18 +45,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-import verify_breakdown as vb  # noqa: E402  (experiments/ is on sys.path when run as a script)
-
-from tlt_jax.kernels import cpu_ffi  # noqa: E402
-from tlt_jax.kernels.small_m_linear import small_m_matmul  # noqa: E402
-from tlt_jax.models.kv_cache import KVCache  # noqa: E402
-from tlt_jax.models.llama import Transformer, causal_mask, from_hf_tensors  # noqa: E402
-from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
-from tlt_jax.rollout.strategy import Strategy  # noqa: E402
+from experiments import harness as h
+from experiments import verify_breakdown as vb
+from experiments.sd_pairs import strategy_for
+from tlt_jax.kernels import cpu_ffi
+from tlt_jax.kernels.small_m_linear import small_m_matmul
+from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.models.llama import Transformer, causal_mask
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.strategy import Strategy
 
 
 def forward_loop(model: Transformer, t: int, inner: int, attn_impl: str) -> Callable:
@@ -123,13 +121,10 @@ def _prompts(tok, n: int, length: int) -> list[list[int]]:  # noqa: ANN001
 
 def breakdown_setup(args: argparse.Namespace) -> tuple[RolloutEngine, dict[str, str], Any, str]:
     """The engine (one mode per strategy), the state every program starts from, a description."""
-    from bench_sd import load_drafter_or_exit, strategy_for
-
-    loaded = load_gguf(args.gguf)
-    model = from_hf_tensors(loaded.config, loaded.tensors)
+    loaded, model = h.load_target(args.gguf)
     vocab_n = args.draft_vocab.isdigit()
     dargs = argparse.Namespace(**{**vars(args), "draft_vocab": "none" if vocab_n else args.draft_vocab})
-    drafter, dname, vocab, note = load_drafter_or_exit(dargs, model)
+    drafter, dname, vocab, note = h.load_drafter_or_exit(dargs, model)
     if vocab_n:  # the first N ids (a smoke-test stand-in for a warm-up's draft vocabulary)
         vocab, note = (
             list(range(int(args.draft_vocab))),
@@ -217,23 +212,19 @@ def breakdown(args: argparse.Namespace) -> None:
         print(f"loops of {last} {p}: " + (", ".join(f"{k} x{v:.0f}" for k, v in where.items()) or "none"))
     if any(t.counts.unknown for t in timed.values()):
         print("(loops with no known trip count were counted once)")
-    plot_breakdown(pathlib.Path(args.out), cols, ms, timed, vb.PHASES)
+    plot_breakdown(h.out_dir(args), cols, ms, timed, vb.PHASES)
     results["wall_s"] = time.perf_counter() - t_start
     print(f"wall {results['wall_s']:.0f} s")
-    print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in results.items()))
+    h.result(results, args, fmt=".4g")
 
 
 def plot_breakdown(out: pathlib.Path, cols: dict, ms: dict, timed: dict, phases: tuple) -> None:
     """Stacked phases per strategy in plain steps (the whole round as a marker), and kernels per phase."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = h.pyplot()
     except ImportError:
         print("matplotlib missing: no plot")
         return
-    out.mkdir(parents=True, exist_ok=True)
     names = list(cols)
     x = list(range(len(names)))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -253,23 +244,24 @@ def plot_breakdown(out: pathlib.Path, cols: dict, ms: dict, timed: dict, phases:
     axes[1].axhline(timed["plain"].counts.kernels, ls="--", color="gray", lw=1, label="plain step")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"a verify round by phase ({jax.devices()[0].platform})")
-    fig.tight_layout()
-    fig.savefig(out / "verify_breakdown.png", dpi=110)
-    print(f"plot: {out / 'verify_breakdown.png'}")
+    print(f"plot: {h.save_plot(fig, out / 'verify_breakdown.png', dpi=110)}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer rounds (~2 minutes)")
+    ap = h.parser(
+        __doc__,
+        quick="fewer rounds (~2 minutes)",
+        out="workdirs/bench_verify_cost",
+        out_help="--breakdown: plot directory",
+    )
     ap.add_argument("--breakdown", action="store_true", help="per-phase cost of a round vs TV (see above)")
     ap.add_argument("--batch", type=int, default=1, help="--breakdown: rows")
     ap.add_argument("--strategies", default=None, help="--breakdown: depth_topk_tv list (default: TV 4..64)")
-    ap.add_argument("--drafter", default="workdirs/drafter_tlt", help="--breakdown: warm-up workdir")
-    ap.add_argument("--random-drafter", action="store_true", help="--breakdown: an untrained drafter")
-    ap.add_argument(
-        "--draft-vocab",
-        default="auto",
-        help="--breakdown: 'auto' | 'none' | a .npy file | N (the first N ids)",
+    h.add_drafter_args(
+        ap,
+        "workdirs/drafter_tlt",
+        prefix="--breakdown: ",
+        draft_vocab_help="--breakdown: 'auto' | 'none' | a .npy file | N (the first N ids)",
     )
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
@@ -278,8 +270,7 @@ def main() -> None:
         default=None,
         help="--breakdown: jax.profiler.trace directory (and each program's HLO in hlo/)",
     )
-    ap.add_argument("--out", default="workdirs/bench_verify_cost", help="--breakdown: plot directory")
-    ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
+    h.add_model_args(ap)
     ap.add_argument("--tokens", default="1,2,3,4,6,8", help="T values of the forward (1 must be first)")
     ap.add_argument("--rows", default="1,2,3,4,6,8", help="M values of the matmuls (1 must be first)")
     ap.add_argument("--prefix", type=int, default=192, help="cached tokens the forward attends over")
@@ -302,8 +293,7 @@ def main() -> None:
             f"the CPU kernels are unavailable ({cpu_ffi.unavailable_reason()}); this script measures them"
         )
 
-    loaded = load_gguf(args.gguf)
-    model = from_hf_tensors(loaded.config, loaded.tensors)
+    _, model = h.load_target(args.gguf)
     cfg = model.cfg
     attn_impl = EngineConfig().attn_impl
     _, params = nnx.split(model, nnx.Param)
@@ -358,7 +348,7 @@ def main() -> None:
             f"{m:>3} {k_s * 1e3:>9.2f} {nbytes / k_s / 1e9:>5.1f} {mm[f'kernel_m{m}'] / base:>11.3f} "
             f"{x_s * 1e3:>8.2f} {nbytes / x_s / 1e9:>5.1f} {x_s / k_s:>13.2f}x"
         )
-    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in results.items()))
+    h.result(results, args)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ medians of the later rounds are reported when there are any), and checks that bo
 features: identical tokens (per-sequence PRNG streams), features equal to float16 storage and the kernels'
 summation order.
 
-    python experiments/bench_warmup_data.py --quick    # one batch of 16 prompts x 4 (~4 minutes)
-    python experiments/bench_warmup_data.py            # 2 rounds of 2 batches
+    python -m experiments.bench_warmup_data --quick    # one batch of 16 prompts x 4 (~4 minutes)
+    python -m experiments.bench_warmup_data            # 2 rounds of 2 batches
 
 Final line: `RESULT data_s_recorded=... data_s_forward=... speedup=... generate_s_recorded=...
 generate_s_forward=... forward_s=... max_feature_diff=...`.
@@ -18,7 +18,6 @@ generate_s_forward=... forward_s=... max_feature_diff=...`.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import statistics
 import sys
@@ -27,21 +26,17 @@ import time
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tlt_jax.config_lib import load_config_file  # noqa: E402
-from tlt_jax.drafter import warmup, warmup_data  # noqa: E402
-from tlt_jax.tasks import make_task  # noqa: E402
+from experiments import harness as h
+from tlt_jax.drafter import warmup, warmup_data
+from tlt_jax.tasks import make_task
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one engine batch, one round")
+    ap = h.parser(__doc__, quick="one engine batch, one round", out=None)
     ap.add_argument("--prompts", type=int, default=None, help="prompts per build (multiple of 16)")
     ap.add_argument("--reps", type=int, default=None, help="alternating rounds (recorded, forward)")
     args = ap.parse_args()
-    config = load_config_file(ROOT / "configs" / "drafter_warmup.py")
+    config = h.load_config("drafter_warmup.py")
     model_path = pathlib.Path(config.model.path)
     if not model_path.exists():
         sys.exit(f"missing {model_path}: run `make setup` (it fetches the SmolLM2 GGUF)")
@@ -117,7 +112,7 @@ def main() -> None:
         "same_sequences": sum(same) / len(same),
         "max_feature_diff": max(diffs),
     }
-    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in res.items()))
+    h.result(res, args)
 
 
 if __name__ == "__main__":

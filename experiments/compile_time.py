@@ -1,9 +1,9 @@
 """Compilation in a researcher's way: a config's first RL steps compiled from nothing, then rerun on the
 persistent compilation cache, each run in its own process, side by side.
 
-    python experiments/compile_time.py --quick          # configs/tlt.py:quick, 1 step per run
-    python experiments/compile_time.py --steps 2        # configs/tlt.py (make run's config), 2 steps per run
-    python experiments/compile_time.py --xla-flags=--xla_gpu_autotune_level=0   # what GPU autotuning costs
+    python -m experiments.compile_time --quick          # configs/tlt.py:quick, 1 step per run
+    python -m experiments.compile_time --steps 2        # configs/tlt.py (make run's config), 2 steps per run
+    python -m experiments.compile_time --xla-flags=--xla_gpu_autotune_level=0   # what GPU autotuning costs
 
 Run 1 starts from an empty cache folder and a fresh workdir; run 2 uses the same cache folder and another
 fresh workdir (same config and seed, hence the same programs: a rerun of the same command, minus the
@@ -26,13 +26,10 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tlt_jax.utils.tracking import read_metrics  # noqa: E402
+from experiments import harness as h
+from tlt_jax.utils.tracking import read_metrics
 
 
 def run_once(args: argparse.Namespace, cache: pathlib.Path, workdir: pathlib.Path) -> dict[str, float]:
@@ -56,7 +53,7 @@ def run_once(args: argparse.Namespace, cache: pathlib.Path, workdir: pathlib.Pat
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+    subprocess.run(cmd, cwd=h.ROOT, env=env, check=True)
     wall = time.perf_counter() - t0
     out: dict[str, float] = collections.defaultdict(float)
     for row in read_metrics(workdir / "metrics.jsonl"):
@@ -80,11 +77,7 @@ def kinds(m: dict[str, float]) -> dict[str, float]:
 
 
 def plot(first: dict[str, float], rerun: dict[str, float], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = h.pyplot()
     a, b = kinds(first), kinds(rerun)
     names = sorted(set(a) | set(b), key=lambda k: -a.get(k, 0.0))
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names)), 4))
@@ -95,25 +88,25 @@ def plot(first: dict[str, float], rerun: dict[str, float], path: pathlib.Path) -
     ax.set_ylabel("compile seconds (trace + lower + XLA)")
     ax.set_title("Where a run's compilation goes, first run vs rerun")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    print(f"plot: {h.save_plot(fig, path)}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = h.parser(
+        __doc__,
+        quick="configs/tlt.py:quick, 1 step",
+        out=None,
+        out_help="folder for the cache, workdirs and plot (default: a temp dir)",
+    )
     ap.add_argument("--config", default="configs/tlt.py", help="a config file[:args] (default: make run's)")
-    ap.add_argument("--quick", action="store_true", help="configs/tlt.py:quick, 1 step")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--xla-flags", default="", help="added to XLA_FLAGS of both runs")
     ap.add_argument("--top", type=int, default=15, help="costliest programs to list")
-    ap.add_argument("--out", default="", help="folder for the cache, workdirs and plot (default: a temp dir)")
     ap.add_argument("extra", nargs="*", help="more --config.x=y overrides, after --")
     args = ap.parse_args()
     if args.quick:
         args.config, args.steps = "configs/tlt.py:quick", 1
-    out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="compile_time_"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = h.out_dir(args, "compile_time")
     cache = out / "xla_cache"
     if cache.exists() and any(cache.iterdir()):
         raise SystemExit(f"{cache} is not empty: the first run must start from an empty cache (a new --out)")
@@ -141,7 +134,7 @@ def main() -> None:
         "backend_first_s": first.get("compile/backend_s", 0.0),
         "backend_rerun_s": rerun.get("compile/backend_s", 0.0),
     }
-    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
+    h.result(result, args)
 
 
 if __name__ == "__main__":

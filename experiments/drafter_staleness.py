@@ -1,14 +1,14 @@
 """Drafter staleness (paper Table 6 / Fig 8 shape): a static warmed drafter vs the spot-trained one over RL.
 
-    python experiments/drafter_staleness.py --quick            # 4 steps per arm of configs/tlt.py:quick
-    python experiments/drafter_staleness.py --steps 12         # the full run
+    python -m experiments.drafter_staleness --quick            # 4 steps per arm of configs/tlt.py:quick
+    python -m experiments.drafter_staleness --steps 12         # the full run
 
-Two GRPO runs in lockstep (tlt_jax.rl.lockstep), identical but for `config.spot.mode`: "off" keeps the warmed
-EAGLE drafter of `--drafter-path` as it is, the other trains it online on every rollout's own hidden states
-(between tail chunks on one device: `between_chunks`; `--mode idle_devices` with several data devices) and
-pushes it after each step. With coupled verification both runs sample the same sequences, so the policy
-they draft for is the same at every step: the accept-length curves differ only by the drafter. SD is on for
-the whole rollout (threshold = the batch) so every step measures acceptance on all of its text.
+Two GRPO runs in lockstep (experiments/lockstep.py), identical but for `config.spot.mode`: "off" keeps the
+warmed EAGLE drafter of `--drafter-path` as it is, the other trains it online on every rollout's own hidden
+states (between tail chunks on one device: `between_chunks`; `--mode idle_devices` with several data
+devices) and pushes it after each step. With coupled verification both runs sample the same sequences, so
+the policy they draft for is the same at every step: the accept-length curves differ only by the drafter. SD
+is on for the whole rollout (threshold = the batch) so every step measures acceptance on all of its text.
 
 Published context: TLT reports 4.59 -> 6.53 accept length from adaptation (Qwen-7B, depth-heavy trees);
 another group reports a frozen one-layer drafter holding ~2.55 over 36 RL steps. Which holds here, and after
@@ -20,47 +20,36 @@ the steps) plus the step from which the adaptive arm stays ahead; a PNG of accep
 
 from __future__ import annotations
 
-import argparse
 import json
-import pathlib
 import sys
-import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tlt_jax import config_lib  # noqa: E402
-from tlt_jax.rl import lockstep  # noqa: E402
-from tlt_jax.rl.speculation import has_drafter  # noqa: E402
+from experiments import harness as h
+from experiments import lockstep
+from tlt_jax.rl.speculation import has_drafter
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="configs/tlt.py:quick, 4 steps per arm")
+    ap = h.parser(__doc__, quick="configs/tlt.py:quick, 4 steps per arm", out=None)
     ap.add_argument("--steps", type=int, default=None, help="RL steps per arm (default 4 quick, else 12)")
-    ap.add_argument("--config", default=str(ROOT / "configs" / "tlt.py"))
+    ap.add_argument("--config", default=str(h.TLT_CONFIG))
     ap.add_argument("--drafter-path", default=None, help="the warmed drafter (default: the config's)")
     ap.add_argument(
         "--mode", default="between_chunks", choices=("between_chunks", "idle_devices", "after_rollout")
     )
     ap.add_argument("--spot-steps", type=int, default=4, help="drafter updates after each tail chunk")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t_start = time.perf_counter()
     steps = args.steps or (4 if args.quick else 12)
-    out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="drafter_staleness_"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = h.out_dir(args, "drafter_staleness")
 
     configs = {}
     for arm, mode in (("static", "off"), ("adaptive", args.mode)):
         cfg = lockstep.quiet(
-            config_lib.load_config_file(
-                args.config, "drafter=eagle,bandit=off" + (",quick" if args.quick else "")
-            ),
-            steps,
+            h.load_config(args.config, "drafter=eagle,bandit=off" + (",quick" if args.quick else "")), steps
         )
         if args.drafter_path:
             cfg.drafter.path = args.drafter_path
@@ -95,25 +84,17 @@ def main() -> None:
         print(f"{i + 1:>4} {acc['static'][i]:>8.3f} {acc['adaptive'][i]:>8.3f}")
     plot(acc, out / "drafter_staleness.png")
     print(f"plot: {out / 'drafter_staleness.png'}; wall {time.perf_counter() - t_start:.0f} s")
-    print(
-        f"RESULT accept_static={static:.3f} accept_adaptive={adaptive:.3f} "
-        f"adaptive_gain={adaptive / static:.3f} adaptive_ahead_from_step={pays_from} steps={steps}"
-    )
+    res = dict(accept_static=static, accept_adaptive=adaptive, adaptive_gain=adaptive / static)
+    h.result(res | dict(adaptive_ahead_from_step=pays_from, steps=steps), args)
 
 
-def plot(acc: dict[str, np.ndarray], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+def plot(acc: dict[str, np.ndarray], path: Any) -> None:
+    fig, ax = h.pyplot().subplots(figsize=(6, 4))
     for arm, a in acc.items():
         ax.plot(np.arange(1, len(a) + 1), a, marker="o", label=arm)
     ax.set(xlabel="RL step", ylabel="accept length (tokens per verify round)", title="drafter staleness")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    h.save_plot(fig, path)
 
 
 if __name__ == "__main__":

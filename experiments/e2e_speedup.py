@@ -1,7 +1,7 @@
 """End-to-end TLT: the same GRPO run with drafter none / ngram / eagle, step for step, in one process.
 
-    python experiments/e2e_speedup.py --quick        # configs/tlt.py:quick, 3 steps per arm (< 15 min)
-    python experiments/e2e_speedup.py --steps 8      # configs/tlt.py, 8 steps per arm
+    python -m experiments.e2e_speedup --quick        # configs/tlt.py:quick, 3 steps per arm (< 15 min)
+    python -m experiments.e2e_speedup --steps 8      # configs/tlt.py, 8 steps per arm
 
 Three learners share the config and seed and differ only in `config.drafter.kind`; their steps run
 interleaved (step 1 of each, then step 2 of each, ...) so a drift of the machine's speed hits all three alike.
@@ -20,27 +20,19 @@ Final line: `RESULT e2e_speedup_eagle=.. e2e_bound_eagle=.. e2e_speedup_ngram=..
 reward_curve_max_abs_diff=..` plus per-arm details; a PNG with step time and reward per step. `--out DIR`
 keeps history.json (every arm's per-step metrics, time/* included), rollouts.jsonl (one line per arm and
 step: the rollout's per-row response and prompt lengths and its chunk records, `lockstep.rollout_record`:
-what `experiments/simulate_rl.py --validate DIR` replays) and the arms' workdirs.
+what `python -m experiments.simulate_rl --validate DIR` replays) and the arms' workdirs.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import pathlib
-import sys
-import tempfile
 import time
 from collections import defaultdict
 from typing import Any
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tlt_jax import config_lib  # noqa: E402
-from tlt_jax.rl import lockstep  # noqa: E402
+from experiments import harness, lockstep
 
 ARMS = ("none", "ngram", "eagle")
 # the config args of each arm: drafter none / ngram / eagle with SpecConfig's threshold switch and no online
@@ -115,9 +107,13 @@ def sd_phase_speedup(plain: list[dict[str, float]], spec: list[dict[str, float]]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="configs/tlt.py:quick (3 steps of 16 rows per arm)")
-    ap.add_argument("--config", default=str(ROOT / "configs" / "tlt.py"))
+    ap = harness.parser(
+        __doc__,
+        quick="configs/tlt.py:quick (3 steps of 16 rows per arm)",
+        out=None,
+        out_help="workdirs, metrics and the plot (default: a temp dir)",
+    )
+    ap.add_argument("--config", default=str(harness.TLT_CONFIG))
     ap.add_argument("--steps", type=int, default=None, help="RL steps per arm (default 3 quick, else 8)")
     ap.add_argument(
         "--arms",
@@ -125,7 +121,6 @@ def main() -> None:
         help=f"arms to compare, from {sorted(ARM_ARGS)} (none is the baseline)",
     )
     ap.add_argument("--drafter-path", default=None, help="EAGLE warm-up workdir (default: the config's)")
-    ap.add_argument("--out", default=None, help="workdirs, metrics and the plot (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -133,13 +128,12 @@ def main() -> None:
     if arms[0] != "none":
         raise SystemExit("--arms must start with 'none' (the plain baseline)")
     steps = args.steps or (3 if args.quick else 8)
-    out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="e2e_speedup_"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.out_dir(args, "e2e_speedup")
 
     configs = {}
     for arm in arms:
         arg = f"{ARM_ARGS[arm]},seed={args.seed}" + (",quick" if args.quick else "")
-        cfg = lockstep.quiet(config_lib.load_config_file(args.config, arg), steps)
+        cfg = lockstep.quiet(harness.load_config(args.config, arg), steps)
         if args.drafter_path:
             cfg.drafter.path = args.drafter_path
         configs[arm] = cfg
@@ -215,17 +209,12 @@ def main() -> None:
         "reward_curve_max_abs_diff",
     ]
     keys = [k for k in order if k in result] + [k for k in result if k not in order]
-    print("RESULT " + " ".join(f"{k}={result[k]:.3f}" for k in keys))
+    harness.result({k: result[k] for k in keys}, args)
 
 
-def plot(history: dict[str, list[dict[str, float]]], path: pathlib.Path) -> None:
+def plot(history: dict[str, list[dict[str, float]]], path: Any) -> None:
     """Step time (stacked rollout / rest) and reward per step, for every arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a1, a2) = harness.pyplot().subplots(1, 2, figsize=(11, 4))
     for arm, h in history.items():
         x = np.arange(1, len(h) + 1)
         a1.plot(x, [m["time/step"] for m in h], marker="o", label=f"{arm} step")
@@ -235,8 +224,7 @@ def plot(history: dict[str, list[dict[str, float]]], path: pathlib.Path) -> None
     a2.set(xlabel="RL step", ylabel="mean reward", title="reward (coupled verification: curves coincide)")
     a1.legend(fontsize=7)
     a2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_plot(fig, path)
 
 
 if __name__ == "__main__":

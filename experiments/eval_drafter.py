@@ -5,29 +5,26 @@ retraining: the held-out split of `--data` (a warm-up workdir) is loaded from it
 its workdir (or `drafter/` folder). The sampled estimate uses the data's temperature and the warm-up's draft
 vocabulary (`--draft-vocab`), as rollouts do.
 
-    python experiments/eval_drafter.py --data workdirs/drafter_warmup workdirs/drafter_warmup workdirs/other
+    python -m experiments.eval_drafter --data workdirs/drafter_warmup workdirs/drafter_warmup workdirs/other
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
-import sys
 
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from tlt_jax.drafter import warmup, warmup_data  # noqa: E402
-from tlt_jax.drafter.draft_vocab import load_draft_vocab  # noqa: E402
-from tlt_jax.drafter.evaluate import AcceptanceEvaluator  # noqa: E402
-from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
+from experiments import harness as h
+from tlt_jax.drafter import warmup, warmup_data
+from tlt_jax.drafter.draft_vocab import load_draft_vocab
+from tlt_jax.drafter.evaluate import AcceptanceEvaluator
+from tlt_jax.rollout.sampling import SamplingParams
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = h.parser(__doc__, quick=None, out=None)
     ap.add_argument("drafters", nargs="+", help="warm-up workdirs (or drafter/ folders) to evaluate")
     ap.add_argument("--data", required=True, help="warm-up workdir whose held-out split is the test set")
     ap.add_argument("--depth", type=int, default=6)
@@ -40,12 +37,7 @@ def main() -> None:
     if not files:
         raise SystemExit(f"no held-out data in {data / warmup.DATA_DIR}: run the warm-up there first")
     samples = [s for f in files for s in warmup_data.load_chunk(f)[0]]
-    gguf = config["model"]["path"]
-    from tlt_jax.models.llama import from_hf_tensors
-    from tlt_jax.models.loading import load_gguf
-
-    loaded = load_gguf(gguf)
-    target = from_hf_tensors(loaded.config, loaded.tensors)
+    _, target = h.load_target(config["model"]["path"])
     embed_w, head_w = warmup.target_weights(target)
     if args.draft_vocab == "auto":
         vocab = load_draft_vocab(data)
@@ -74,7 +66,7 @@ def main() -> None:
         results[f"sampled_accept_{i}"] = r.sampled_accept_length
         # a chain of depth 3 (strategy 3_1_4): 1 + sum of the first three reach probabilities
         results[f"sampled_accept_d3_{i}"] = 1.0 + float(np.sum(r.sampled_per_position[:3]))
-    print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in results.items()))
+    h.result(results, args, fmt=".4f")
 
 
 if __name__ == "__main__":

@@ -8,45 +8,29 @@ shapes) three times per mode; pass 1 compiles each program before running it, pa
 nothing. Per chunk that compiled in pass 1: first / min(pass 2, pass 3). The noise reference is the same
 ratio for chunks that compiled nothing in pass 1 (their programs were met earlier in the pass).
 
-    python experiments/first_execution.py --quick    # 4 prompts x 2, <= 160 tokens, modes plain and 3_1_4
-    python experiments/first_execution.py            # 8 prompts x 2, <= 256 tokens, plain 2_1_3 3_1_4 ngram
+    python -m experiments.first_execution --quick    # 4 prompts x 2, <= 160 tokens, modes plain and 3_1_4
+    python -m experiments.first_execution            # 8 prompts x 2, <= 256 tokens, plain 2_1_3 3_1_4 ngram
 Final line: `RESULT first_exec_ratio_median=.. first_exec_ratio_max=.. rerun_ratio_median=..
 rerun_ratio_max=.. compiled_chunks=.. chunks=..`.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import pathlib
-import sys
-
 import jax
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
-
-from bench_sd import load_drafter_or_exit  # noqa: E402
-
-from tlt_jax import config_lib  # noqa: E402
-from tlt_jax.models.llama import from_hf_tensors  # noqa: E402
-from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.hooks import FixedMode  # noqa: E402
-from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
-from tlt_jax.tasks.datasets import make_task  # noqa: E402
+from experiments import harness as h
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.hooks import FixedMode
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.tasks.datasets import make_task
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
+    ap = h.parser(__doc__, quick="4 prompts x 2, <= 160 tokens, modes plain,3_1_4", out=None)
     ap.add_argument("--modes", default=None, help="plain, EAGLE strategies, ngram_<strategy> (comma list)")
-    ap.add_argument("--drafter", default=str(ROOT / "workdirs" / "drafter_tlt"))
-    ap.add_argument("--random-drafter", action="store_true", help="untrained drafter (timing is the same)")
-    ap.add_argument("--draft-vocab", default="auto")
-    ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
+    h.add_drafter_args(ap, h.ROOT / "workdirs" / "drafter_tlt")
+    h.add_model_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=None, help="default 8 (quick 4), 2 samples each")
     ap.add_argument("--max-new", type=int, default=None, help="default 256 (quick 160)")
@@ -55,30 +39,24 @@ def main() -> None:
     new = args.max_new or (160 if args.quick else 256)
     modes = (args.modes or ("plain,3_1_4" if args.quick else "plain,2_1_3,3_1_4,ngram_4_1_5")).split(",")
 
-    tlt = config_lib.load_config_file(ROOT / "configs" / "tlt.py")
-    loaded = load_gguf(args.gguf)
-    model = from_hf_tensors(loaded.config, loaded.tensors)
-    drafter, dname, vocab, _ = load_drafter_or_exit(args, model)
+    tlt = h.load_config(h.TLT_CONFIG)
+    loaded, model = h.load_target(args.gguf)
+    drafter, dname, vocab, _ = h.load_drafter_or_exit(args, model)
     task = make_task(tlt.task)
-    prompts = [loaded.tokenizer.encode_chat(task.messages(p)) for p in task.batch(2000, prompts_n)[0]]
+    _, prompts = h.task_prompts(task, loaded.tokenizer, 2000, prompts_n)
     ro = tlt.rollout
-    sizes = ("max_cache_len", "chunk_steps", "min_cache_bucket", "prompt_bucket")
     sp, key = SamplingParams(temperature=float(ro.temperature)), jax.random.key(args.seed)
-    print(
-        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; drafter {dname}; "
-        f"{prompts_n} prompts x 2, <= {new} tokens; modes {modes}"
-    )
+    print(f"{h.device_line()}; drafter {dname}; {prompts_n} prompts x 2, <= {new} tokens; modes {modes}")
     first, rerun = [], []
     for name in modes:  # a fresh engine per mode: every program is compiled in its pass 1
         eng = RolloutEngine(
             model,
-            EngineConfig(max_new_tokens=new, **{k: ro[k] for k in sizes}),
+            h.rl_engine_config(ro, new),
             eos_ids=list(loaded.tokenizer.eos_token_ids),
             drafter=drafter,
             draft_vocab=vocab,
         )
-        kind = ("ngram", name.removeprefix("ngram_")) if name.startswith("ngram_") else ("eagle", name)
-        mode = "plain" if name == "plain" else eng.add_mode(*kind)
+        mode = h.add_arm(eng, name)
         hook = FixedMode(mode)
         passes = [
             eng.generate(prompts, n=2, key=key, sampling=sp, max_new_tokens=new, hooks=hook).stats.chunks
@@ -101,11 +79,7 @@ def main() -> None:
         rerun_ratio_median=stat(np.median, rerun),
         rerun_ratio_max=stat(np.max, rerun),
     )
-    print(
-        "RESULT "
-        + " ".join(f"{k}={v:.3f}" for k, v in res.items())
-        + f" compiled_chunks={len(first)} chunks={len(first) + len(rerun)}"
-    )
+    h.result(res | {"compiled_chunks": len(first), "chunks": len(first) + len(rerun)}, args)
 
 
 if __name__ == "__main__":

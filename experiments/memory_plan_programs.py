@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from program_layouts import layout_engine
 
+from experiments.program_layouts import layout_engine
 from tlt_jax import config_lib
 from tlt_jax import sharding as shd
 from tlt_jax.drafter import trainer as dtr

@@ -28,7 +28,7 @@ depth): during the rollout the trainer's float32 masters, AdamW moments, referen
 train state; during the update the engine's weights. Every layout is the one the learner builds: the trainer
 comes from `rl.config.abstract_policy_trainer` (AdamW moments sharded like the params they track).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/memory_plans.py [--quick]
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.memory_plans [--quick]
 Final line: `RESULT gib_<layout>_<cfg>=.. peak_<phase>_<cfg>=.. fits_<cfg>=0|1|uncertain ..
 layer_fit_err_of_need=.. layer_fit_err_of_field=.. wall_s=..`; the raw accounting in --out/measured_*.json.
 """
@@ -52,17 +52,14 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 from jax.sharding import AbstractMesh, AxisType  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import memory_plan_programs as mpp  # noqa: E402
-from program_layouts import ALL_LAYOUTS, layout_programs, layout_totals  # noqa: E402
-
+from experiments import harness as h  # noqa: E402
+from experiments import memory_plan_programs as mpp  # noqa: E402
+from experiments.program_layouts import ALL_LAYOUTS, layout_programs, layout_totals  # noqa: E402
 from tlt_jax import config_lib  # noqa: E402
 from tlt_jax.models.build import model_config_from  # noqa: E402
 from tlt_jax.rollout.programs import ProgramInfo  # noqa: E402
 
-CONFIGS = {"7b": ROOT / "configs" / "qwen2_5_7b.py", "32b": ROOT / "configs" / "qwen2_5_32b.py"}
+CONFIGS = {"7b": h.CONFIGS / "qwen2_5_7b.py", "32b": h.CONFIGS / "qwen2_5_32b.py"}
 # one strategy per BEG-MAB bucket (bs 1 -> 48, 2-4 -> 32, 5-20 -> 16, >= 21 -> 8 tokens to verify), as the
 # paper's Table 5 setting (naive 30.39 = 3.9 x single 7.81 GB: about four strategies)
 PAPER_STRATEGIES = "8_4_48,6_4_32,4_4_16,3_4_8"
@@ -365,10 +362,7 @@ def mesh_floors(plan: dict[str, Any]) -> str:
 
 def plot(plans: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path:
     """Per config: the layouts' summed footprints (paper Table 5 beside) and the phase peaks vs a device."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = h.pyplot()
 
     fig, axes = plt.subplots(len(plans), 2, figsize=(11, 3.8 * len(plans)), squeeze=False)
     for row, plan in zip(axes, plans, strict=True):
@@ -397,16 +391,14 @@ def plot(plans: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path:
             f"{plan['name']}: peak GiB / device by phase, mesh {dict(plan['mesh'].shape)}", fontsize=10
         )
         row[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return h.save_plot(fig, path, dpi=100)
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--quick", action="store_true", help="layers 1,2, buckets 1,2, two strategies, Nb 1024, no check"
+    ap = h.parser(
+        __doc__,
+        quick="layers 1,2, buckets 1,2, two strategies, Nb 1024, no check",
+        out=h.ROOT / "workdirs" / "memory_plans",
     )
     ap.add_argument("--configs", default="7b,32b", help=f"comma-separated of {sorted(CONFIGS)}")
     ap.add_argument("--layers", default=None, help="two small layer counts to fit on (2,4)")
@@ -421,7 +413,6 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--sd-cache", type=int, default=0, help="cache bucket of SD chunks (0: the top one)")
     ap.add_argument("--pallas-probe", type=int, default=None, help="compile the tail with the kernel (1/0)")
-    ap.add_argument("--out", default=str(ROOT / "workdirs" / "memory_plans"))
     a = ap.parse_args()
     q = a.quick
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
@@ -450,8 +441,7 @@ def main() -> None:
         plan["layers"] = tuple(args.layers)
         print_plan(plan)
         plans.append(plan)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = h.out_dir(args)
     png = plot(plans, out / "memory_plans.png")
     res: dict[str, Any] = {}
     for plan in plans:
@@ -467,7 +457,7 @@ def main() -> None:
     res["layer_fit_err_of_field"] = round(max(e[1] for e in errs), 4) if errs else "nan"
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     print(f"\nplot: {png}; wall {res['wall_s']:.0f} s")
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in res.items()))
+    h.result(res, args, fmt="")
 
 
 if __name__ == "__main__":

@@ -29,18 +29,16 @@ generated code (weights and the donated state are arguments, shared by all progr
 JAX analogue of the memory a CUDA-graph capture pins. On XLA:CPU the temporaries are the buffers of the
 verify forward; on a GPU they are the analogue of the graph pools.
 
-    python experiments/program_layouts.py --tiny            # tiny random model (seconds; smoke test)
-    python experiments/program_layouts.py --quick           # SmolLM2, batch buckets 1,2
-    python experiments/program_layouts.py                   # SmolLM2, batch buckets 1,2,4,8
+    python -m experiments.program_layouts --tiny            # tiny random model (seconds; smoke test)
+    python -m experiments.program_layouts --quick           # SmolLM2, batch buckets 1,2
+    python -m experiments.program_layouts                   # SmolLM2, batch buckets 1,2,4,8
 Final line: `RESULT programs_single=.. programs_naive=.. programs_shared=.. mib_single=.. mib_naive=..
 mib_shared=.. compile_s_single=.. compile_s_naive=.. compile_s_shared=..`; a bar chart in --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import pathlib
 import sys
 import time
@@ -50,23 +48,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tlt_jax.models.config import tiny_config  # noqa: E402
-from tlt_jax.models.drafter import Drafter  # noqa: E402
-from tlt_jax.models.llama import Transformer, from_hf_tensors  # noqa: E402
-from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.ngram import NgramBank  # noqa: E402
-from tlt_jax.rollout.programs import ProgramInfo  # noqa: E402
-from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
-from tlt_jax.rollout.selector_config import (  # noqa: E402
+from experiments import harness as h
+from tlt_jax.models.config import tiny_config
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.llama import Transformer
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.ngram import NgramBank
+from tlt_jax.rollout.programs import ProgramInfo
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.selector_config import (
     PAPER_BUCKET_BOUNDS,
     PAPER_BUCKET_TARGETS,
     beg_eligibility,
 )
-from tlt_jax.rollout.types import DecodeState  # noqa: E402
+from tlt_jax.rollout.types import DecodeState
 
 DEFAULT_STRATEGIES = "2_1_3,3_1_4,7_1_8,ngram_4_1_5,3_2_6,8_2_16"
 LAYOUTS = ("single", "naive", "shared")
@@ -164,9 +159,12 @@ def compile_layout(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = h.parser(
+        __doc__,
+        quick="batch buckets 1,2 (default --batches 1,2,4,8)",
+        out=h.ROOT / "workdirs" / "program_layouts",
+    )
     ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2 (smoke test)")
-    ap.add_argument("--quick", action="store_true", help="batch buckets 1,2 (default --batches 1,2,4,8)")
     ap.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated; ngram_<s> = n-gram")
     ap.add_argument("--single", default="3_1_4", help="the strategy of the single-strategy layout")
     ap.add_argument("--batches", default=None, help="comma-separated batch buckets (powers of two)")
@@ -177,8 +175,7 @@ def main() -> None:
         "--max-new", type=int, default=384, help="response budget (sets the state's token buffers)"
     )
     ap.add_argument("--draft-vocab", type=int, default=8192, help="drafter head rows (0: the full head)")
-    ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
-    ap.add_argument("--out", default=str(ROOT / "workdirs" / "program_layouts"))
+    h.add_model_args(ap)
     args = ap.parse_args()
     t_start = time.perf_counter()
     batches = [int(b) for b in (args.batches or ("1,2" if args.quick else "1,2,4,8")).split(",")]
@@ -190,16 +187,15 @@ def main() -> None:
         model, mname = Transformer(cfg, nnx.Rngs(0)), "tiny random Llama"
         max_new, cache = min(args.max_new, 32), min(args.cache, 64)
     else:
-        loaded = load_gguf(args.gguf)
+        loaded, model = h.load_target(args.gguf)
         cfg, mname = loaded.config, "SmolLM2-135M fp32"
-        model = from_hf_tensors(cfg, loaded.tensors)
         max_new, cache = args.max_new, args.cache
     drafter = Drafter(cfg, nnx.Rngs(1))
     dv = min(args.draft_vocab, cfg.vocab_size)
     vocab = np.arange(dv) if dv > 0 else None
     prompt = [1 + (7 * i) % (cfg.vocab_size - 1) for i in range(24)]
     print(
-        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; {mname}; "
+        f"{h.device_line()}; {mname}; "
         f"batch buckets {batches}; cache bucket {cache}; draft head {dv or 'full'} rows; strategies {names}; "
         f"single {args.single}"
     )
@@ -227,15 +223,14 @@ def main() -> None:
         print(f"{layout:>8} {len(infos[layout]):>8} {mib[layout]:>9.1f} {secs[layout]:>9.1f}")
     ratio = mib["naive"] / max(mib["shared"], 1e-9)
     print(f"naive / shared footprint: {ratio:.2f}x; {PAPER}")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = h.out_dir(args)
     png = plot(infos, mib, secs, out / "program_layouts.png", f"{mname}, buckets {batches}, cache {cache}")
     print(f"plot: {png}; wall {time.perf_counter() - t_start:.0f} s")
     res = {f"programs_{k}": len(v) for k, v in infos.items()}
     res |= {f"mib_{k}": round(v, 3) for k, v in mib.items()} | {
         f"compile_s_{k}": round(v, 1) for k, v in secs.items()
     }
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in res.items()))
+    h.result(res, args, fmt="")
 
 
 def layout_totals(infos: dict[str, list[ProgramInfo]]) -> dict[str, dict[str, float]]:
@@ -278,10 +273,7 @@ def plot(
     unit: str = "MiB",
 ) -> pathlib.Path:
     """Three bar panels per layout (those in `infos`): chunk programs, footprint, compile seconds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = h.pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
     colors = ["#888888", "#d62728", "#2ca02c", "#1f77b4"]
@@ -299,10 +291,7 @@ def plot(
         ax.bar_label(bars, fmt="%.3g")
         ax.set_title(label)
     fig.suptitle(f"speculative chunk programs per layout ({title})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return h.save_plot(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ Tables: Table 2 (batch 1 tokens/s without / with SD; paper Qwen-7B H100 164.65 /
 (batch 1..32 x TV 4..64, strategies as bench_sd's mapping; the paper's Qwen-32B TP4 cells beside), and
 `table4_projection.png` in `--out`.
 
-    python experiments/project_sd.py
-    python experiments/project_sd.py --cpu-bench /tmp/bench_sd.log --cpu-costs /tmp/bench_costs.json
+    python -m experiments.project_sd
+    python -m experiments.project_sd --cpu-bench /tmp/bench_sd.log --cpu-costs /tmp/bench_costs.json
 Final line: `RESULT t2_speedup_ours=.. t2_speedup_paper=.. t2_speedup_paper_base=.. t2_plain_tok_s=..
 t2_speedup_<source>_fixed=.. t4_bs{1,32}_tv{16,64}_{paper,ours}=.. gpu_cells_within_10pct=k/n
 [cpu_cells_within_10pct=k/n]`.
@@ -36,20 +36,18 @@ t2_speedup_<source>_fixed=.. t4_bs{1,32}_tv{16,64}_{paper,ours}=.. gpu_cells_wit
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import pathlib
 import re
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
+from experiments import harness as h
+
 GPU_RUN = pathlib.Path("/work/shared/gpu_runs/2026-11-24-h100")
 PAPER_T2 = {"plain_tok_s": 164.65, "sd_tok_s": 430.24, "speedup": 2.61}  # Qwen2.5-7B, batch 1, H100
 PAPER_T4 = {(1, 16): 3.22, (32, 16): 2.48, (1, 64): 3.62, (32, 64): 1.70}  # Qwen2.5-32B TP4, H100
@@ -290,7 +288,8 @@ def this_gpu(gpu: dict[str, Any]) -> dict[str, Any]:
     import time
 
     import jax.numpy as jnp
-    from bench_decode import measure_bandwidth
+
+    from experiments.bench_decode import measure_bandwidth
 
     bw = measure_bandwidth() * 1e9
     x = jnp.ones((8192, 8192), jnp.bfloat16)
@@ -381,12 +380,7 @@ def print_projection(gpu: dict[str, Any], cache: int) -> tuple[dict[str, float],
 
 def plot_tables(tables: dict[str, dict[tuple[int, int], float]], path: pathlib.Path) -> None:
     """The projected Table 4 heatmaps, one per acceptance source, the paper's cells marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 4))
+    fig, axes = h.pyplot().subplots(1, len(tables), figsize=(5.5 * len(tables), 4))
     for ax, (name, t) in zip(np.atleast_1d(axes), tables.items(), strict=True):
         grid = np.array([[t[b, tv] for tv in TVS] for b in BATCHES])
         im = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=max(2.0, grid.max()))
@@ -399,20 +393,18 @@ def plot_tables(tables: dict[str, dict[tuple[int, int], float]], path: pathlib.P
             xlabel="tokens to verify", ylabel="batch", title=f"PROJECTED Qwen2.5-7B / H100, accept: {name}"
         )
         fig.colorbar(im, ax=ax, shrink=0.8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    h.save_plot(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Validate on the GPU run (and the CPU run if given), then project Tables 2 and 4 for Qwen2.5-7B."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = h.parser(__doc__, quick=None, out=h.ROOT / "workdirs" / "project_sd")
     ap.add_argument("--gpu-run", default=str(GPU_RUN), help="a GPU suite output folder (call3_summary.json)")
     ap.add_argument(
         "--cpu-bench", default=None, help="a bench_sd.py log (with its RESULT line) from this CPU"
     )
     ap.add_argument("--cpu-costs", default=None, help="step_costs.py --bench-shapes JSON for that run")
     ap.add_argument("--cache", type=int, default=4096, help="cache bucket of the projected steps")
-    ap.add_argument("--out", default=str(ROOT / "workdirs" / "project_sd"))
     args = ap.parse_args(argv)
     gpu = load_gpu_run(pathlib.Path(args.gpu_run))
     res: dict[str, Any] = {}
@@ -429,13 +421,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\nCPU validation skipped: pass --cpu-bench LOG --cpu-costs JSON (see the module docstring)")
     proj, tables = print_projection(this_gpu(gpu), args.cache)
     res = {**proj, **res}
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = h.out_dir(args)
     plot_tables(tables, out / "table4_projection.png")
     print(f"\nplot: {out / 'table4_projection.png'}")
-    print(
-        "RESULT " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items())
-    )
+    h.result(res, args)
 
 
 if __name__ == "__main__":

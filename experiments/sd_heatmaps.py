@@ -1,7 +1,7 @@
 """Speculative speedup heatmaps: batch x tokens_to_verify (TLT Table 4) and draft depth x tokens_to_verify at
 batch 1 (TLT Fig 13), with the paper's numbers beside ours.
 
-A sibling of `bench_sd.py`, measured the same way with its helpers (`measure_pairs`: per cell an untimed SD
+A sibling of `bench_sd.py`, measured the same way (`sd_pairs.py`: `measure_pairs`, per cell an untimed SD
 warm-up pass that compiles every program the trajectory needs, then `--reps` interleaved (plain, SD) passes
 over the same prompts and PRNG keys; speedup = the median of the per-pair ratios of decode tokens/s, so a
 drift of the machine's speed cancels within a pair; prefill and host time excluded). Plain = an engine
@@ -21,9 +21,9 @@ regime (TV 64 best at batch 1, TV 16 best at batch 32) needs compute to spare. A
 drafter's training. The prompts are the RL task's (configs/tlt.py, held-out stream positions), the drafter
 its warm-up (`configs/drafter_warmup.py:tlt` -> workdirs/drafter_tlt).
 
-    python experiments/sd_heatmaps.py --quick                   # 5 cells, 4 prompts x 48 tokens (minutes)
-    python experiments/sd_heatmaps.py --quick --random-drafter  # smoke run without a warmed drafter
-    python experiments/sd_heatmaps.py                           # B 1..32 x TV 4..64, depths 2..12 x TV
+    python -m experiments.sd_heatmaps --quick                   # 5 cells, 4 prompts x 48 tokens (minutes)
+    python -m experiments.sd_heatmaps --quick --random-drafter  # smoke run without a warmed drafter
+    python -m experiments.sd_heatmaps                           # B 1..32 x TV 4..64, depths 2..12 x TV
 Outputs `table4_heatmap.png` and `fig13_heatmap.png` in --out, and a final line
 `RESULT best_t4=<strategy>@bs<B> best_t4_speedup=.. best_t4_accept=.. best_f13=<strategy> best_f13_speedup=..
 best_f13_accept=.. t4_bs{B}_tv{TV}=.. f13_d{d}_tv{TV}=.. wall_s=..` (the t4_/f13_ keys: cell speedups).
@@ -31,28 +31,18 @@ best_f13_accept=.. t4_bs{B}_tv{TV}=.. f13_d{d}_tv{TV}=.. wall_s=..` (the t4_/f13
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import pathlib
-import sys
 import time
 
 import jax
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
-
-from bench_sd import TASK_KWARGS, Pairs, load_drafter_or_exit, measure_pairs, one_pass, strategy_for  # noqa: E402
-
-from tlt_jax import config_lib  # noqa: E402
-from tlt_jax.models.llama import from_hf_tensors  # noqa: E402
-from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.strategy import Strategy  # noqa: E402
-from tlt_jax.tasks.datasets import ReasoningGymTask, make_task  # noqa: E402
+from experiments import harness as h
+from experiments.sd_pairs import TASK_KWARGS, Pairs, measure_pairs, one_pass, strategy_for
+from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.tasks.datasets import ReasoningGymTask, make_task
 
 PAPER_T4 = {  # Table 4, Qwen2.5-32B on H100: speedup at batch 1 and at batch 32 per tokens_to_verify
     16: (3.22, 2.48),
@@ -81,11 +71,9 @@ def heatmap(
     path: pathlib.Path,
 ) -> None:
     """Annotated speedup heatmap ("1.23x (2.45)" = speedup (accept length)); empty cells grey."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.colors import TwoSlopeNorm
+
+    plt = h.pyplot()
 
     grid = np.full((len(rows), len(cols)), np.nan)
     for (r, c), (speed, _) in cells.items():
@@ -108,18 +96,17 @@ def heatmap(
     ax.set_ylabel(row_label)
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="speedup over plain (1 = break-even)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    h.save_plot(fig, path, dpi=110)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="B 1,2 x TV 4,8; depths 3,7; 4 prompts x 48 tokens")
-    ap.add_argument("--drafter", default=str(ROOT / "workdirs" / "drafter_tlt"), help="warm-up workdir")
-    ap.add_argument("--random-drafter", action="store_true", help="untrained drafter (smoke test only)")
-    ap.add_argument("--draft-vocab", default="auto", help="'auto' (the warm-up's), 'none' or a .npy file")
-    ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
+    ap = h.parser(
+        __doc__,
+        quick="B 1,2 x TV 4,8; depths 3,7; 4 prompts x 48 tokens",
+        out=h.ROOT / "workdirs" / "sd_heatmaps",
+    )
+    h.add_drafter_args(ap, h.ROOT / "workdirs" / "drafter_tlt")
+    h.add_model_args(ap)
     ap.add_argument(
         "--task", default="tlt", choices=["tlt", *sorted(TASK_KWARGS)], help="tlt: configs/tlt.py"
     )
@@ -132,10 +119,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--reps", type=int, default=None, help="timed (plain, SD) pairs per cell (default 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "workdirs" / "sd_heatmaps"))
     args = ap.parse_args()
     t_start = time.perf_counter()
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    ints = h.ints
     batches = ints(args.batches or ("1,2" if args.quick else "1,2,4,8,16,32"))
     tvs = ints(args.tv or ("4,8" if args.quick else "4,8,16,32,64"))
     depths = ints(args.depths or ("3,7" if args.quick else "2,3,4,6,8,12"))
@@ -143,16 +129,14 @@ def main() -> None:
     reps = args.reps or 2
     n_prompts = max(args.prompts or 4, max(batches))
 
-    loaded = load_gguf(args.gguf)
+    loaded, model = h.load_target(args.gguf)
     tok = loaded.tokenizer
-    model = from_hf_tensors(loaded.config, loaded.tensors)
-    drafter, dname, draft_vocab, vocab_note = load_drafter_or_exit(args, model)
+    drafter, dname, draft_vocab, vocab_note = h.load_drafter_or_exit(args, model)
     if args.task == "tlt":
-        task = make_task(config_lib.load_config_file(ROOT / "configs" / "tlt.py").task)
+        task = make_task(h.load_config(h.TLT_CONFIG).task)
     else:
         task = ReasoningGymTask(args.task, size=5000, seed=0, dataset_kwargs=TASK_KWARGS[args.task])
-    problems, _ = task.batch(args.task_offset, n_prompts)
-    prompts = [tok.encode_chat(task.messages(p)) for p in problems]
+    _, prompts = h.task_prompts(task, tok, args.task_offset, n_prompts)
 
     t4 = {(b, tv): strategy_for(tv) for b in batches for tv in tvs}
     f13 = {(d, tv): s for d in depths for tv in tvs if (s := depth_strategy(d, tv)) is not None}
@@ -163,11 +147,10 @@ def main() -> None:
         max_new_tokens=new, max_cache_len=cache, min_cache_bucket=cache, chunk_steps=16, share_programs=False
     )
     eos = list(tok.eos_token_ids)
-    plain_engine = RolloutEngine(model, ecfg, eos_ids=eos)
-    sd_engine = RolloutEngine(model, ecfg, eos_ids=eos, drafter=drafter, draft_vocab=draft_vocab)
+    plain_engine, sd_engine = h.engine_pair(model, ecfg, eos, drafter, draft_vocab)
     modes = {s: sd_engine.add_mode("eagle", s) for s in strategies}
     print(
-        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; SmolLM2-135M fp32; "
+        f"{h.device_line()}; SmolLM2-135M fp32; "
         f"drafter {dname} ({vocab_note}); task {args.task} ({n_prompts} prompts); T={args.temperature}; "
         f"<= {new} new tokens; cache {cache}; {reps} timed pairs per cell"
     )
@@ -230,8 +213,7 @@ def main() -> None:
         print(f"{d:>5} " + " ".join(items))
     print(PAPER_TEXT)
 
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = h.out_dir(args)
     note = (
         "random drafter: acceptance meaningless"
         if args.random_drafter
@@ -273,9 +255,7 @@ def main() -> None:
     res |= {f"t4_bs{b}_tv{tv}": v[0] for (b, tv), v in cells4.items()}
     res |= {f"f13_d{d}_tv{tv}": v[0] for (d, tv), v in cells13.items()}
     res["wall_s"] = time.perf_counter() - t_start
-    print(
-        "RESULT " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items())
-    )
+    h.result(res, args)
 
 
 def accept(pairs: Pairs) -> float:

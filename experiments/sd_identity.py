@@ -23,9 +23,9 @@ The EAGLE drafter is `--drafter-path` (a warm-up workdir, e.g. the GPU suite's),
 a reduced draft vocabulary (as the test: its drafts are rarely accepted, so the n-gram column carries most
 multi-token paths).
 
-    python experiments/sd_identity.py --quick                      # CPU: 4 x 2 sequences x 32 tokens, fp32
-    python experiments/sd_identity.py --dtype bfloat16             # 16 x 4 = 64 sequences x 128 tokens, T 0.9
-    python experiments/sd_identity.py --drafter-path workdirs/drafter_tlt --json identity.json
+    python -m experiments.sd_identity --quick                      # CPU: 4 x 2 sequences x 32 tokens, fp32
+    python -m experiments.sd_identity --dtype bfloat16             # 16 x 4 = 64 sequences x 128 tokens, T 0.9
+    python -m experiments.sd_identity --drafter-path workdirs/drafter_tlt --json identity.json
 
 Final line: `RESULT dtype=... sequences=... identical_frac_chain=... identical_frac_tree=...
 identical_frac_ngram=... identical_frac_min=... identical_frac_plain_rerun=... first_div_median_<s>=...
@@ -38,9 +38,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
-import pathlib
-import sys
 import time
 from typing import Any
 
@@ -49,29 +46,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tlt_jax import config_lib  # noqa: E402
-from tlt_jax.drafter.draft_vocab import load_draft_vocab  # noqa: E402
-from tlt_jax.drafter.warmup import load_drafter  # noqa: E402
-from tlt_jax.models.build import build_model_and_tokenizer  # noqa: E402
-from tlt_jax.models.drafter import Drafter  # noqa: E402
-from tlt_jax.models.llama import Transformer  # noqa: E402
-from tlt_jax.models.loading import DEFAULT_GGUF_PATH  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.hooks import FixedMode  # noqa: E402
-from tlt_jax.rollout.programs import MATMUL_PRECISIONS  # noqa: E402
-from tlt_jax.rollout.sampling import SamplingParams, target_probs  # noqa: E402
-from tlt_jax.rollout.types import Rollout  # noqa: E402
-from tlt_jax.tasks import make_task  # noqa: E402
+from experiments import harness as h
+from tlt_jax.drafter.draft_vocab import load_draft_vocab
+from tlt_jax.drafter.warmup import load_drafter
+from tlt_jax.models.build import build_model_and_tokenizer
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.llama import Transformer
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.hooks import FixedMode
+from tlt_jax.rollout.programs import MATMUL_PRECISIONS
+from tlt_jax.rollout.sampling import SamplingParams, target_probs
+from tlt_jax.rollout.types import Rollout
+from tlt_jax.tasks import make_task
 
 ROUNDING_GAP = 1e-3  # a divergence this close to a CDF boundary is a rounding flip (the test's criterion)
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="CPU smoke: 4 prompts x 2 samples x 32 tokens")
+    ap = h.parser(__doc__, quick="CPU smoke: 4 prompts x 2 samples x 32 tokens", out=None)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--top-p", type=float, default=1.0, help="1.0: plain RL sampling (the test uses 0.95)")
@@ -82,7 +74,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tree", default="2_2_4", help="EAGLE tree depth_topk_tv ('' to skip)")
     ap.add_argument("--ngram", default="3_1_4", help="n-gram drafter depth_topk_tv ('' to skip)")
     ap.add_argument("--drafter-path", default="", help="a warmed drafter (warm-up workdir or its drafter/)")
-    ap.add_argument("--gguf", default=str(DEFAULT_GGUF_PATH))
+    h.add_model_args(ap)
     ap.add_argument(
         "--matmul-precision",
         default="auto",
@@ -91,7 +83,6 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--max-gaps", type=int, default=16, help="divergences checked per strategy (forwards)")
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--json", default="", help="also write the per-strategy details here")
     args = ap.parse_args()
     quick = {"prompts": 4, "samples": 2, "max_new": 32} if args.quick else {}
     for k, v in {"prompts": 16, "samples": 4, "max_new": 128, **quick}.items():
@@ -102,12 +93,11 @@ def parse_args() -> argparse.Namespace:
 
 def load_policy(gguf: str, dtype: str, n_prompts: int) -> tuple[Transformer, list[list[int]]]:
     """configs/default.py's SmolLM2 in `dtype` and the token-identity test's chain_sum prompts."""
-    cfg = config_lib.load_config_file(ROOT / "configs" / "default.py")
+    cfg = h.load_config("default.py")
     cfg.model.path, cfg.model.dtype = gguf, dtype
     model, tok = build_model_and_tokenizer(cfg)
     task = make_task(dict(kind="reasoning_gym", name="chain_sum", size=max(64, n_prompts), seed=1))
-    problems, _ = task.batch(0, n_prompts)
-    return model, [tok.encode_chat(task.messages(p)) for p in problems]
+    return model, h.task_prompts(task, tok, 0, n_prompts)[1]
 
 
 def load_eagle(model: Transformer, path: str) -> tuple[Drafter, np.ndarray | None, str]:
@@ -198,7 +188,7 @@ def main() -> None:
     seq_keys = jax.random.split(key, len(prompts) * args.samples)  # the engine's per-sequence keys
     dev = jax.devices()[0]
     print(
-        f"jax {jax.__version__} on {dev.platform} ({dev.device_kind}), {os.cpu_count()} cores; SmolLM2-135M "
+        f"{h.device_line(kind=True)}; SmolLM2-135M "
         f"{args.dtype}, matmul precision {args.matmul_precision} ({precision or 'JAX default'}); "
         f"{len(prompts)} prompts x {args.samples} samples x {args.max_new} tokens, T {args.temperature}, "
         f"top-p {args.top_p}; drafter {dname}; modes {modes}",
@@ -238,10 +228,10 @@ def main() -> None:
     gaps = [g for n in modes for g in details[n]["gaps"]]
     results["max_gap"] = max(gaps) if gaps else 0.0
     results["wall_s"] = time.perf_counter() - t0
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"results": results, **details}, indent=2, default=str))
-    fmt = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()]
-    print("RESULT " + " ".join(fmt))
+    path = h.json_path(args)  # the per-strategy details; `result` adds the RESULT dict as "results"
+    if path is not None:
+        path.write_text(json.dumps({"results": results, **details}, indent=2, default=str))
+    h.result(results, args, fmt=".4g")
 
 
 if __name__ == "__main__":

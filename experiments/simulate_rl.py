@@ -6,9 +6,9 @@ at (batch bucket, cache bucket), plus host overhead; speculative rounds emit `ac
 mode per chunk is plain, the threshold switch or the converged bandit; devices whose rows have finished are
 idle (the spot trainer's time); the step adds reward, log-prob and update time.
 
-    python experiments/simulate_rl.py --validate /tmp/e2e_val --costs workdirs/step_costs.json
-    python experiments/simulate_rl.py --validate /tmp/e2e_val     # measures the costs first (step_costs.py)
-    python experiments/simulate_rl.py                             # the Qwen2.5-7B / 8 x H100 projection
+    python -m experiments.simulate_rl --validate /tmp/e2e_val --costs workdirs/step_costs.json
+    python -m experiments.simulate_rl --validate /tmp/e2e_val     # measures the costs first (step_costs.py)
+    python -m experiments.simulate_rl                             # the Qwen2.5-7B / 8 x H100 projection
 
 Validation without circularity: the costs come from `step_costs.py` (a separate benchmark on the same
 machine: the engine's chunk programs on synthetic states, real rollouts on held-out prompts for prefill,
@@ -49,10 +49,8 @@ from typing import Any
 
 import numpy as np
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import rl_model as rm  # noqa: E402
+from experiments import harness as h
+from experiments import rl_model as rm
 
 
 class CostTable:
@@ -151,7 +149,7 @@ def load_run(run: pathlib.Path) -> tuple[dict[str, list[dict[str, float]]], dict
 def validate(run: pathlib.Path, costs: CostTable, max_new: int) -> dict[str, float]:
     """Predict every arm's net step time per step from the plain arm's lengths and other time; compare.
     Net: without the compilation first met in the step (e2e_speedup.net: rollout programs and the rest)."""
-    from e2e_speedup import net
+    from experiments.e2e_speedup import net
 
     history, recs = load_run(run)
     arms = list(history)
@@ -242,10 +240,7 @@ def diagnose(history: dict, recs: dict, timelines: dict, arms: list[str], steps:
 
 def plot_validation(run: pathlib.Path, costs: CostTable, step: int, max_new: int, path: pathlib.Path) -> None:
     """Running rows over the rollout, measured (chunk records) vs predicted, per arm at one step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = h.pyplot()
 
     history, recs = load_run(run)
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -263,8 +258,7 @@ def plot_validation(run: pathlib.Path, costs: CostTable, step: int, max_new: int
         ax.step(xp, yp, where="post", ls="--", color=color, label=f"{arm} predicted")
     ax.set(xlabel="decode seconds", ylabel="running rows", title=f"rollout of RL step {step}")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    h.save_plot(fig, path)
 
 
 PAPER = {"e2e": (1.7, 2.1), "fig14_rollout": 2.44, "rollout_share": 0.85}
@@ -390,7 +384,7 @@ def project(args: argparse.Namespace) -> None:
     print(f"paper (measured, 64 H100): e2e {PAPER['e2e'][0]}-{PAPER['e2e'][1]}x")
     res.update(fig14(args, roof, sources))
     plot_profile(last, pathlib.Path(args.out) / "simulate_rl_projection.png")
-    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in res.items()))
+    h.result(res, args)
 
 
 def fig14(args: argparse.Namespace, roof: Any, sources: dict) -> dict[str, float]:
@@ -415,12 +409,8 @@ def fig14(args: argparse.Namespace, roof: Any, sources: dict) -> dict[str, float
 
 def plot_profile(tls: dict[str, tuple[rm.RolloutTimeline, rm.RolloutTimeline]], path: pathlib.Path) -> None:
     """Running rows over the rollout, plain vs TLT, per acceptance source (the paper's Fig 14 shape)."""
-    import matplotlib
+    plt = h.pyplot()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
     plain = next(iter(tls.values()))[0].profile()
     ax.step([p[0] for p in plain], [p[1] for p in plain], where="post", label="plain", color="k")
@@ -430,14 +420,13 @@ def plot_profile(tls: dict[str, tuple[rm.RolloutTimeline, rm.RolloutTimeline]], 
     ax.set(xlabel="decode seconds", ylabel="running rows (all devices)", yscale="log")
     ax.set_title("PROJECTED running rows of one rollout (Qwen2.5-7B, 8 x H100)", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    h.save_plot(fig, path)
     print(f"plot: {path}")
 
 
 def main() -> None:
     """`--validate DIR`: predict an e2e run from measured costs; otherwise the 7B projection."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = h.parser(__doc__, quick=None, out=h.ROOT / "workdirs" / "simulate_rl")
     ap.add_argument("--validate", default=None, help="an e2e_speedup --out folder to predict")
     ap.add_argument("--costs", default=None, help="a step_costs.py JSON (default: measure it now)")
     ap.add_argument("--max-new", type=int, default=384, help="the run's response cap (configs/tlt.py)")
@@ -462,7 +451,6 @@ def main() -> None:
         help="projection: per-step multipliers of (accept - 1), cycled: a staleness curve (e.g. 0.8,1,1)",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(HERE.parent / "workdirs" / "simulate_rl"))
     args = ap.parse_args()
     if args.validate is None:
         args.max_new = 32768 if args.max_new == 384 else args.max_new
@@ -475,7 +463,8 @@ def main() -> None:
     if cost_path is None:
         cost_path = str(run / "step_costs.json")
         print(f"measuring costs on this machine: step_costs.py --out {cost_path}", flush=True)
-        subprocess.run([sys.executable, str(HERE / "step_costs.py"), "--out", cost_path], check=True)
+        cmd = [sys.executable, "-m", "experiments.step_costs", "--out", cost_path]
+        subprocess.run(cmd, cwd=h.ROOT, check=True)
     costs = CostTable.load(cost_path)
     res = validate(run, costs, args.max_new)
     history = json.loads((run / "history.json").read_text())
@@ -483,7 +472,7 @@ def main() -> None:
     plot_validation(run, costs, len(history["none"]), args.max_new, plot)
     print(f"plot: {plot}; costs {cost_path} ({costs.data['meta'].get('load_average')})")
     res["wall_s"] = time.perf_counter() - t0
-    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in res.items()))
+    h.result(res, args)
 
 
 if __name__ == "__main__":

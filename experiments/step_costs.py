@@ -19,8 +19,8 @@ in: `step_seconds` rows {mode, tv, batch, cache, seconds} (tv = 1 for plain), `a
 chunk_overhead, rollout_overhead, threshold, modes.<mode> {accept, accept_by_batch, rounds}}, `engine`
 (chunk_steps, buckets) and `meta` (machine, load average, model, when).
 
-    python experiments/step_costs.py                    # arms none,ngram (+ eagle with a warmed drafter)
-    python experiments/step_costs.py --arms none --reps 3 --rollouts 1 --out /tmp/costs.json
+    python -m experiments.step_costs                    # arms none,ngram (+ eagle with a warmed drafter)
+    python -m experiments.step_costs --arms none --reps 3 --rollouts 1 --out /tmp/costs.json
 Final line: `RESULT plain_b1_s=.. plain_b16_s=.. <mode>_round_b1_s=.. accept_<mode>=.. prefill_s=..`.
 """
 
@@ -34,24 +34,21 @@ import os
 import pathlib
 import platform
 import statistics
-import sys
 import time
 from typing import Any
 
 import jax
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tlt_jax import config_lib  # noqa: E402
-from tlt_jax.models.build import build_model_and_tokenizer  # noqa: E402
-from tlt_jax.rl.speculation import resolve_drafter  # noqa: E402
-from tlt_jax.rollout.engine import RolloutEngine  # noqa: E402
-from tlt_jax.rollout.ngram import NgramBank  # noqa: E402
-from tlt_jax.rollout.programs import pow2_at_least  # noqa: E402
-from tlt_jax.tasks import make_task  # noqa: E402
-from tlt_jax.utils import compile_stats  # noqa: E402
+from experiments import harness as h
+from tlt_jax import config_lib
+from tlt_jax.models.build import build_model_and_tokenizer
+from tlt_jax.rl.speculation import resolve_drafter
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.ngram import NgramBank
+from tlt_jax.rollout.programs import pow2_at_least
+from tlt_jax.tasks import make_task
+from tlt_jax.utils import compile_stats
 
 ARM_ARGS = {  # as experiments/e2e_speedup.py
     "none": "drafter=none,spot=off,bandit=off",
@@ -214,24 +211,21 @@ def bench_shapes(args: argparse.Namespace) -> dict[str, Any]:
     """Plain steps and verify rounds at bench_sd.py's shapes (its engine config, TV -> strategy mapping,
     prompts, n-gram strategy), for `project_sd.py`'s CPU validation: same JSON rows, plus `columns`
     (bench_sd's column -> mode and TV)."""
+    from experiments.project_sd import strategy_for
     from tlt_jax.drafter.draft_vocab import load_draft_vocab
     from tlt_jax.drafter.warmup import init_drafter, load_drafter
-    from tlt_jax.models.llama import from_hf_tensors
-    from tlt_jax.models.loading import DEFAULT_GGUF_PATH, load_gguf
+    from tlt_jax.models.loading import DEFAULT_GGUF_PATH
     from tlt_jax.rollout.engine import EngineConfig
     from tlt_jax.rollout.sampling import SamplingParams
     from tlt_jax.rollout.strategy import Strategy
     from tlt_jax.tasks.datasets import ReasoningGymTask
 
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from project_sd import strategy_for
-
-    loaded = load_gguf(str(DEFAULT_GGUF_PATH))
-    model, tok = from_hf_tensors(loaded.config, loaded.tensors), loaded.tokenizer
+    loaded, model = h.load_target(DEFAULT_GGUF_PATH)
+    tok = loaded.tokenizer
     batches = [int(b) for b in (args.batches or "1").split(",")]
     task = ReasoningGymTask("chain_sum", size=5000, seed=0, dataset_kwargs={})
-    problems, _ = task.batch(2000, max(args.prompts, max(batches)))  # bench_sd's prompts (its cache bucket)
-    prompts = [tok.encode_chat(task.messages(p)) for p in problems]
+    # bench_sd's prompts (its cache bucket)
+    _, prompts = h.task_prompts(task, tok, 2000, max(args.prompts, max(batches)))
     prompt = sorted(prompts, key=len)[len(prompts) // 2]
     cols = {f"tv{tv}": Strategy(*strategy_for(tv), tv).name for tv in map(int, args.tv.split(","))}
     ahead = max([Strategy.parse(s).lookahead for s in cols.values()] + [Strategy.parse(args.ngram).lookahead])
@@ -241,8 +235,7 @@ def bench_shapes(args: argparse.Namespace) -> dict[str, Any]:
         drafter, vocab = load_drafter(args.drafter, model.cfg), load_draft_vocab(args.drafter)
     else:
         drafter, vocab = init_drafter(model, args.seed), None
-    plain = RolloutEngine(model, ecfg, eos_ids=[])
-    sd = RolloutEngine(model, ecfg, eos_ids=[], drafter=drafter, draft_vocab=vocab)
+    plain, sd = h.engine_pair(model, ecfg, [], drafter, vocab)
     ng = RolloutEngine(model, ecfg, eos_ids=[])
     columns = {
         c: dict(mode=sd.add_mode("eagle", s), tv=Strategy.parse(s).tokens_to_verify) for c, s in cols.items()
@@ -262,8 +255,13 @@ def bench_shapes(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args() -> argparse.Namespace:
     """The command line (see the module docstring)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(ROOT / "configs" / "tlt.py"))
+    ap = h.parser(
+        __doc__,
+        quick=None,
+        out=h.ROOT / "workdirs" / "step_costs.json",
+        out_help="the costs JSON (default workdirs/step_costs.json)",
+    )
+    ap.add_argument("--config", default=str(h.TLT_CONFIG))
     ap.add_argument("--config-arg", default="quick", help="appended to every arm's config args")
     ap.add_argument("--arms", default=None, help="default none,ngram (+ eagle when a warmed drafter exists)")
     ap.add_argument("--batches", default=None, help="plain batch buckets (default 1..rows per step)")
@@ -271,7 +269,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rollouts", type=int, default=2, help="timed real rollouts per arm")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "workdirs" / "step_costs.json"))
     ap.add_argument(
         "--bench-shapes",
         action="store_true",
@@ -290,9 +287,9 @@ def rl_costs(args: argparse.Namespace, load0: tuple[float, ...]) -> tuple[dict[s
     """The simulator's cost file for the e2e arms of `args.config` (see the module docstring), and the
     RESULT keys."""
     names = args.arms.split(",") if args.arms else ["none", "ngram"]
-    configs = {a: config_lib.load_config_file(args.config, f"{ARM_ARGS[a]},{args.config_arg}") for a in names}
+    configs = {a: h.load_config(args.config, f"{ARM_ARGS[a]},{args.config_arg}") for a in names}
     if args.arms is None:
-        eagle = config_lib.load_config_file(args.config, f"{ARM_ARGS['eagle']},{args.config_arg}")
+        eagle = h.load_config(args.config, f"{ARM_ARGS['eagle']},{args.config_arg}")
         if pathlib.Path(eagle.drafter.path).is_dir():
             names.append("eagle")
             configs["eagle"] = eagle
@@ -306,7 +303,7 @@ def rl_costs(args: argparse.Namespace, load0: tuple[float, ...]) -> tuple[dict[s
     batches = [int(b) for b in args.batches.split(",")] if args.batches else _pow2_upto(rows)
     thr = max(int(c.spec.threshold) for c in configs.values())
     sd_batches = [int(b) for b in args.sd_batches.split(",")] if args.sd_batches else _pow2_upto(2 * thr)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores, load {load0}")
+    print(f"{h.device_line()}, load {load0}")
     print(f"grid: plain batches {batches}, SD batches {sd_batches}, caches {caches}, {args.reps} reps")
     grid = measure_grid(arms, batches, caches, sd_batches, args.reps)
     arm_costs = {}
@@ -345,7 +342,7 @@ def main() -> None:
     path = write(args.out, out)
     res["wall_s"] = time.perf_counter() - t0
     print(f"wrote {path}; load average {os.getloadavg()}")
-    print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in res.items()))
+    h.result(res, args, fmt=".4g")
 
 
 def meta(load0: tuple[float, ...], what: str) -> dict[str, Any]:

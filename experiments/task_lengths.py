@@ -1,7 +1,7 @@
 """Response-length distribution of a task under the policy: the long tail TLT exploits, measured.
 
-    python experiments/task_lengths.py                              # configs/tlt.py's task, 16 x 4, cap 384
-    python experiments/task_lengths.py --task gsm_symbolic --prompts 16 --n 4 --max-new 384
+    python -m experiments.task_lengths                              # configs/tlt.py's task, 16 x 4, cap 384
+    python -m experiments.task_lengths --task gsm_symbolic --prompts 16 --n 4 --max-new 384
 
 SmolLM2 answers `--prompts` problems `--n` times (T = 0.9, the config's prompts and cap) with plain decoding;
 prints the length percentiles, the share that hits the cap, the reward / accuracy / `Answer:`-format rates,
@@ -13,35 +13,27 @@ histogram PNG.
 
 from __future__ import annotations
 
-import argparse
-import pathlib
-import sys
-
 import jax
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tlt_jax import config_lib  # noqa: E402
-from tlt_jax.models.build import build_model_and_tokenizer  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
-from tlt_jax.tasks import make_task  # noqa: E402
+from experiments import harness as h
+from tlt_jax.models.build import build_model_and_tokenizer
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.tasks import make_task
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(ROOT / "configs" / "tlt.py"), help="model, task and sampling")
+    ap = h.parser(__doc__, quick=None, out=h.ROOT / "workdirs" / "task_lengths")
+    ap.add_argument("--config", default=str(h.TLT_CONFIG), help="model, task and sampling")
     ap.add_argument("--task", default=None, help="a reasoning-gym dataset instead of the config's task")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=None, help="response cap (default: the config's)")
     ap.add_argument("--temperature", type=float, default=None, help="default: the config's")
     ap.add_argument("--offset", type=int, default=1000, help="task stream position of the first prompt")
-    ap.add_argument("--out", default=str(ROOT / "workdirs" / "task_lengths"))
     args = ap.parse_args()
-    cfg = config_lib.load_config_file(args.config)
+    cfg = h.load_config(args.config)
     task_cfg = cfg.task.to_dict()
     if args.task:
         task_cfg = dict(
@@ -50,8 +42,7 @@ def main() -> None:
     max_new = args.max_new or int(cfg.rollout.max_new_tokens)
     model, tok = build_model_and_tokenizer(cfg)
     task = make_task(task_cfg)
-    problems, _ = task.batch(args.offset, args.prompts)
-    prompts = [tok.encode_chat(task.messages(p)) for p in problems]
+    problems, prompts = h.task_prompts(task, tok, args.offset, args.prompts)
     engine = RolloutEngine(
         model,
         EngineConfig(
@@ -96,20 +87,11 @@ def main() -> None:
         "decode time at <= 32 / 8 / 2 running rows: "
         + " / ".join(f"{100 * res[f'share_le{k}']:.0f}%" for k in (32, 8, 2))
     )
-    path = pathlib.Path(args.out)
-    path.mkdir(parents=True, exist_ok=True)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = h.pyplot().subplots(figsize=(6, 3.5))
     ax.hist(lengths, bins=32)
     ax.set(xlabel="response tokens", ylabel="sequences", title=f"{name}: response lengths (cap {max_new})")
-    fig.tight_layout()
-    fig.savefig(path / f"lengths_{name}.png", dpi=120)
-    print(f"plot: {path / f'lengths_{name}.png'}")
-    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in res.items()))
+    print(f"plot: {h.save_plot(fig, h.out_dir(args) / f'lengths_{name}.png')}")
+    h.result(res, args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_bench_checkpoint_smoke(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, like a user
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "bench_checkpoint.py"), "--tiny", "--quick"]
+        [sys.executable, "-m", "experiments.bench_checkpoint", "--tiny", "--quick"]
         + ["--dir", str(tmp_path), "--out", str(tmp_path / "out")],
         cwd=ROOT,
         env=env,

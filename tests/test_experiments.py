@@ -13,16 +13,20 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # experiments/ is a package of the repository root (not installed)
+
+from experiments import harness  # noqa: E402
 
 
 def _run(script: str, *args: str, timeout: int = 600) -> tuple[dict[str, str], str]:
-    """Run experiments/<script> on one CPU device; returns (its RESULT line as a dict, its stdout)."""
+    """Run `python -m experiments.<script>` on one CPU device from the repository root, as a user runs it;
+    returns (its RESULT line as a dict, its stdout)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax_test_cache"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / script), *args],
+        [sys.executable, "-m", f"experiments.{script}", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -40,7 +44,7 @@ def _run(script: str, *args: str, timeout: int = 600) -> tuple[dict[str, str], s
 def test_bench_sd_smoke(smollm_gguf_path):
     """bench_sd with an untrained drafter: one prompt, a few tokens, one interleaved plain/SD pair."""
     res, _ = _run(
-        "bench_sd.py",
+        "bench_sd",
         "--random-drafter",
         "--batches",
         "1",
@@ -74,7 +78,7 @@ def test_program_layouts_tiny(tmp_path):
     group (2), the naive one per strategy (3), the single layout one; the merged program costs less memory
     than the two it replaces."""
     res, out = _run(
-        "program_layouts.py",
+        "program_layouts",
         "--tiny",
         "--batches",
         "1",
@@ -99,7 +103,7 @@ def test_sd_heatmaps_smoke(smollm_gguf_path, tmp_path):
     """One measured cell (batch 1, 2_1_3) fills Table 4 and Fig 13's depth-2 row; depth 3 > TV - 1 stays
     empty. A random drafter accepts almost nothing: only the shape and sanity of the numbers are checked."""
     res, _ = _run(
-        "sd_heatmaps.py",
+        "sd_heatmaps",
         "--random-drafter",
         "--batches",
         "1",
@@ -132,7 +136,7 @@ def test_case_study_smoke(smollm_gguf_path, tmp_path):
     learning rollout per selector, two measured keys: every rollout samples the plain tokens (up to rounding
     flips), the best fixed arm is the fastest of the fixed ones, and the headline ratios agree."""
     res, out = _run(
-        "case_study.py",
+        "case_study",
         "--random-drafter",
         "--requests",
         "4",
@@ -176,7 +180,7 @@ def test_case_study_smoke(smollm_gguf_path, tmp_path):
 def test_bench_sampling_smoke(tmp_path):
     """bench_sampling on a 4,096-token vocabulary: both versions keep the same sets up to one boundary token
     per row (the script checks) and report positive times and their ratio."""
-    res, _ = _run("bench_sampling.py", "--quick", "--vocab", "4096", "--reps", "1", "--out", str(tmp_path))
+    res, _ = _run("bench_sampling", "--quick", "--vocab", "4096", "--reps", "1", "--out", str(tmp_path))
     assert set(res) == {"speedup_b1", "speedup_b64", "ms_ours_b64", "ms_sort_b64"}
     assert all(float(v) > 0 for v in res.values())
     assert (tmp_path / "bench_sampling.png").exists()
@@ -188,7 +192,7 @@ def test_first_execution_smoke(smollm_gguf_path):
     """Two prompts x 2, 24 tokens, plain and one EAGLE chain: the passes decode alike, passes 2-3 compile
     nothing (asserted in the script), and every chunk is either a first execution or a rerun."""
     res, out = _run(
-        "first_execution.py",
+        "first_execution",
         "--random-drafter",
         "--prompts",
         "2",
@@ -210,9 +214,7 @@ def test_sd_identity_smoke(smollm_gguf_path, tmp_path):
     strategy reports its identical fraction, and any sequence that diverges does so at a rounding flip (the
     plain draw's uniform within 1e-3 of a CDF boundary), the token-identity test's criterion."""
     js = tmp_path / "identity.json"
-    res, out = _run(
-        "sd_identity.py", "--prompts", "2", "--samples", "2", "--max-new", "16", "--json", str(js)
-    )
+    res, out = _run("sd_identity", "--prompts", "2", "--samples", "2", "--max-new", "16", "--json", str(js))
     assert res["dtype"] == "float32" and int(res["sequences"]) == 4 and int(res["new"]) == 16
     assert float(res["identical_frac_plain_rerun"]) == 1.0
     details = json.loads(js.read_text())
@@ -225,3 +227,45 @@ def test_sd_identity_smoke(smollm_gguf_path, tmp_path):
         float(res[f"identical_frac_{n}"]) for n in details["meta"]["modes"]
     )
     assert details["meta"]["modes"]["ngram"] == "ngram_3_1_4" and " chain " in out
+
+
+def test_harness_common_flags_result_line_and_json(tmp_path, capsys):
+    """The harness's common flags and the RESULT line: floats in the script's format (per key where given),
+    everything else as written; --json writes the dict under "results", a bare --json into --out, and a
+    file a script already wrote (its own details) keeps its keys."""
+    ap = harness.parser("doc", quick="small", out=str(tmp_path / "out"))
+    args = ap.parse_args(["--quick", "--json"])
+    assert args.quick and harness.json_path(args) == tmp_path / "out" / "result.json"
+    values = {"speedup": 1.23456, "ms": 2.5, "best": "3_1_4", "chunks": 7, "nan": float("nan")}
+    line = harness.result(values, args, fmt=".2f", formats={"speedup": ".1f"})
+    assert line == "RESULT speedup=1.2 ms=2.50 best=3_1_4 chunks=7 nan=nan"
+    assert capsys.readouterr().out.strip().splitlines()[-1] == line
+    data = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert data["results"]["best"] == "3_1_4" and data["results"]["chunks"] == 7
+    details = tmp_path / "details.json"
+    details.write_text(json.dumps({"rows": [1, 2]}))
+    args = harness.parser("doc", quick=None).parse_args(["--json", str(details)])
+    assert not hasattr(args, "quick") and args.out is None
+    harness.result({"x": 0.5}, args)
+    assert json.loads(details.read_text()) == {"rows": [1, 2], "results": {"x": 0.5}}
+    assert harness.format_result({"a": 0.123456}, fmt="") == "RESULT a=0.123456"
+    # no --json: nothing written; an --out that is a .json file puts a bare --json's file beside it
+    args = harness.parser("doc", quick=None, out=str(tmp_path / "costs.json")).parse_args(["--json"])
+    assert harness.json_path(args) == tmp_path / "costs_result.json"
+    assert harness.json_path(harness.parser("doc", quick=None).parse_args([])) is None
+    args = harness.parser("doc", quick=None).parse_args([])
+    assert harness.out_dir(args, "x").is_dir() and pathlib.Path(args.out).name.startswith("x_")
+
+
+def test_every_script_uses_the_harness_and_no_sys_path():
+    """Every script in experiments/ (a module with a `__main__` block) builds its command line with the
+    harness and prints its RESULT line through it; no module edits sys.path (they run as modules)."""
+    scripts = []
+    for path in sorted((ROOT / "experiments").glob("*.py")):
+        text = path.read_text()
+        assert "sys.path" not in text, path.name
+        if 'if __name__ == "__main__":' in text:
+            scripts.append(path.name)
+            assert "harness.parser(" in text or "h.parser(" in text, path.name
+            assert ".result(" in text and 'print("RESULT' not in text, path.name
+    assert len(scripts) >= 20, scripts

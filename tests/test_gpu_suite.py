@@ -1,4 +1,4 @@
-"""experiments/gpu_suite.py: the dry run end to end as a user runs it (CPU: tiny shapes, interpret mode), and
+"""gpu/gpu_suite.py: the dry run end to end as a user runs it (CPU: tiny shapes, interpret mode), and
 the pieces a GPU run depends on but a dry run cannot reach (bundle assembly, the state kept outside the
 repository between device calls and resuming from it, output parsers, the report's sections, the budget,
 killing a subprocess that overruns it). The GPU numbers themselves come from a lent GPU (docs/gpu.md)."""
@@ -18,14 +18,9 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT))  # experiments/ and gpu/ are packages of the repository root (not installed)
 
-import gpu_bundle  # noqa: E402
-import gpu_measure  # noqa: E402
-import gpu_parse  # noqa: E402
-import gpu_report  # noqa: E402
-import gpu_state  # noqa: E402
-import gpu_suite  # noqa: E402
+from gpu import gpu_bundle, gpu_measure, gpu_parse, gpu_report, gpu_state, gpu_suite  # noqa: E402
 
 
 @pytest.mark.slow
@@ -37,7 +32,7 @@ def test_dry_run_end_to_end(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
-        [sys.executable, "experiments/gpu_suite.py", "--dry-run", "--out", str(out)],
+        [sys.executable, "-m", "gpu.gpu_suite", "--dry-run", "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,

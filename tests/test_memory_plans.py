@@ -13,11 +13,10 @@ import pytest
 from flax import nnx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT))  # experiments/ and gpu/ are packages of the repository root (not installed)
 
-import memory_plans as mp  # noqa: E402
-from program_layouts import layout_engine, layout_programs  # noqa: E402
-
+from experiments import memory_plans as mp  # noqa: E402
+from experiments.program_layouts import layout_engine, layout_programs  # noqa: E402
 from tlt_jax.models.config import tiny_config  # noqa: E402
 from tlt_jax.models.drafter import Drafter  # noqa: E402
 from tlt_jax.models.llama import Transformer  # noqa: E402
@@ -103,7 +102,7 @@ def test_memory_plans_quick_smoke(tmp_path: pathlib.Path) -> None:
     args = ["--quick", "--configs", "7b", "--batches", "1", "--strategies", "3_1_4", "--single", "3_1_4"]
     args += ["--response-lens", "256", "--prompt-len", "128", "--out", str(tmp_path)]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "memory_plans.py"), *args],
+        [sys.executable, "-m", "experiments.memory_plans", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT))  # experiments/ and gpu/ are packages of the repository root (not installed)
 
-import project_sd as ps  # noqa: E402
-import rl_model as rm  # noqa: E402
-import simulate_rl  # noqa: E402
+from experiments import project_sd as ps  # noqa: E402
+from experiments import rl_model as rm  # noqa: E402
+from experiments import simulate_rl  # noqa: E402
 
 # one layer, hidden 4, one head of 4, intermediate 8, vocab 10: 4 * (2*4 + 2*4) + 3 * 4 * 8 = 160 weights
 # per layer, + 40 for the LM head = 200 read per step (400 bytes); KV 1 layer x 2 x 4 x 2 bytes = 16 / token
@@ -89,9 +89,9 @@ def test_project_sd_and_simulate_rl_projection_smoke(tmp_path):
     if not (gpu / "call3_summary.json").exists():
         pytest.skip("no GPU run to project from")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    for script, args in (("project_sd.py", []), ("simulate_rl.py", ["--steps", "1"])):
+    for script, args in (("project_sd", []), ("simulate_rl", ["--steps", "1"])):
         proc = subprocess.run(
-            [sys.executable, str(ROOT / "experiments" / script), "--out", str(tmp_path), *args],
+            [sys.executable, "-m", f"experiments.{script}", "--out", str(tmp_path), *args],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -119,7 +119,7 @@ def test_step_costs_bench_shapes_smoke(smollm_gguf_path, tmp_path):
     out = tmp_path / "costs.json"
     args = ["--bench-shapes", "--batches", "1", "--tv", "4", "--new", "8", "--prompts", "1", "--reps", "1"]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "step_costs.py"), *args, "--out", str(out)],
+        [sys.executable, "-m", "experiments.step_costs", *args, "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -11,10 +11,10 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT))  # experiments/ and gpu/ are packages of the repository root (not installed)
 
-import rl_model as rm  # noqa: E402
-import simulate_rl  # noqa: E402
+from experiments import rl_model as rm  # noqa: E402
+from experiments import simulate_rl  # noqa: E402
 
 PLAIN = rm.Mode()
 
@@ -143,7 +143,7 @@ def test_predicted_rollout_adds_prefill_and_host_overhead():
 
 
 def test_e2e_net_times_leave_out_every_compilation():
-    import e2e_speedup  # imports tlt_jax (JAX): already loaded by the rest of the suite
+    from experiments import e2e_speedup  # imports tlt_jax (JAX): already loaded by the rest of the suite
 
     m = {
         "time/step": 100.0,
@@ -171,7 +171,7 @@ def test_validate_smoke(tmp_path):
     (tmp_path / "history.json").write_text(json.dumps({"none": [m, m], "ngram": [m, m]}))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "simulate_rl.py"), "--validate", str(tmp_path)]
+        [sys.executable, "-m", "experiments.simulate_rl", "--validate", str(tmp_path)]
         + ["--costs", str(tmp_path / "costs.json")],
         cwd=ROOT,
         env=env,

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # experiments/: a package of the root
 
-from verify_breakdown import hlo_counts  # noqa: E402
+from experiments.verify_breakdown import hlo_counts  # noqa: E402
 
 
 def _program(x: jax.Array) -> jax.Array:

@@ -8,8 +8,13 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"  # the scripts the phases run, as modules
 
 
 @dataclasses.dataclass
@@ -97,9 +102,33 @@ def parse_sd_rows(text: str) -> list[dict[str, Any]]:
     return rows
 
 
-def script_flags(path: pathlib.Path) -> set[str]:
-    """The `--flags` a script's argparse declares (read from its source: no import, no JAX start-up)."""
-    return set(re.findall(r"add_argument\(\s*[\"'](--[\w-]+)[\"']", path.read_text()))
+def script_module(path: pathlib.Path) -> str | None:
+    """`experiments.<name>` for a script of the experiments package (they run as modules), else None."""
+    path = pathlib.Path(path)
+    inside = path.suffix == ".py" and path.parent.resolve() == EXPERIMENTS
+    return f"experiments.{path.stem}" if inside and path.stem not in ("__init__", "harness") else None
+
+
+def script_cmd(path: pathlib.Path) -> list[str]:
+    """The command that runs a script (from the repository root, as the suite runs everything): `python -m
+    experiments.<name>` for the experiments package's, else `python <path>` (a test's stand-in)."""
+    module = script_module(path)
+    return [sys.executable, "-m", module] if module else [sys.executable, str(path)]
+
+
+def script_flags(path: pathlib.Path, env: dict[str, str] | None = None) -> set[str]:
+    """The `--flags` a script accepts. An experiments module: the usage line of its `--help` (exact, the
+    harness's common flags included; one Python start-up in the repository root, with `env`); any other
+    file (a test's stand-in): the flags its argparse calls declare, read from its source."""
+    module = script_module(path)
+    if module is None:
+        return set(re.findall(r"add_argument\(\s*[\"'](--[\w-]+)[\"']", pathlib.Path(path).read_text()))
+    cmd = [sys.executable, "-m", module, "--help"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{module} --help failed: {tail(proc.stdout + proc.stderr, 1500)}")
+    usage = proc.stdout.split("\n\n", 1)[0]  # argparse's usage block: every option, nothing else
+    return set(re.findall(r"(?<![\w-])(--[\w-]+)", usage))
 
 
 def latest_step(ckpt_dir: pathlib.Path) -> int:

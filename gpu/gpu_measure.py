@@ -12,26 +12,25 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import sys
 import time
 from typing import TYPE_CHECKING
 
-from gpu_parse import (
+from gpu.gpu_parse import (
     PhaseResult,
     as_number,
     parse_result,
     parse_round_breakdown,
     parse_sd_rows,
+    script_cmd,
     script_flags,
     tail,
 )
 
 if TYPE_CHECKING:
-    from gpu_suite import Suite
+    from gpu.gpu_suite import Suite
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXP = ROOT / "experiments"
-PY = sys.executable
 # bench_sd cells on a GPU, most important first: (batch, tokens_to_verify values, timed pairs)
 SD_PLAN = [(1, "4,8,16,32,64", 2), (4, "8,16,32", 1), (16, "8,32", 1), (64, "8", 1)]
 SD_FLAGS = ("--drafter", "--batches", "--tv", "--new", "--reps", "--ngram")
@@ -58,7 +57,7 @@ def phase_identity(suite: Suite, timeout: float) -> PhaseResult:
     sequences identical token for token, first divergences, and a plain rerun as the control. The EAGLE
     drafter is this lease's warmed one when the drafter phase has made one, else an untrained one."""
     script = EXP / "sd_identity.py"
-    missing = [f for f in IDENTITY_FLAGS if f not in script_flags(script)]
+    missing = [f for f in IDENTITY_FLAGS if f not in script_flags(script, suite.child_env("flags", {}))]
     if missing:
         return PhaseResult("identity", "failed", error=f"{script.name} no longer takes {missing}")
     if suite.dry:
@@ -73,7 +72,7 @@ def phase_identity(suite: Suite, timeout: float) -> PhaseResult:
             continue
         js = suite.state / f"identity_{dt}.json"
         js.unlink(missing_ok=True)
-        cmd = [PY, str(script), "--dtype", dt, "--json", str(js), *drafter]
+        cmd = [*script_cmd(script), "--dtype", dt, "--json", str(js), *drafter]
         share = suite.phase_left() * (0.6 if i < len(IDENTITY_DTYPES) - 1 else 1.0)
         proc = suite.run(f"identity_{dt}", cmd, share, {})
         res.details[dt] = json.loads(js.read_text()) if js.exists() else {}
@@ -103,7 +102,7 @@ def phase_verify_cost(suite: Suite, timeout: float) -> PhaseResult:
     (else an untrained one: the phases' cost hardly depends on what it drafts). Every RESULT key is kept;
     `round_*` keys become the breakdown table. Runs only once the script has --breakdown."""
     script = EXP / "bench_verify_cost.py"
-    flags = script_flags(script) if script.exists() else set()
+    flags = script_flags(script, suite.child_env("flags", {})) if script.exists() else set()
     if "--breakdown" not in flags:
         return _skip("verify_cost", f"{script.name} has no --breakdown flag (yet): no round breakdown to run")
     if suite.dry:
@@ -116,7 +115,7 @@ def phase_verify_cost(suite: Suite, timeout: float) -> PhaseResult:
         args += ["--drafter", str(suite.drafter_dir)]
     elif "--random-drafter" in flags:
         args.append("--random-drafter")
-    proc = suite.run("verify_cost", [PY, str(script), *args], timeout, {})
+    proc = suite.run("verify_cost", [*script_cmd(script), *args], timeout, {})
     res = PhaseResult("verify_cost", metrics={k: as_number(v) for k, v in parse_result(proc.output).items()})
     res.details = {"command": " ".join(args), "rounds": parse_round_breakdown(res.metrics)}
     _copy_png(out / "verify_breakdown.png", suite.out / "verify_breakdown.png")
@@ -133,14 +132,14 @@ def phase_compile(suite: Suite, timeout: float) -> PhaseResult:
     script = EXP / "compile_time.py"
     if not script.exists():
         return _skip("compile", f"{script.name} does not exist (yet)")
-    flags = script_flags(script)
+    flags = script_flags(script, suite.child_env("flags", {}))
     if "--quick" not in flags:
         return PhaseResult("compile", "failed", error=f"{script.name} has no --quick flag")
     if suite.dry:
         return PhaseResult("compile", "ok", details={"note": DRY, "flags": sorted(flags)})
     out = suite.state / f"compile_time_{int(time.time())}"  # empty: the first run compiles everything
     args = ["--quick"] + (["--out", str(out)] if "--out" in flags else [])
-    proc = suite.run("compile", [PY, str(script), *args], timeout, {"JAX_COMPILATION_CACHE_DIR": None})
+    proc = suite.run("compile", [*script_cmd(script), *args], timeout, {"JAX_COMPILATION_CACHE_DIR": None})
     res = PhaseResult("compile", metrics={k: as_number(v) for k, v in parse_result(proc.output).items()})
     res.details = {"command": " ".join(args), "out": str(out)}
     _copy_png(out / "compile_time.png", suite.out / "compile_time.png")
@@ -166,8 +165,8 @@ def phase_sd(suite: Suite, timeout: float) -> PhaseResult:
     """bench_sd.py with the warmed drafter: batch x tokens_to_verify (Table 4's shape), batch 1 first (the
     headline, 2 timed pairs), one process per batch so a slow or failing cell keeps the others. Without a
     drafter, batch 1 runs with an untrained one: only its n-gram column (model-free) means anything."""
-    script = ROOT / "experiments" / "bench_sd.py"
-    missing = [f for f in SD_FLAGS if f not in script_flags(script)]
+    script = EXP / "bench_sd.py"
+    missing = [f for f in SD_FLAGS if f not in script_flags(script, suite.child_env("flags", {}))]
     if missing:
         return PhaseResult("sd", "failed", error=f"bench_sd.py no longer takes {missing}")
     if suite.dry:
@@ -181,7 +180,7 @@ def phase_sd(suite: Suite, timeout: float) -> PhaseResult:
         if suite.phase_left() < 60:
             res.details["runs"].append({"batch": b, "status": "skipped (budget)"})
             continue
-        cmd = [PY, str(script), *drafter, *f"--batches {b} --tv {tvs} --new 128 --reps {reps}".split()]
+        cmd = [*script_cmd(script), *drafter, *f"--batches {b} --tv {tvs} --new 128 --reps {reps}".split()]
         proc = suite.run(f"sd_bs{b}", cmd, suite.phase_left(), {})
         rows = parse_sd_rows(proc.output)
         res.details["rows"] += rows
@@ -200,10 +199,10 @@ def phase_e2e(suite: Suite, timeout: float) -> PhaseResult:
     """experiments/e2e_speedup.py --quick (GRPO steps, drafter none / ngram / eagle), if the script exists:
     2 steps per arm (step 1 compiles and is not timed), with this lease's drafter when it takes a path, into
     a fresh folder of the state dir; its PNG is copied to --out as e2e.png."""
-    script = ROOT / "experiments" / "e2e_speedup.py"
+    script = EXP / "e2e_speedup.py"
     if not script.exists():
         return PhaseResult("e2e", "skipped", details={"note": f"{script.name} does not exist (yet)"})
-    flags = script_flags(script)
+    flags = script_flags(script, suite.child_env("flags", {}))
     if "--quick" not in flags:
         return PhaseResult("e2e", "failed", error=f"{script.name} has no --quick flag")
     if suite.dry:
@@ -214,7 +213,7 @@ def phase_e2e(suite: Suite, timeout: float) -> PhaseResult:
     flag = next((f for f in ("--drafter-path", "--drafter") if f in flags), None)
     if flag and (suite.drafter_dir / "drafter").is_dir():
         args += [flag, str(suite.drafter_dir)]
-    proc = suite.run("e2e", [PY, str(script), *args], timeout, {})
+    proc = suite.run("e2e", [*script_cmd(script), *args], timeout, {})
     res = PhaseResult("e2e", metrics={k: as_number(v) for k, v in parse_result(proc.output).items()})
     res.details = {"command": " ".join(args), "out": str(out)}
     pngs = sorted(out.glob("*.png")) if out.is_dir() else []

@@ -1,4 +1,4 @@
-"""The phases of experiments/gpu_suite.py: what each runs, and how its output becomes numbers.
+"""The phases of gpu/gpu_suite.py: what each runs, and how its output becomes numbers.
 
 Every phase is a function `(suite, timeout_s) -> PhaseResult` that runs the project's own scripts and tests in
 subprocesses (the suite kills a subprocess's whole process group at its timeout) and reads their outputs:
@@ -17,23 +17,23 @@ import shutil
 import sys
 from typing import TYPE_CHECKING, Any
 
-import gpu_bundle
-import gpu_measure
-import gpu_state
-from gpu_parse import (
+from gpu import gpu_bundle, gpu_measure, gpu_state
+from gpu.gpu_parse import (
     PhaseResult,
     as_number,
     latest_step,
     parse_junit,
     parse_pytest_verbose,
     parse_result,
+    script_cmd,
     tail,
 )
 
 if TYPE_CHECKING:
-    from gpu_suite import Suite
+    from gpu.gpu_suite import Suite
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXP = ROOT / "experiments"
 PY = sys.executable
 GPU_TESTS = {
     "kernel_tests": ["tests/kernels/test_tree_attention.py"],
@@ -89,7 +89,7 @@ def phase_env(suite: Suite, timeout: float) -> PhaseResult:
     """Versions, device, memory bandwidth and bf16 matmul rate, Pallas backends, the bundle's wheels."""
     path = suite.state / "env.json"
     path.unlink(missing_ok=True)
-    cmd = [PY, str(ROOT / "experiments" / "gpu_env.py"), str(path)]
+    cmd = [PY, "-m", "gpu.gpu_env", str(path)]
     proc = suite.run("env", cmd + (["--dry-run"] if suite.dry else []), timeout, {})
     if not path.exists():
         return PhaseResult("env", "failed", error=tail(proc.output))
@@ -136,7 +136,7 @@ def phase_tree_attention(suite: Suite, timeout: float) -> PhaseResult:
         args = "--quick --models tiny --seq 64 --tokens 16 --tune-max-evals 2 --tune-shapes 1".split()
     else:  # the tuning adds decode shapes (T=1)
         args = "--tokens 8,16,32,48,64 --batches 1,8,32 --seq 1024".split()
-    cmd = [PY, str(ROOT / "experiments" / "bench_tree_attention.py"), *args, "--tune"]
+    cmd = [*script_cmd(EXP / "bench_tree_attention.py"), *args, "--tune"]
     cmd += ["--json", str(js), "--tuned-out", str(tuned), "--budget-s", f"{max(10.0, timeout - 40):.0f}"]
     proc = suite.run("tree_attention", cmd, timeout, {})
     if not js.exists():
@@ -238,7 +238,7 @@ def phase_decode(suite: Suite, timeout: float) -> PhaseResult:
             continue
         for impl in ("auto", "reference"):
             js.unlink(missing_ok=True)
-            cmd = [PY, str(ROOT / "experiments" / "bench_decode.py"), *base.split()]
+            cmd = [*script_cmd(EXP / "bench_decode.py"), *base.split()]
             cmd += ["--dtype", dt, "--attn-impl", impl, "--json", str(js)] + ([] if has_hf else ["--no-hf"])
             proc = suite.run(f"decode_{dt}", cmd, max(30.0, suite.phase_left() - reserve), {})
             if proc.rc == 0 or proc.timed_out or suite.phase_left() < 60:

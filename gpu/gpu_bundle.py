@@ -8,7 +8,7 @@ carry it. The bundle splits it byte-exactly in two, each part going with one cal
     .gpu_bundle/b/  MANIFEST.json, model.part2 (the rest)
 
 Each device call runs in a fresh copy of the repository, so a carried part is gone at the next call: the GPU
-suite copies each part into its state folder outside the repository as it arrives (experiments/gpu_state.py),
+suite copies each part into its state folder outside the repository as it arrives (gpu/gpu_state.py),
 and once both are there `assemble_model` concatenates them (into the state folder; the repository's
 `.cache/models/<gguf>`, where the scripts look, is linked to it in every call), checks the whole file's sha256
 against the manifest, and refuses with a clear message when a part is missing or corrupt. The sizes balance
@@ -21,9 +21,9 @@ of them ship no wheels: cellpylib and zss (pure Python) are built here, and pyco
 imported by reasoning-gym at import time) is built with a local CPython 3.12 (`$PY312`, `python3.12` on the
 PATH, or pyenv's).
 
-    python experiments/gpu_bundle.py build     # `make gpu-bundle`: idempotent
-    python experiments/gpu_bundle.py check     # sizes against the 64 MiB limit, parts' hashes
-    python experiments/gpu_bundle.py assemble  # on the GPU machine (gpu_suite.py does this itself)
+    python -m gpu.gpu_bundle build     # `make gpu-bundle`: idempotent
+    python -m gpu.gpu_bundle check     # sizes against the 64 MiB limit, parts' hashes
+    python -m gpu.gpu_bundle assemble  # on the GPU machine (gpu_suite.py does this itself)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 memory bandwidth, bf16 matmul rate, which Pallas GPU backends import, the bundle's imports), written to a JSON
 file as it goes, so a probe that hangs or fails still leaves what came before it.
 
-    python experiments/gpu_env.py OUT.json [--dry-run]     # --dry-run (or a CPU): small sizes
+    python -m gpu.gpu_env OUT.json [--dry-run]     # --dry-run (or a CPU): small sizes
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pathlib
 import sys
 from typing import Any
 
-import gpu_bundle
+from gpu import gpu_bundle
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -74,7 +74,6 @@ def worker_env(out: pathlib.Path, dry: bool) -> None:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
 
     def project() -> dict[str, Any]:  # imports with no CPU kernel library built (the GPU case)
-        sys.path.insert(0, str(ROOT))
         from tlt_jax.kernels import cpu_ffi, tree_attention  # noqa: F401
         from tlt_jax.rollout import engine  # noqa: F401
 

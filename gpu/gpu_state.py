@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import uuid
 
-import gpu_bundle
+from gpu import gpu_bundle
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STATE_ENV = "TLT_GPU_STATE"

@@ -28,10 +28,10 @@ State that later calls use (the bundle parts, the model, wheels, tuned block siz
 inductor caches, every phase's result) lives outside the repository (gpu_state.py: --state-dir, else
 $TLT_GPU_STATE, else /root/keep/gpu_suite); `--resume` runs the phases that have not finished yet.
 
-    python3 experiments/gpu_suite.py --call 1 --out $OUT              # on the device machine
-    python3 experiments/gpu_suite.py --resume --out $OUT              # whatever has not finished
-    python experiments/gpu_suite.py --dry-run                          # CPU: tiny shapes, interpret mode
-    python experiments/gpu_suite.py --phases decode,sd --budget-s 300  # any subset
+    python3 -m gpu.gpu_suite --call 1 --out $OUT              # on the device machine
+    python3 -m gpu.gpu_suite --resume --out $OUT              # whatever has not finished
+    python -m gpu.gpu_suite --dry-run                          # CPU: tiny shapes, interpret mode
+    python -m gpu.gpu_suite --phases decode,sd --budget-s 300  # any subset
 
 Exit status 0 when no phase failed or timed out (partial and skipped phases are reported, not failures).
 """
@@ -52,10 +52,8 @@ import time
 import traceback
 from typing import Any
 
-import gpu_bundle
-import gpu_phases as ph
-import gpu_report
-import gpu_state
+from gpu import gpu_bundle, gpu_report, gpu_state
+from gpu import gpu_phases as ph
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PHASES = tuple(ph.PHASE_FUNCS)

@@ -18,7 +18,7 @@ import re
 import time
 from typing import Any
 
-from gpu_phases import PHASE_FUNCS
+from gpu.gpu_phases import PHASE_FUNCS
 
 os.environ.setdefault("MPLBACKEND", "Agg")  # headless: the device machine has no display
 
@@ -320,7 +320,7 @@ def report_md(results: dict[str, dict[str, Any]], tgt: dict[str, str], device: s
     lines = [
         f"## GPU suite ({day}, {device}){dry}",
         "",
-        "`python3 experiments/gpu_suite.py --call N` (docs/gpu.md).",
+        "`python3 -m gpu.gpu_suite --call N` (docs/gpu.md).",
         "",
     ]
     rows = []
