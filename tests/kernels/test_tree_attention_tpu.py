@@ -7,18 +7,26 @@ a padded cache), plus TPU-interpreter runs (`pltpu.InterpretParams`: NaN-filled 
 reads raise). Tolerances: f32 1e-5 (abs and rel; both sides are float32 on the CPU), bf16 2e-2 (the kernel
 feeds the MXU bf16 probabilities; the reference is float32 throughout), as in test_tree_attention.py.
 Lowering: `lower(lowering_platforms=("tpu",))` runs the Mosaic lowering, which enforces the TPU block tiling
-rules, on this CPU; the program must hold exactly one `tpu_custom_call`.
+rules, on this CPU; the program must hold exactly one `tpu_custom_call`, whose Mosaic module (decoded from
+its backend config) has the intended grid, VMEM windows and dot precision. libtpu's own passes (vector
+layouts, VMEM budget) need a TPU and are not run here.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.interpreters import mlir
 from jax.experimental.pallas import tpu as pltpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.passmanager import PassManager
+from jaxlib.mosaic.python import tpu as mosaic_tpu
 
 from tlt_jax.kernels import tree_attention as ta
 from tlt_jax.kernels import tree_attention_tpu as tpu
@@ -106,9 +114,28 @@ def test_tpu_interpreter_matches_reference(t: int, s: int, dtype: jnp.dtype, blo
     assert_close(got, reference(*args), dtype)
 
 
+def _shapes(b: int, t: int, s: int, hq: int, hkv: int, d: int, dtype: jnp.dtype) -> tuple:
+    kv = jax.ShapeDtypeStruct((b, hkv, s, d), dtype)
+    q = jax.ShapeDtypeStruct((b, t, hq, d), dtype)
+    return q, kv, kv, jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, t, t), jnp.bool_)
+
+
 def _lower_for_tpu(shapes: tuple, block_sizes: BlockSizes | None) -> str:
     fn = jax.jit(functools.partial(tpu.tree_attention_tpu, block_sizes=block_sizes))
     return fn.trace(*shapes).lower(lowering_platforms=("tpu",)).as_text()
+
+
+def _mosaic_module(hlo_text: str) -> str:
+    """The Mosaic MLIR inside the program's tpu_custom_call (its backend config holds it as base64
+    bytecode), as text: what libtpu would compile."""
+    body = re.search(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", hlo_text).group(1)
+    ctx = mlir.make_ir_context()
+    mosaic_tpu.register_dialect(ctx)
+    with ctx, ir.Location.unknown():
+        ctx.allow_unregistered_dialects = True
+        module = ir.Module.parse(base64.b64decode(body))
+        PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
+        return str(module)
 
 
 @pytest.mark.parametrize(
@@ -127,15 +154,38 @@ def test_kernel_lowers_for_tpu(
     t: int, s: int, hq: int, hkv: int, d: int, dtype: jnp.dtype, block_sizes: BlockSizes | None
 ) -> None:
     """Mosaic's lowering (no TPU needed) accepts the block shapes: one `tpu_custom_call` in the program."""
-    b = 2
-    shapes = (
-        jax.ShapeDtypeStruct((b, t, hq, d), dtype),
-        jax.ShapeDtypeStruct((b, hkv, s, d), dtype),
-        jax.ShapeDtypeStruct((b, hkv, s, d), dtype),
-        jax.ShapeDtypeStruct((b,), jnp.int32),
-        jax.ShapeDtypeStruct((b, t, t), jnp.bool_),
-    )
-    assert _lower_for_tpu(shapes, block_sizes).count("tpu_custom_call") == 1
+    text = _lower_for_tpu(_shapes(2, t, s, hq, hkv, d, dtype), block_sizes)
+    assert text.count("tpu_custom_call") == 1
+
+
+@pytest.mark.parametrize(
+    ("t", "s", "hq", "hkv", "d", "dtype", "bounds", "windows"),
+    [  # default blocks; windows: q rows, K, V, tree K, tree V, tree mask, output
+        (
+            8,
+            640,
+            9,
+            3,
+            64,
+            jnp.float32,
+            "2, 3, 1, 5",
+            ["24, 64", "128, 64", "128, 64", "8, 64", "8, 64", "24, 8"],
+        ),
+        (16, 2048, 28, 4, 128, jnp.bfloat16, "2, 4, 1, 4", ["112, 128", "512, 128", "512, 128", "16, 128"]),
+    ],
+)
+def test_mosaic_module_grid_blocks_and_precision(
+    t: int, s: int, hq: int, hkv: int, d: int, dtype: jnp.dtype, bounds: str, windows: list[str]
+) -> None:
+    """The Mosaic kernel as libtpu would get it: grid (B, Hkv, query blocks, KV blocks) with only the KV axis
+    sequential, the intended VMEM windows, and full-precision (fp32 contract) MXU dots for f32 only."""
+    mosaic = _mosaic_module(_lower_for_tpu(_shapes(2, t, s, hq, hkv, d, dtype), None))
+    assert f"iteration_bounds = array<i64: {bounds}>" in mosaic
+    assert "[" + "#tpu.dimension_semantics<parallel>, " * 3 + "#tpu.dimension_semantics<arbitrary>]" in mosaic
+    got = re.findall(r"window_bounds = array<i64: 1, (?:1, )?(\d+, \d+)>", mosaic)
+    assert got[: len(windows)] == windows
+    assert mosaic.count("tpu.matmul") == 4  # QK and PV for the prefix block and for the tree tokens
+    assert ("contract_precision<fp32>" in mosaic) == (dtype == jnp.float32)
 
 
 @pytest.mark.parametrize("itemsize", [4, 2])
