@@ -79,18 +79,17 @@ def assert_close(got: jax.Array, want: jax.Array, dtype: jnp.dtype) -> None:
 
 
 CASES = [
-    # (T, S, Hq, Hkv, D, dtype, block_sizes)
-    pytest.param(1, 256, 8, 2, 64, jnp.float32, None, id="decode-T1-S256-gqa4-f32"),
-    pytest.param(8, 64, 6, 2, 32, jnp.float32, None, id="verify-T8-S64-gqa3-f32"),
+    # (T, S, Hq, Hkv, D, dtype, block_sizes); key blocks are multiples of 128, so S < 128 is padded to 128
+    pytest.param(1, 256, 8, 2, 64, jnp.float32, BlockSizes(block_k=128), id="decode-T1-2kvblk-gqa4-f32"),
+    pytest.param(8, 64, 6, 2, 32, jnp.float32, None, id="verify-T8-padS64-gqa3-f32"),
     pytest.param(16, 256, 4, 4, 64, jnp.bfloat16, None, id="verify-T16-S256-mha-bf16"),
     pytest.param(
-        48, 256, 6, 2, 32, jnp.float32, BlockSizes(block_q=32, block_k=32), id="T48-5qblk-8kvblk-f32"
+        48, 512, 6, 2, 32, jnp.float32, BlockSizes(block_q=32, block_k=32), id="T48-5qblk-4kvblk-f32"
     ),
-    pytest.param(64, 256, 8, 2, 64, jnp.bfloat16, BlockSizes(block_k=64), id="T64-4qblk-4kvblk-bf16"),
-    pytest.param(8, 80, 6, 2, 48, jnp.float32, BlockSizes(block_k=32), id="S80-kv16-D48-f32"),
-    pytest.param(8, 100, 6, 2, 48, jnp.float32, None, id="pad-S100-to104-f32"),
-    pytest.param(1, 64, 4, 4, 32, jnp.bfloat16, BlockSizes(block_k=16), id="decode-T1-kv16-bf16"),
-    pytest.param(5, 40, 8, 2, 16, jnp.float32, None, id="T5-S40-onekvblk-f32"),
+    pytest.param(64, 256, 8, 2, 64, jnp.bfloat16, BlockSizes(block_k=64), id="T64-4qblk-2kvblk-bf16"),
+    pytest.param(8, 384, 6, 2, 48, jnp.float32, BlockSizes(block_k=256), id="S384-3kvblk-D48-f32"),
+    pytest.param(1, 640, 4, 4, 32, jnp.bfloat16, None, id="decode-T1-S640-5kvblk-bf16"),
+    pytest.param(5, 100, 8, 2, 16, jnp.float32, None, id="T5-padS100-f32"),
 ]
 
 
@@ -104,7 +103,7 @@ def test_kernel_matches_reference(
 
 @pytest.mark.parametrize(
     ("t", "s", "dtype", "block_sizes"),
-    [(8, 64, jnp.float32, BlockSizes(block_q=16, block_k=16)), (4, 48, jnp.bfloat16, BlockSizes(block_k=16))],
+    [(8, 256, jnp.float32, BlockSizes(block_q=16, block_k=128)), (4, 48, jnp.bfloat16, None)],
 )
 def test_tpu_interpreter_matches_reference(t: int, s: int, dtype: jnp.dtype, block_sizes: BlockSizes) -> None:
     """The TPU interpreter simulates VMEM and the block DMAs: scratch starts as NaN (so the j == 0 init must
@@ -169,9 +168,9 @@ def test_kernel_lowers_for_tpu(
             64,
             jnp.float32,
             "2, 3, 1, 5",
-            ["24, 64", "128, 64", "128, 64", "8, 64", "8, 64", "24, 8"],
+            ["24, 64", "128, 64", "128, 64", "128, 64", "128, 64", "24, 128"],
         ),
-        (16, 2048, 28, 4, 128, jnp.bfloat16, "2, 4, 1, 4", ["112, 128", "512, 128", "512, 128", "16, 128"]),
+        (16, 2048, 28, 4, 128, jnp.bfloat16, "2, 4, 1, 4", ["112, 128", "512, 128", "512, 128", "128, 128"]),
     ],
 )
 def test_mosaic_module_grid_blocks_and_precision(
@@ -189,21 +188,18 @@ def test_mosaic_module_grid_blocks_and_precision(
 
 
 @pytest.mark.parametrize("itemsize", [4, 2])
-@pytest.mark.parametrize(("t", "g", "s"), [(1, 1, 16), (5, 3, 40), (16, 7, 2048), (64, 4, 640), (8, 3, 80)])
+@pytest.mark.parametrize(("t", "g", "s"), [(1, 1, 16), (5, 3, 40), (16, 7, 2048), (64, 4, 640), (8, 3, 1000)])
 @pytest.mark.parametrize("block_sizes", [tpu.TPU_BLOCK_SIZES, BlockSizes(block_q=16, block_k=32)])
 def test_tiles_are_mosaic_legal(t: int, g: int, s: int, itemsize: int, block_sizes: BlockSizes) -> None:
-    """Second-minor block dims are multiples of the sublane tile (or the padded full extent), blocks tile
-    their padded extents, and the cache is padded only when no legal block divides it."""
+    """Query-row blocks are multiples of the sublane tile, key blocks (prefix and tree) of 128 lanes, blocks
+    tile their padded extents, and the cache is padded only up to the next multiple of 128."""
     tiles = tpu.tpu_tiles(t, g, s, itemsize, block_sizes)
     sub = 8 * (4 // itemsize)
     assert tiles.block_m % sub == 0 and tiles.rows_pad % tiles.block_m == 0 and tiles.rows_pad >= t * g
-    assert tiles.block_m <= max(block_sizes.block_q, sub)
-    assert tiles.t_pad % sub == 0 and tiles.t_pad >= t
-    assert tiles.block_k % sub == 0 and tiles.s_pad % tiles.block_k == 0 and tiles.s_pad >= s
-    assert tiles.block_k <= max(block_sizes.block_k, tiles.s_pad)
-    step = 128 if block_sizes.block_k >= 128 else sub
-    pad_to = sub if s <= block_sizes.block_k else step
-    assert tiles.s_pad == -(-s // pad_to) * pad_to  # the cache is copied only to reach the next legal size
+    assert tiles.block_m <= block_sizes.block_q
+    assert tiles.t_pad % 128 == 0 and tiles.t_pad >= t
+    assert tiles.block_k % 128 == 0 and tiles.block_k <= max(block_sizes.block_k, 128)
+    assert tiles.s_pad == -(-s // 128) * 128 and tiles.s_pad % tiles.block_k == 0
 
 
 def test_live_block_never_leaves_the_live_prefix() -> None:

@@ -10,9 +10,10 @@ Design. The grid is (B, Hkv, query-row blocks, prefix KV blocks); the last axis 
 the others parallel (megacore). A query row is one (tree token t, query head g of the KV group) pair, so all
 G heads of a group share each K/V tile (the cache is read once per KV group). Per grid step VMEM holds: the
 query rows [block_m, D]; one prefix K and one V block [block_k, D] (double-buffered by the Pallas pipeline);
-the tree tokens' K/V [T_pad, D] and their visibility per query row [block_m, T_pad] (int32), both sliced out
-of the cache in the wrapper; and, as scratch across the KV axis, the float32 accumulator [block_m, D] and the
-running max and sum [block_m, 128] (lane-replicated: Mosaic slices lanes only at 128-lane granularity).
+the tree tokens' K/V [T_pad, D] and their visibility per query row [block_m, T_pad] (int32), both sliced
+out of the cache in the wrapper; and, as scratch across the KV axis, the float32 accumulator [block_m, D]
+and the running max and sum [block_m, 128] (lane-replicated: Mosaic slices lanes at 128-lane granularity).
+Key blocks (block_k, T_pad) are multiples of 128: the scores' lane axis stays aligned.
 `lengths` is scalar-prefetched into SMEM: the K/V index maps clamp the block index to the row's last live
 block (a repeated index issues no DMA, so blocks past `lengths[b]` are never read) and `pl.when` skips their
 compute. The last KV step adds the T tree tokens under the tree mask and writes the normalised output.
@@ -49,7 +50,7 @@ class _Tiles(NamedTuple):
     rows: int  # query rows of one KV group: row r = token (r // G), head (r % G)
     block_m: int  # query rows per program
     rows_pad: int
-    t_pad: int  # tree tokens, padded to the sublane tile
+    t_pad: int  # tree tokens, padded to 128 (the scores' lane axis)
     block_k: int  # prefix keys per grid step
     s_pad: int  # cache length, padded (only when no legal block divides it)
 
@@ -59,21 +60,19 @@ def _round_up(n: int, m: int) -> int:
 
 
 def tpu_tiles(t: int, g: int, s: int, itemsize: int, block_sizes: BlockSizes) -> _Tiles:
-    """Mosaic-legal blocks: second-minor dims are multiples of the sublane tile (8 rows of 32 bits, so 16
-    for bf16) and the minor dim is the full head dim. A cache no longer than `block_sizes.block_k` is one
-    block; a longer one is cut into the largest multiple of 128 (of the sublane tile, for a requested block
-    under 128) <= `block_k` that divides it. S is padded (a copy of the cache) only to the next multiple of
-    the sublane tile (one block) or of 128 (several)."""
+    """Mosaic-legal, lane-aligned blocks. Query rows: multiples of the sublane tile (8 rows of 32 bits, so
+    16 for bf16). Keys (the scores' lane axis, prefix and tree alike): multiples of 128, as jax's own TPU
+    attention kernels keep them, so `block_sizes.block_k` under 128 is raised to 128. The head dim stays
+    whole (a full-extent minor dim). A cache no longer than `block_k` is one block, a longer one is cut into
+    the largest multiple of 128 <= `block_k` that divides it; S is padded (a copy of the cache) only up to
+    the next multiple of 128 (power-of-two cache buckets >= 128 never are)."""
     sub = 8 * max(1, 4 // itemsize)
     rows = t * g
     block_m = min(block_sizes.block_q, _round_up(rows, sub))
-    if s <= block_sizes.block_k:
-        block_k = s_pad = _round_up(s, sub)
-    else:  # step divides block_k (both powers of two), so some candidate divides s_pad
-        step = _LANES if block_sizes.block_k >= _LANES else sub
-        s_pad = _round_up(s, step)
-        block_k = next(c for c in range(block_sizes.block_k, step - 1, -step) if s_pad % c == 0)
-    return _Tiles(rows, block_m, _round_up(rows, block_m), _round_up(t, sub), block_k, s_pad)
+    s_pad = _round_up(s, _LANES)
+    want = max(block_sizes.block_k, _LANES)
+    block_k = s_pad if s_pad <= want else next(c for c in range(want, 0, -_LANES) if s_pad % c == 0)
+    return _Tiles(rows, block_m, _round_up(rows, block_m), _round_up(t, _LANES), block_k, s_pad)
 
 
 def _lanes(x: jax.Array, d: int) -> jax.Array:
