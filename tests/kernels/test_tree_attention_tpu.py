@@ -241,3 +241,17 @@ def test_row_that_sees_nothing_is_zero() -> None:
     got = np.asarray(run_kernel((q, k, v, lengths, mask), None, interpret=True))
     np.testing.assert_array_equal(got[1], 0.0)
     np.testing.assert_allclose(got[0], np.asarray(reference(q, k, v, lengths, mask))[0], atol=1e-5, rtol=1e-5)
+
+
+def test_dead_key_blocks_are_skipped() -> None:
+    """Garbage past a row's live blocks never reaches the output: with NaN from the first 128-key block
+    after both the prefix and the tree tokens, the output is finite and exact. Two guards make this (the
+    K/V index map re-fetches the last live block, `pl.when` skips the step's compute); the test fails only
+    when both go (test_live_block_never_leaves_the_live_prefix checks the first alone)."""
+    q, k, v, _, mask = make_inputs(seed=12, b=2, t=4, s=512, hq=4, hkv=2, d=16, dtype=jnp.float32)
+    lengths = jnp.asarray([0, 100], jnp.int32)
+    live = np.arange(512)[None, None, :, None] < 128  # both rows: prefix and tree end inside block 0
+    clean = reference(q, k, v, lengths, mask)
+    k, v = (jnp.where(live, x, jnp.nan) for x in (k, v))
+    got = run_kernel((q, k, v, lengths, mask), BlockSizes(block_k=128), interpret=True)
+    assert_close(got, clean, jnp.float32)
