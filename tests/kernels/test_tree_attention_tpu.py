@@ -90,6 +90,7 @@ CASES = [
     pytest.param(8, 384, 6, 2, 48, jnp.float32, BlockSizes(block_k=256), id="S384-3kvblk-D48-f32"),
     pytest.param(1, 640, 4, 4, 32, jnp.bfloat16, None, id="decode-T1-S640-5kvblk-bf16"),
     pytest.param(5, 100, 8, 2, 16, jnp.float32, None, id="T5-padS100-f32"),
+    pytest.param(48, 64, 8, 2, 64, jnp.bfloat16, None, id="prefill-like-T48-S64-2qblk-bf16"),
 ]
 
 
