@@ -52,7 +52,7 @@ class _Tiles(NamedTuple):
     rows_pad: int
     t_pad: int  # tree tokens, padded to 128 (the scores' lane axis)
     block_k: int  # prefix keys per grid step
-    s_pad: int  # cache length, padded (only when no legal block divides it)
+    s_pad: int  # cache length, padded to a multiple of 128 (a copy of the cache only when S is not one)
 
 
 def _round_up(n: int, m: int) -> int:
