@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from collections.abc import Callable
 
 import jax
+import ml_collections
 import numpy as np
 
+from tlt_jax.rl.rollout import TextCodec
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.tasks import Task
+from tlt_jax.tasks import Problem, Task
 
 EVAL_KEY_SALT = 0x5EED  # folded into the run's seed: the eval keys never coincide with a training step's
 
@@ -59,9 +62,9 @@ class HeldOutEval:
         self,
         cfg: EvalConfig,
         task: Task,
-        encode: Any,  # Problem -> prompt token ids (the learner's cached chat encoding)
-        tokenizer: Any,
-        engine: Any,
+        encode: Callable[[Problem], list[int]],  # prompt token ids (the learner's cached chat encoding)
+        tokenizer: TextCodec,
+        engine: RolloutEngine,
         sampling: SamplingParams,
         seed: int,
         train_positions: int,
@@ -101,3 +104,21 @@ class HeldOutEval:
             "eval/clip_frac": float(np.mean(np.asarray(rollout.finish_reason) == "length")),
             "eval/seconds": time.perf_counter() - t0,
         }
+
+
+def held_out_eval(
+    config: ml_collections.ConfigDict,
+    cfg: EvalConfig,
+    task: Task,
+    encode: Callable[[Problem], list[int]],
+    tokenizer: TextCodec,
+    engine: RolloutEngine,
+    sampling: SamplingParams,
+) -> HeldOutEval | None:
+    """The GRPO run's held-out eval (`cfg`: its `config.eval`), None when off (`every` = 0)."""
+    if not cfg.every:
+        return None
+    train_positions = int(config.num_steps) * int(config.rl.prompts_per_step)
+    return HeldOutEval(
+        cfg, task, encode, tokenizer, engine, sampling, seed=int(config.seed), train_positions=train_positions
+    )

@@ -134,6 +134,16 @@ def resolve_drafter(section: Any, policy: ModelConfig) -> ResolvedDrafter:
     return ResolvedDrafter("eagle", drafter=drafter, draft_vocab=vocab, path=str(d))
 
 
+def announced_drafter(section: Any, policy: ModelConfig, announce: bool) -> ResolvedDrafter:
+    """`resolve_drafter`, its note (e.g. "auto" fell back to the n-gram drafter) logged and printed when
+    `announce` (process 0): a run that drafts with another drafter than the one asked for says so up front."""
+    resolved = resolve_drafter(section, policy)
+    if resolved.note and announce:
+        logging.warning("%s", resolved.note)
+        print(f"note: {resolved.note}", flush=True)
+    return resolved
+
+
 class RolloutMonitor(RolloutHooks):
     """Per-step speculation metrics and the acceptance-collapse alarm (a rollout hook; reset per rollout).
 

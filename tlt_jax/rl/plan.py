@@ -1,0 +1,56 @@
+"""The shape and GRPO settings of one RL step, read once from the config: what the step's phases share.
+
+Why a plan: the phases (tlt_jax.rl.reward, advantages, update, metrics) take typed arguments instead of the
+whole config, so each can be read, and tested, without building a learner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One step: `prompts` prompts x `group` samples = `rows` rows, updated in `mini_batches` mini-batches."""
+
+    prompts: int
+    group: int
+    mini_batches: int = 1
+    advantage: str = "grpo"  # tlt_jax.rl.grpo.group_advantages(method=)
+    adv_eps: float = 1e-6
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    kl_coef: float = 0.0  # > 0: the loss has a KL term to the reference policy (needs its log-probs)
+    loss_agg: str = "seq_mean_token_mean"
+    seq_bucket: int = 16  # trainer columns are rounded up to multiples of this
+    max_response: int | None = None  # the rollout's max_new_tokens (the widest response column count)
+    lr: float = 0.0  # peak policy learning rate (for the optim/lr metric)
+    warmup_steps: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.group
+
+    @property
+    def mini_rows(self) -> int:
+        return self.rows // self.mini_batches
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> StepPlan:
+        """The plan of a validated GRPO config (`tlt_jax.rl.config.validate`)."""
+        rl = config.rl
+        return cls(
+            prompts=int(rl.prompts_per_step),
+            group=int(rl.samples_per_prompt),
+            mini_batches=int(rl.mini_batches),
+            advantage=rl.advantage,
+            adv_eps=float(rl.adv_eps),
+            dynamic_sampling=bool(rl.dynamic_sampling),
+            kl_coef=float(rl.kl_coef),
+            loss_agg=rl.loss_agg,
+            seq_bucket=int(config.trainer.seq_bucket),
+            max_response=int(config.rollout.max_new_tokens),
+            lr=float(rl.lr),
+            warmup_steps=int(rl.warmup_steps),
+        )

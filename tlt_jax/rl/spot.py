@@ -1,0 +1,84 @@
+"""The RL loop's side of the adaptive drafter: the EAGLE drafter the engine holds, the spot trainer that
+trains it during the rollouts (tlt_jax.drafter.spot_trainer), and the drafter push between steps.
+
+Why a push: a rollout drafts with one snapshot of the drafter (the engine reads its weights once per
+`generate`), so the drafter the spot trainer trained during step t's rollout drafts for step t + 1. The
+spot trainer's data buffer is saved beside each checkpoint (one folder per step) so a resumed run trains
+on the same data as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+
+from absl import logging
+from flax import nnx
+
+from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer
+from tlt_jax.drafter.trainer import TRAIN_STATE_DIR
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.rl.speculation import ResolvedDrafter
+from tlt_jax.rollout.engine import RolloutEngine
+
+BUFFER_DIR = "spot_buffer"  # the spot trainer's data buffer, one folder per checkpointed step
+
+
+def engine_drafter(
+    rollout_drafter: ResolvedDrafter, cfg: SpotConfig, policy: ModelConfig, seed: int
+) -> Drafter | None:
+    """The EAGLE drafter the engine holds: the warmed one, or (spot training without one) a fresh drafter
+    that the spot trainer trains from scratch while the rollouts draft with the n-gram drafter."""
+    if rollout_drafter.drafter is None and cfg.mode != "off":
+        return Drafter(policy, nnx.Rngs(params=seed))
+    return rollout_drafter.drafter
+
+
+def build_spot(
+    cfg: SpotConfig,
+    drafter: Drafter | None,
+    engine: RolloutEngine,
+    rollout_drafter: ResolvedDrafter,
+    announce: bool,
+) -> SpotTrainer | None:
+    """The spot trainer of `drafter` (None when `cfg.mode` is "off"). A warmed drafter's optimizer moments
+    come along (its workdir's train_state/, when there is one): fresh moments would move a converged drafter
+    off its optimum in the first online steps (`SpotTrainer.warm_start`)."""
+    if cfg.mode == "off":
+        return None
+    if drafter is None:
+        raise ValueError("the spot trainer needs the engine's EAGLE drafter (engine_drafter)")
+    spot = SpotTrainer(cfg, drafter, engine)
+    if rollout_drafter.kind == "eagle":
+        warm = pathlib.Path(rollout_drafter.path).parent / TRAIN_STATE_DIR
+        if spot.warm_start(warm) and announce:
+            logging.info("spot trainer: AdamW moments carried over from %s", warm)
+    return spot
+
+
+def push_drafter(engine: RolloutEngine, spot: SpotTrainer | None) -> None:
+    """The drafter the spot trainer trained during this rollout drafts for the next one (no-op without)."""
+    if spot is not None:
+        engine.set_drafter_params(spot.params)
+
+
+def spot_metrics(spot: SpotTrainer | None) -> dict[str, float]:
+    """The step's spot-training metrics (spot/*, buffer/*), none without a spot trainer."""
+    return {} if spot is None else spot.metrics()
+
+
+def buffer_dir(workdir: str, step: int) -> str:
+    """Where the spot trainer's data buffer of checkpoint `step` lives."""
+    return os.path.join(workdir, BUFFER_DIR, str(step))
+
+
+def save_buffer(spot: SpotTrainer, workdir: str, step: int, keep: int) -> None:
+    """Write the data buffer of checkpoint `step` (synchronously: every complete checkpoint has its buffer)
+    and delete all but the newest `keep + 1` buffers: the `keep` checkpoints orbax keeps, plus the oldest,
+    which it deletes only once this step's asynchronous save is complete."""
+    spot.buffer.save(buffer_dir(workdir, step))
+    steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, BUFFER_DIR)) if d.isdigit())
+    for old in steps[: -keep - 1]:
+        shutil.rmtree(buffer_dir(workdir, old), ignore_errors=True)

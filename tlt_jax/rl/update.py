@@ -1,0 +1,81 @@
+"""The RL step's policy update: the log-probs the loss needs, then PPO-clipped updates over mini-batches.
+
+Log-probs first (`old_logprobs`): the frozen reference policy's, for the KL term (`kl_coef > 0`), and the
+old policy's, unless the update fuses them (one mini-batch: old = stop_gradient of the update's own
+forward). Then `update_policy`: `mini_batches` optimizer steps, each over micro-batches sorted by response
+length and padded to their own bucket (tlt_jax.rl.batch.length_sorted_micro: same loss, less padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from tlt_jax.rl.batch import TrainBatch, length_sorted_micro
+from tlt_jax.rl.plan import StepPlan
+from tlt_jax.rl.trainer import PolicyTrainer
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateResult:
+    """metrics: one dict per mini-batch trained; skipped: mini-batches with every group filtered out;
+    trained_cols: response columns the update computed (each micro-batch at its own width); num_response: the
+    step batch's response columns; train_logp: [rows, num_response] the trainer's old log-probs (zeros where
+    the update neither fused nor computed them)."""
+
+    metrics: list[dict[str, float]]
+    skipped: int
+    trained_cols: int
+    num_response: int
+    train_logp: np.ndarray
+
+
+def take_groups(batch: TrainBatch, groups: slice) -> TrainBatch:
+    """The batch's groups `groups` (its leading axis)."""
+    return jax.tree_util.tree_map(lambda x: x[groups], batch)
+
+
+def old_logprobs(trainer: PolicyTrainer, batch: TrainBatch, plan: StepPlan) -> tuple[TrainBatch, np.ndarray]:
+    """The reference (KL) and old (unfused) log-probs the loss needs, in `batch`; and the old log-probs
+    [rows, response] for the engine-gap metric (zeros when the update fuses them)."""
+    train_logp = np.zeros((plan.rows, batch.num_response), np.float32)
+    fused = trainer.loss.fuse_old_logprobs
+    if plan.kl_coef > 0 or not fused:
+        micro = trainer.put_micro(batch)
+        if plan.kl_coef > 0:
+            ref = trainer.logprobs(micro, params=trainer.ref_params).logp
+            batch = batch.replace(ref_logp=np.asarray(ref).reshape(batch.ref_logp.shape))
+        if not fused:
+            old = np.asarray(trainer.logprobs(micro).logp)
+            batch = batch.replace(old_logp=old.reshape(batch.old_logp.shape))
+            train_logp = old.reshape(plan.rows, -1)
+    return batch, train_logp
+
+
+def update_policy(
+    trainer: PolicyTrainer, batch: TrainBatch, lengths: np.ndarray, train_logp: np.ndarray, plan: StepPlan
+) -> UpdateResult:
+    """One optimizer step per mini-batch of `plan.mini_rows` rows (`lengths`: the rows' response lengths).
+    A mini-batch whose groups were all filtered (dynamic sampling) is skipped: nothing to learn from. With
+    fused old log-probs, the update's own fill `train_logp` (in place, returned in the result)."""
+    update_metrics: list[dict[str, float]] = []
+    skipped, trained_cols = 0, 0
+    mini_groups = plan.mini_rows // plan.group
+    for m in range(plan.mini_batches):
+        rows = slice(m * plan.mini_rows, (m + 1) * plan.mini_rows)
+        mini = take_groups(batch, slice(m * mini_groups, (m + 1) * mini_groups))
+        parts = length_sorted_micro(
+            mini, lengths[rows], trainer.micro_batch_size, plan.seq_bucket, plan.loss_agg
+        )
+        if parts.weights.sum() == 0:
+            skipped += 1
+            continue
+        micro = [trainer.put_micro(mb) for mb in parts.micro]
+        um, logps = trainer.update(micro, [w[None] for w in parts.weights])
+        update_metrics.append(um)
+        trained_cols += sum(mb.response.size for mb in parts.micro)
+        if trainer.loss.fuse_old_logprobs:
+            train_logp[rows] = parts.unsort([np.asarray(x) for x in logps], batch.num_response)
+    return UpdateResult(update_metrics, skipped, trained_cols, batch.num_response, train_logp)
