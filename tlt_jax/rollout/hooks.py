@@ -210,7 +210,9 @@ class ProgressHook(RolloutHooks):
         self.bar.update(view.live_rows, view.finished, view.record.new_tokens)
 
 
-def as_hooks(hooks: RolloutHooks | Iterable[RolloutHooks | None] | None, extra: Any = None) -> HookList:
+def as_hooks(
+    hooks: RolloutHooks | Iterable[RolloutHooks | None] | None, extra: RolloutHooks | None = None
+) -> HookList:
     """Normalise a hooks argument (one, several or None) into a HookList (with `extra` appended)."""
     if hooks is None:
         items: list[RolloutHooks | None] = []
