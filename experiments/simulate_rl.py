@@ -294,7 +294,7 @@ def tlt_chooser(modes: list[rm.Mode], cost: rm.StepCost, threshold: int) -> rm.C
 def project_sources(gpu: dict[str, Any]) -> dict[str, tuple[list[rm.Mode], float]]:
     """Per acceptance source: one mode per TV (bench_sd's strategy mapping) with that source's accept, and
     its accept at TV 48."""
-    import project_sd as ps
+    from experiments import project_sd as ps
 
     out = {}
     for name, acc in ps.accept_sources(gpu).items():
@@ -331,7 +331,7 @@ def project_steps(args: argparse.Namespace, roof: Any, sources: dict, kw: dict) 
 
 def project(args: argparse.Namespace) -> None:
     """Qwen2.5-7B GRPO steps on D x H100 (roofline costs), plain vs TLT for each acceptance source."""
-    import project_sd as ps
+    from experiments import project_sd as ps
 
     gpu = ps.load_gpu_run(pathlib.Path(args.gpu_run))
     roof = ps.Roofline(ps.QWEN2_5_7B, gpu["bw"][1], gpu["flops"])
