@@ -54,18 +54,30 @@ def quiet_libraries() -> None:
 
 
 def setup_jax(config: Any) -> None:
-    """Process-level JAX setup that must happen before any device is touched."""
+    """Process-level JAX setup that must happen before any device is touched: the persistent compilation
+    cache, and with `config.multiprocess` JAX's distributed runtime (tlt_jax.utils.distributed: coordinator,
+    process count and id from TLT_JAX_* or SLURM's variables; a clear ValueError when none are set)."""
     import jax
 
-    from tlt_jax.utils import compile_stats
+    from tlt_jax.utils import compile_stats, distributed
 
     folder = compile_stats.resolve_cache_dir(str(config.get("compilation_cache_dir", "auto")))
     if folder:
         compile_stats.enable_persistent_cache(folder)
         logging.info("persistent compilation cache: %s", folder)
-    if config.multiprocess:
-        jax.distributed.initialize()
-        logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+    if config.multiprocess:  # every process runs this same program; the mesh spans all their devices
+        spec = distributed.initialize()
+        logging.info(
+            "jax.distributed: process %d of %d (coordinator %s; %s): %d local / %d global devices",
+            jax.process_index(),
+            jax.process_count(),
+            spec.coordinator,
+            spec.source,
+            jax.local_device_count(),
+            jax.device_count(),
+        )
+    else:
+        distributed.check_single_process()
 
 
 def validate(config: Any) -> None:
@@ -113,6 +125,12 @@ def main(argv: list[str]) -> None:
     quiet_libraries()
     try:
         validate(_CONFIG.value)
+        from tlt_jax.utils import distributed  # the launch variables, read before anything starts
+
+        if _CONFIG.value.multiprocess:
+            distributed.resolve()
+        else:
+            distributed.check_single_process()
     except ValueError as e:  # a config mistake: say what and how to fix it, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

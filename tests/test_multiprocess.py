@@ -1,0 +1,375 @@
+"""Several processes, one program (issue #26, "Two processes equal one").
+
+Unit tests of tlt_jax.utils.distributed's launch resolution (explicit TLT_JAX_* variables, SLURM's, the
+SLURM node list), then real multi-process runs on this machine's CPU: subprocesses with 2 fake CPU devices
+each (XLA_FLAGS=--xla_force_host_platform_device_count=2) joined through a coordinator on a free local port,
+compared with one process on 4 fake devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tlt_jax.utils import distributed as dist
+from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.tracking import read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "multiprocess_driver.py"
+
+
+# ---- the launch variables -> (coordinator, process count, process id) -----------------------------------
+SLURM = {"SLURM_JOB_ID": "4100", "SLURM_PROCID": "3", "SLURM_NTASKS": "4"}
+RESOLVE_CASES = [
+    (
+        {dist.COORDINATOR: "10.0.0.1:1234", dist.NUM_PROCESSES: "2", dist.PROCESS_ID: "1"},
+        ("10.0.0.1:1234", 2, 1),
+    ),
+    # SLURM alone: the first host of the step's node list, the port derived from the job id (as JAX does)
+    ({**SLURM, "SLURM_STEP_NODELIST": "node[01-03],gpu7"}, ("node01:61444", 4, 3)),
+    # the step's node list wins over the job's; TLT_JAX_COORDINATOR_PORT sets the port
+    (
+        {**SLURM, "SLURM_STEP_NODELIST": "b2", "SLURM_JOB_NODELIST": "a1", dist.COORDINATOR_PORT: "5000"},
+        ("b2:5000", 4, 3),
+    ),
+    ({**SLURM, "SLURM_JOB_NODELIST": "gpu7,gpu8"}, ("gpu7:61444", 4, 3)),
+    # explicit variables override SLURM's, one by one
+    (
+        {**SLURM, "SLURM_STEP_NODELIST": "n1", dist.COORDINATOR: "head:99", dist.PROCESS_ID: "0"},
+        ("head:99", 4, 0),
+    ),
+    # a host without a port gets TLT_JAX_COORDINATOR_PORT, else the default one
+    (
+        {
+            dist.COORDINATOR: "node5",
+            dist.COORDINATOR_PORT: "999",
+            dist.NUM_PROCESSES: "1",
+            dist.PROCESS_ID: "0",
+        },
+        ("node5:999", 1, 0),
+    ),
+    (
+        {dist.COORDINATOR: "node5", dist.NUM_PROCESSES: "2", dist.PROCESS_ID: "0"},
+        (f"node5:{dist.DEFAULT_PORT}", 2, 0),
+    ),
+]
+
+
+@pytest.mark.parametrize("env,want", RESOLVE_CASES)
+def test_resolve(env, want) -> None:
+    spec = dist.resolve(env)
+    assert (spec.coordinator, spec.num_processes, spec.process_id) == want
+    assert spec.timeout_s == dist.DEFAULT_TIMEOUT_S
+
+
+@pytest.mark.parametrize(
+    "nodelist,host",
+    [
+        ("node[01-03],gpu7", "node01"),
+        ("gpu7", "gpu7"),
+        ("gpu7,gpu8", "gpu7"),
+        ("node[007-010]", "node007"),
+        ("node[3,5-6]", "node3"),
+        ("a[3,5-6]-ib,b1", "a3-ib"),
+        ("rack[1-2]n[3,4],x", "rack1n3"),
+        (" host-1.cluster ", "host-1.cluster"),
+    ],
+)
+def test_first_host_of_a_slurm_nodelist(nodelist, host) -> None:
+    assert dist.first_host(nodelist) == host
+
+
+def test_resolve_errors_name_the_variables_to_set() -> None:
+    with pytest.raises(ValueError) as e:
+        dist.resolve({})
+    for name in (dist.COORDINATOR, dist.NUM_PROCESSES, dist.PROCESS_ID, "SLURM_PROCID", "SLURM_NTASKS"):
+        assert name in str(e.value)
+    # only what is missing is listed
+    with pytest.raises(ValueError, match="missing this process's id") as e:
+        dist.resolve({dist.COORDINATOR: "h:1", dist.NUM_PROCESSES: "2"})
+    assert "the number of processes" not in str(e.value).split("missing")[1].split(". Set")[0]
+    with pytest.raises(ValueError, match=r"process id 2 \(TLT_JAX_PROCESS_ID\) must be in 0..1"):
+        dist.resolve({dist.COORDINATOR: "h:1", dist.NUM_PROCESSES: "2", dist.PROCESS_ID: "2"})
+    with pytest.raises(ValueError, match="TLT_JAX_NUM_PROCESSES='two' is not an integer"):
+        dist.resolve({dist.COORDINATOR: "h:1", dist.NUM_PROCESSES: "two", dist.PROCESS_ID: "0"})
+    with pytest.raises(ValueError, match="cannot read a host name"):
+        dist.resolve({"SLURM_STEP_NODELIST": "[", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"})
+    spec = dist.resolve(
+        {dist.COORDINATOR: "h:1", dist.NUM_PROCESSES: "2", dist.PROCESS_ID: "0", dist.INIT_TIMEOUT: "7"}
+    )
+    assert spec.timeout_s == 7
+
+
+def test_single_process_refuses_an_explicit_process_count() -> None:
+    with pytest.raises(ValueError, match="config.multiprocess=False"):
+        dist.check_single_process({dist.NUM_PROCESSES: "2"})
+    dist.check_single_process({dist.NUM_PROCESSES: "1"})
+    dist.check_single_process({"SLURM_NTASKS": "4"})  # a SLURM allocation alone decides nothing
+    dist.check_single_process({})
+
+
+# ---- subprocesses ---------------------------------------------------------------------------------------
+def clean_env(devices: int) -> dict[str, str]:
+    """This environment without any launch variable, with `devices` fake CPU devices per process."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TLT_JAX_", "SLURM_", "JAX_COORDINATOR", "JAX_PROCESS", "JAX_NUM_PROCESSES"))
+    }
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["WANDB_MODE"] = "disabled"
+    env["JAX_COMPILATION_CACHE_DIR"] = str(ROOT / ".cache" / "jax_test_cache")  # as tests/conftest.py
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env[dist.INIT_TIMEOUT] = "60"
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    cmd: list[str], num: int, *, devices: int = 2, ids: list[int] | None = None, timeout: float = 300
+) -> list[subprocess.CompletedProcess]:
+    """Start processes `ids` (default all) of a `num`-process job running `cmd` and wait for all of them
+    (killed, and the test failed, past `timeout`)."""
+    port = free_port()
+    procs = []
+    for i in range(num) if ids is None else ids:
+        env = clean_env(devices)
+        env.update(
+            {dist.COORDINATOR: f"127.0.0.1:{port}", dist.NUM_PROCESSES: str(num), dist.PROCESS_ID: str(i)}
+        )
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    deadline, out = time.monotonic() + timeout, []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{cmd} in {num} processes did not finish within {timeout} s")
+    return out
+
+
+def ok(procs: list[subprocess.CompletedProcess]) -> None:
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i}: exit {p.returncode}\n{p.stderr[-6000:]}"
+
+
+def test_two_processes_see_four_devices_and_agree_on_a_psum() -> None:
+    procs = launch([sys.executable, str(DRIVER)], 2, timeout=180)
+    ok(procs)
+    reports = [json.loads(p.stdout.split("RESULT ", 1)[1]) for p in procs]
+    for i, r in enumerate(reports):
+        assert r["process_index"] == r["spec_process_id"] == i
+        assert r["process_count"] == 2 and r["device_count"] == 4 and r["local_device_count"] == 2
+        assert r["mesh_shape"] == {"data": 4, "model": 1}
+        assert r["sum"] == r["psum"] == 1 + 2 + 3 + 4  # both need the other process's shards
+    assert reports[0]["local_shards"] == [1.0, 2.0] and reports[1]["local_shards"] == [3.0, 4.0]
+
+
+@pytest.mark.parametrize("process_id", [1, 0])
+def test_a_process_whose_peers_never_come_exits_within_its_timeout(process_id) -> None:
+    """Process 1 alone (no coordinator ever listens): a RuntimeError naming the coordinator. Process 0 alone
+    (its peer never registers): JAX's client ends it after the timeout (a C++ fatal error, DEADLINE_EXCEEDED),
+    after the line saying what it waited for. Neither hangs."""
+    port, wait_s = free_port(), 5
+    env = clean_env(2)
+    env.update(
+        {
+            dist.COORDINATOR: f"127.0.0.1:{port}",
+            dist.NUM_PROCESSES: "2",
+            dist.PROCESS_ID: str(process_id),
+            dist.INIT_TIMEOUT: str(wait_s),
+        }
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(DRIVER)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0 and "RESULT" not in proc.stdout
+    assert time.monotonic() - t0 < 60
+    if process_id == 1:
+        assert "jax.distributed.initialize failed for process 1 of 2" in proc.stderr, proc.stderr[-3000:]
+        assert f"coordinator 127.0.0.1:{port}" in proc.stderr and "nothing accepts connections" in proc.stderr
+    else:
+        assert f"process 0 of 2 joining via 127.0.0.1:{port}" in proc.stderr, proc.stderr[-3000:]
+        assert "DEADLINE_EXCEEDED" in proc.stderr
+
+
+def test_multiprocess_without_launch_variables_is_a_clear_config_error(tmp_path) -> None:
+    cmd = [sys.executable, "-m", "tlt_jax.main", "--config", str(ROOT / "configs" / "smoke.py")]
+    cmd += ["--config.multiprocess=True", "--workdir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=clean_env(1), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    for name in (dist.COORDINATOR, dist.NUM_PROCESSES, dist.PROCESS_ID, "SLURM_PROCID"):
+        assert name in proc.stderr
+    # and a process count without --config.multiprocess=True
+    env = {**clean_env(1), dist.NUM_PROCESSES: "2"}
+    proc = subprocess.run(cmd[:-3] + cmd[-2:], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "TLT_JAX_NUM_PROCESSES=2 but config.multiprocess=False" in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# ---- two processes equal one: GRPO through `python -m tlt_jax.main` -------------------------------------
+# What still breaks under 2 processes, outside the launch path (found with the workarounds of
+# tests/multiprocess_driver.py, which report every site they cover; line numbers of 2026-11-25's tree).
+BLOCKERS = (
+    "rollout/harvest.py:57,63,77,80 (and :114 with stop strings) and rollout/scheduler.py:195 (and :88 with "
+    "prompt hidden states): np.asarray(jax.device_get(x)) of the batch-sharded DecodeState (done, "
+    "num_generated, cache.lengths, out_tokens, out_logp, out_hidden), a jax.Array that spans the other "
+    "process's devices: RuntimeError 'Fetching value for jax.Array that spans non-addressable devices'; "
+    "needs multihost_utils.process_allgather(x, tiled=True) (one host-fetch helper for all of them)",
+    "rollout/scheduler.py:94 (n-gram SD) and drafter/spot_trainer.py:181 (spot trainer): jax.device_put of "
+    "process-local jax.Arrays (NgramBank.empty's jnp arrays; init_state's params and typed PRNG key) to "
+    "engine.replicated, a sharding over all processes: ValueError 'device_put's second argument must be ... "
+    "addressable devices'; needs the host value (np.asarray, typed keys via key_data + wrap_key_data) or "
+    "creation under jit with out_shardings",
+    "rl/learner.py:104 (base_key = jax.random.key(seed)) and the selector's state and key "
+    "(rollout/beg_mab.py, state_dict): single-device arrays in the checkpoint state: orbax 'Cannot serialize "
+    "host local jax.Array (rng) in multi-host setting' at utils/checkpoint.py:223-225 (Checkpointer.save, "
+    "from Learner.save); needs them replicated over the mesh, or Checkpointer.save making single-device "
+    "leaves global when jax.process_count() > 1",
+)
+BLOCKED = "two processes do not yet run GRPO unaided; blocked by: " + " | ".join(BLOCKERS)
+# Metrics that depend only on the computation (as tests/test_main.py), and the TLT ones.
+DETERMINISTIC = ("reward/mean", "accuracy", "length/mean", "length/max", "loss/pg", "optim/grad_norm")
+TLT_METRICS = ("spec/verify_rounds", "spec/accept_len", "spot/steps", "spot/drafter_step", "spot/loss")
+# The same programs on the same global 4-device mesh; only the cross-process all-reduces (gloo) might sum in
+# another order than the in-process ones. Measured: bitwise equal (2026-11-25); the tolerance allows a few
+# float32 ulps of accumulated rounding.
+RTOL, ATOL = 1e-5, 1e-6
+# TLT on the smoke model: n-gram speculative rollouts, a spot trainer training a fresh EAGLE drafter after
+# each rollout, and the fixed selector (BEG-MAB's rewards are measured wall-clock speeds, different in each
+# process: README, "Several processes / hosts"). idle_devices runs too, but trains nothing here: the smoke
+# model's rows all run to max_new_tokens, so no device goes idle.
+TLT = (
+    "--config.spot.mode=after_rollout",
+    "--config.spot.after_rollout_steps=2",
+    "--config.spot.window=16",
+    "--config.spot.context=8",
+    "--config.spot.ce_tokens=16",
+    "--config.spot.ttt_steps=1",
+    "--config.spot.ttt_positions=8",
+    "--config.spot.eval_samples=4",
+    "--config.bandit.algorithm=fixed",
+    "--config.bandit.arms=('plain','3_1_4','ngram_3_1_4')",
+    "--config.bandit.bucket_bounds=(4,8)",
+    "--config.bandit.fixed_table=('3_1_4','ngram_3_1_4','ngram_3_1_4')",
+)
+
+
+def main_args(workdir: pathlib.Path, *overrides: str, config: str) -> list[str]:
+    return ["--config", str(ROOT / "configs" / config), *overrides, "--workdir", str(workdir)]
+
+
+def leaves(tree, path: str = "") -> dict[str, np.ndarray]:
+    """Every array leaf by path (typed PRNG keys as their key data)."""
+    import jax
+
+    if isinstance(tree, dict):
+        return {k: v for key in sorted(tree) for k, v in leaves(tree[key], f"{path}/{key}").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, x in enumerate(tree) for k, v in leaves(x, f"{path}/{i}").items()}
+    if tree is None:
+        return {}
+    if jax.dtypes.issubdtype(tree.dtype, jax.dtypes.prng_key):
+        tree = jax.random.key_data(tree)
+    return {path: np.asarray(tree)}
+
+
+def final_states(one: pathlib.Path, two: pathlib.Path, step: int) -> tuple[dict, dict]:
+    """Both runs' checkpoint `step`; the 2-process one restored into the 1-process one's structure on one
+    device (without a target orbax refuses a checkpoint saved on another topology)."""
+    import jax
+
+    with Checkpointer(one / "checkpoints", async_save=False) as ckpt:
+        a, meta_a = ckpt.restore(step)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), a)
+    with Checkpointer(two / "checkpoints", async_save=False) as ckpt:
+        b, meta_b = ckpt.restore(step, like)
+    assert meta_a["step"] == meta_b["step"] == step
+    return a, b
+
+
+def assert_same_runs(one: pathlib.Path, two: pathlib.Path, steps: int, metrics: tuple[str, ...]) -> None:
+    ma, mb = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [m["step"] for m in ma] == [m["step"] for m in mb] == list(range(1, steps + 1))
+    for ra, rb in zip(ma, mb, strict=True):
+        chosen = tuple(k for k in ra if k.startswith("bandit/") and k.endswith(("/chosen", "/count")))
+        for k in metrics + chosen:
+            assert ra[k] == pytest.approx(rb[k], rel=RTOL, abs=ATOL), (ra["step"], k)
+    a, b = final_states(one, two, steps)
+    # all of the state but the selector's rewards, which are measured speeds (wall clock)
+    la = {k: v for k, v in leaves(a).items() if not k.startswith("/bandit/state/")}
+    lb = {k: v for k, v in leaves(b).items() if not k.startswith("/bandit/state/")}
+    assert la.keys() == lb.keys() and any(k.startswith("/params/") for k in la)
+    for k in la:
+        np.testing.assert_allclose(la[k], lb[k], rtol=RTOL, atol=ATOL, err_msg=k)
+
+
+def run_one_and_two(
+    tmp_path: pathlib.Path, two_cmd: list[str], *overrides: str, config: str
+) -> tuple[pathlib.Path, pathlib.Path, list[subprocess.CompletedProcess]]:
+    """The run on 1 process x 4 devices, then on 2 processes x 2 devices (`two_cmd` + the main args)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    cmd = [sys.executable, "-m", "tlt_jax.main", *main_args(one, *overrides, config=config)]
+    single = subprocess.run(cmd, env=clean_env(4), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    ok([single])
+    procs = launch(
+        two_cmd + main_args(two, "--config.multiprocess=True", *overrides, config=config), 2, timeout=600
+    )
+    ok(procs)
+    return one, two, procs
+
+
+@pytest.mark.skip(reason=BLOCKED)
+def test_two_processes_equal_one_grpo(tmp_path) -> None:
+    """2 GRPO steps of the smoke config, plain `python -m tlt_jax.main`: 2 processes x 2 devices vs 1 process
+    x 4 devices (the same mesh, data=4): the same rewards, losses and policy (and optimizer) state."""
+    one, two, _ = run_one_and_two(tmp_path, [sys.executable, "-m", "tlt_jax.main"], config="smoke.py:steps=2")
+    assert_same_runs(one, two, 2, DETERMINISTIC)
+
+
+@pytest.mark.skip(reason=BLOCKED)
+def test_two_processes_equal_one_tlt(tmp_path) -> None:
+    """As above with TLT's features (TLT): also the drafter the spot trainer trained and its optimizer."""
+    cmd = [sys.executable, "-m", "tlt_jax.main"]
+    one, two, _ = run_one_and_two(tmp_path, cmd, *TLT, config="smoke.py:steps=2,spec=true")
+    assert_same_runs(one, two, 2, DETERMINISTIC + TLT_METRICS)
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_tlt_with_workarounds(tmp_path) -> None:
+    """test_two_processes_equal_one_tlt with the three workarounds of tests/multiprocess_driver.py standing in
+    for the fixes BLOCKERS lists: everything else of a 2-process run (launch, global mesh, SPMD programs,
+    n-gram SD, the spot trainer, the selector, orbax's multi-process checkpoint) already equals one process:
+    rewards, losses, SD and spot metrics, the policy, its optimizer, the spot-trained drafter and the rng."""
+    cmd = [sys.executable, str(DRIVER), "main-with-workarounds"]
+    one, two, procs = run_one_and_two(tmp_path, cmd, *TLT, config="smoke.py:steps=2,spec=true")
+    assert_same_runs(one, two, 2, DETERMINISTIC + TLT_METRICS)
+    rows = read_metrics(two / "metrics.jsonl")
+    assert rows[-1]["spot/drafter_step"] > 0 and rows[-1]["spec/verify_rounds"] > 0
+    used = sorted({line for line in procs[0].stderr.splitlines() if line.startswith("WORKAROUND")})
+    print("\n".join(used) or "no workaround was needed: unskip the tests above")
