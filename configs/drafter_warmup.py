@@ -151,7 +151,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.generation.num_prompts = 768
         c.train.steps = 3600
     elif arg == "gpu":
-        # one H100/H200 in minutes (experiments/gpu_suite.py): the :long data and steps, engine batches of 256
+        # one H100/H200 in minutes (gpu/gpu_suite.py): the :long data and steps, engine batches of 256
         # rows (64 prompts x 4: on a GPU the data costs compiles more than decode steps), float32 like
         # bench_sd's target; a checkpoint every 200 steps, so a run cut by the suite's time budget is
         # finalised at a recent one (rerun with --config.train.steps=<that step>)

@@ -14,7 +14,6 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # experiments/ is a package of the repository root (not installed)
 
 from experiments import harness  # noqa: E402
 

@@ -18,7 +18,6 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # experiments/ and gpu/ are packages of the repository root (not installed)
 
 from gpu import gpu_bundle, gpu_measure, gpu_parse, gpu_report, gpu_state, gpu_suite  # noqa: E402
 

@@ -13,7 +13,6 @@ import pytest
 from flax import nnx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # experiments/ and gpu/ are packages of the repository root (not installed)
 
 from experiments import memory_plans as mp  # noqa: E402
 from experiments.program_layouts import layout_engine, layout_programs  # noqa: E402

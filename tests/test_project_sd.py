@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # experiments/ and gpu/ are packages of the repository root (not installed)
 
 from experiments import project_sd as ps  # noqa: E402
 from experiments import rl_model as rm  # noqa: E402

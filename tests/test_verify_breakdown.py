@@ -3,14 +3,9 @@
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # experiments/: a package of the root
 
 from experiments.verify_breakdown import hlo_counts  # noqa: E402
 
