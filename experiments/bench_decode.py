@@ -37,7 +37,8 @@ from experiments import harness as h
 from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.llama import Transformer, from_hf_tensors
 from tlt_jax.models.loading import expected_shapes
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 
 PASSAGE = (

@@ -42,6 +42,7 @@ import numpy as np
 
 from experiments import harness as h
 from tlt_jax.kernels import tree_attention as ta
+from tlt_jax.kernels import tree_attention_blocks as tab
 
 MODELS = {"smollm2": (9, 3, 64), "qwen7b": (28, 4, 128), "tiny": (4, 2, 16)}  # (Hq, Hkv, D); tiny: dry runs
 TUNE_SPACE = {  # coordinate-descent order: the parameters that move time most first
@@ -108,7 +109,7 @@ class Bench:
     def __init__(self, dtype: jnp.dtype, seq: int, interpret: bool, iters: int, inner: int) -> None:
         self.dtype, self.seq, self.interpret, self.iters, self.inner = dtype, seq, interpret, iters, inner
         self._ref: dict[tuple[str, int, int], tuple[float, jax.Array, tuple[jax.Array, ...]]] = {}
-        self._fns: dict[ta.BlockSizes, Callable[..., jax.Array]] = {}
+        self._fns: dict[tab.BlockSizes, Callable[..., jax.Array]] = {}
 
     def reference(self, model: str, b: int, t: int) -> tuple[float, jax.Array, tuple[jax.Array, ...]]:
         """(ms, output, inputs) of the jnp reference; cached per shape (tuning reuses it)."""
@@ -121,7 +122,7 @@ class Bench:
             self._ref[key] = (ms, out.astype(jnp.float32), inputs)
         return self._ref[key]
 
-    def kernel_fn(self, bs: ta.BlockSizes) -> Callable[..., jax.Array]:
+    def kernel_fn(self, bs: tab.BlockSizes) -> Callable[..., jax.Array]:
         """One jitted function per block-size choice, so each (shape, choice) compiles once."""
         if bs not in self._fns:
             self._fns[bs] = jax.jit(
@@ -129,7 +130,7 @@ class Bench:
             )
         return self._fns[bs]
 
-    def kernel(self, model: str, b: int, t: int, bs: ta.BlockSizes) -> dict[str, Any]:
+    def kernel(self, model: str, b: int, t: int, bs: tab.BlockSizes) -> dict[str, Any]:
         """One table row: reference and kernel times, ratio, max error, streamed K/V GB/s."""
         ref_ms, ref_out, inputs = self.reference(model, b, t)
         ker_ms, ker_out = time_fn(self.kernel_fn(bs), inputs, self.iters, self.inner)
@@ -152,9 +153,9 @@ class Bench:
 def tune(bench: Bench, shapes: list[tuple[str, int, int]], deadline: float, max_evals: int) -> dict[str, Any]:
     """Coordinate descent over TUNE_SPACE from the defaults; score = geomean kernel ms over `shapes`."""
     tol = TOL[jnp.dtype(bench.dtype).name]
-    tried: dict[ta.BlockSizes, dict[str, Any]] = {}
+    tried: dict[tab.BlockSizes, dict[str, Any]] = {}
 
-    def score(bs: ta.BlockSizes) -> float:
+    def score(bs: tab.BlockSizes) -> float:
         if bs in tried:
             return tried[bs]["geomean_ms"]
         rec: dict[str, Any] = {"block_sizes": bs.to_dict()}
@@ -172,7 +173,7 @@ def tune(bench: Bench, shapes: list[tuple[str, int, int]], deadline: float, max_
         print(f"  tune {bs}: {rec.get('geomean_ms', 0):.4f} ms {rec.get('error', '')}", flush=True)
         return rec["geomean_ms"]
 
-    best = ta.BlockSizes()
+    best = tab.BlockSizes()
     best_ms = default_ms = score(best)
     stopped = ""
     for name, values in TUNE_SPACE.items():
@@ -228,12 +229,12 @@ def main() -> None:
     parser.add_argument(
         "--tokens", default=None, help="comma-separated T (default 8,16,32,48,64; --quick: 8,16)"
     )
-    parser.add_argument("--block-q", type=int, default=ta.BlockSizes.block_q)
-    parser.add_argument("--block-k", type=int, default=ta.BlockSizes.block_k)
-    parser.add_argument("--kv-splits", type=int, default=ta.BlockSizes.kv_splits, help="0: per call")
-    parser.add_argument("--target-programs", type=int, default=ta.BlockSizes.target_programs)
+    parser.add_argument("--block-q", type=int, default=tab.BlockSizes.block_q)
+    parser.add_argument("--block-k", type=int, default=tab.BlockSizes.block_k)
+    parser.add_argument("--kv-splits", type=int, default=tab.BlockSizes.kv_splits, help="0: per call")
+    parser.add_argument("--target-programs", type=int, default=tab.BlockSizes.target_programs)
     parser.add_argument("--num-warps", type=int, default=0, help="0: the kernel's default")
-    parser.add_argument("--num-stages", type=int, default=ta.BlockSizes.num_stages)
+    parser.add_argument("--num-stages", type=int, default=tab.BlockSizes.num_stages)
     parser.add_argument(
         "--tune", action="store_true", help="sweep the block sizes first; table uses the best"
     )
@@ -256,7 +257,7 @@ def main() -> None:
     bench = Bench(
         dtype, args.seq, interpret, args.iters or (20 if on_gpu else 3), args.inner or (10 if on_gpu else 1)
     )
-    block_sizes = ta.BlockSizes(
+    block_sizes = tab.BlockSizes(
         block_q=args.block_q,
         block_k=args.block_k,
         kv_splits=args.kv_splits,
@@ -286,7 +287,7 @@ def main() -> None:
         print(f"# tuning on {len(shapes)} shapes: {shapes}", flush=True)
         tuning = tune(bench, shapes, tune_deadline, args.tune_max_evals)
         if math.isfinite(tuning["best_geomean_ms"]):
-            block_sizes = ta.BlockSizes.from_dict(tuning["best"])
+            block_sizes = tab.BlockSizes.from_dict(tuning["best"])
         print(f"# tuned: {block_sizes} ({tuning['speedup_vs_default']:.2f}x the defaults' geomean)")
         if args.tuned_out:
             out = {"by_dtype": {dname: block_sizes.to_dict()}, "device": device, "jax": jax.__version__}

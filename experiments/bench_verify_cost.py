@@ -52,7 +52,8 @@ from tlt_jax.kernels import cpu_ffi
 from tlt_jax.kernels.small_m_linear import small_m_matmul
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer, causal_mask
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import Strategy
 

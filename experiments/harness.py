@@ -280,7 +280,7 @@ RL_ENGINE_SIZES = ("max_cache_len", "chunk_steps", "min_cache_bucket", "prompt_b
 def rl_engine_config(rollout: Any, max_new: int) -> Any:
     """An EngineConfig with the RL config's engine sizes (its `rollout` section: configs/tlt.py's) and
     `max_new` new tokens."""
-    from tlt_jax.rollout.engine import EngineConfig
+    from tlt_jax.rollout.interface import EngineConfig
 
     return EngineConfig(max_new_tokens=max_new, **{k: rollout[k] for k in RL_ENGINE_SIZES})
 

@@ -52,7 +52,8 @@ from experiments import harness as h
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.ngram import NgramBank
 from tlt_jax.rollout.programs import ProgramInfo
 from tlt_jax.rollout.sampling import SamplingParams

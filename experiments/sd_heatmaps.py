@@ -40,7 +40,7 @@ import numpy as np
 
 from experiments import harness as h
 from experiments.sd_pairs import TASK_KWARGS, Pairs, measure_pairs, one_pass, strategy_for
-from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.tasks.datasets import ReasoningGymTask, make_task
 

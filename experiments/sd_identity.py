@@ -52,8 +52,9 @@ from tlt_jax.drafter.warmup import load_drafter
 from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.programs import MATMUL_PRECISIONS
 from tlt_jax.rollout.sampling import SamplingParams, target_probs
 from tlt_jax.rollout.types import Rollout

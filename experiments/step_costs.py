@@ -215,7 +215,7 @@ def bench_shapes(args: argparse.Namespace) -> dict[str, Any]:
     from tlt_jax.drafter.draft_vocab import load_draft_vocab
     from tlt_jax.drafter.warmup import init_drafter, load_drafter
     from tlt_jax.models.loading import DEFAULT_GGUF_PATH
-    from tlt_jax.rollout.engine import EngineConfig
+    from tlt_jax.rollout.interface import EngineConfig
     from tlt_jax.rollout.sampling import SamplingParams
     from tlt_jax.rollout.strategy import Strategy
     from tlt_jax.tasks.datasets import ReasoningGymTask

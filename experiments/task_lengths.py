@@ -18,7 +18,8 @@ import numpy as np
 
 from experiments import harness as h
 from tlt_jax.models.build import build_model_and_tokenizer
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.tasks import make_task
 

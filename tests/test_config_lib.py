@@ -11,7 +11,8 @@ from tlt_jax import config_lib
 from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.models.llama import Transformer
 from tlt_jax.models.tokenizer import ByteTokenizer
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"

@@ -19,7 +19,7 @@ from experiments.program_layouts import layout_engine, layout_programs  # noqa: 
 from tlt_jax.models.config import tiny_config  # noqa: E402
 from tlt_jax.models.drafter import Drafter  # noqa: E402
 from tlt_jax.models.llama import Transformer  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig  # noqa: E402
+from tlt_jax.rollout.interface import EngineConfig  # noqa: E402
 from tlt_jax.rollout.programs import ProgramInfo  # noqa: E402
 
 

@@ -32,7 +32,8 @@ from tlt_jax.models.build import build_model_and_tokenizer, model_problems
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.programs import MATMUL_PRECISIONS
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import SpecConfig

@@ -22,8 +22,9 @@ from tlt_jax.drafter.trainer import TRAIN_STATE_DIR
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import ChunkView, RolloutHooks
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.utils.checkpoint import Checkpointer
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tlt_jax.kernels import tree_attention as ta
+from tlt_jax.kernels import tree_attention_blocks as tab
 from tlt_jax.kernels import triton_check
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
@@ -80,7 +81,7 @@ def reference(*args: jax.Array) -> jax.Array:
         return jax.jit(ta.tree_attention_reference)(*args)
 
 
-def run_kernel(args: tuple[jax.Array, ...], block_sizes: ta.BlockSizes | None) -> jax.Array:
+def run_kernel(args: tuple[jax.Array, ...], block_sizes: tab.BlockSizes | None) -> jax.Array:
     """The public entry with impl="pallas", jitted (as callers do), compiled once and run."""
     fn = jax.jit(
         functools.partial(ta.tree_attention, impl="pallas", interpret=INTERPRET, block_sizes=block_sizes)
@@ -103,9 +104,9 @@ KERNEL_CASES = [
     pytest.param(8, 64, 6, 2, 32, jnp.float32, None, id="verify-T8-S64-gqa3-f32"),
     pytest.param(16, 256, 4, 4, 64, jnp.bfloat16, None, id="verify-T16-S256-mha-bf16"),
     pytest.param(
-        48, 256, 6, 2, 32, jnp.float32, ta.BlockSizes(block_q=32, block_k=32), id="T48-S256-2treechunks-f32"
+        48, 256, 6, 2, 32, jnp.float32, tab.BlockSizes(block_q=32, block_k=32), id="T48-S256-2treechunks-f32"
     ),
-    pytest.param(16, 256, 8, 2, 64, jnp.float32, ta.BlockSizes(kv_splits=3), id="T16-S256-kvsplit3-f32"),
+    pytest.param(16, 256, 8, 2, 64, jnp.float32, tab.BlockSizes(kv_splits=3), id="T16-S256-kvsplit3-f32"),
     pytest.param(48, 64, 8, 2, 64, jnp.bfloat16, None, id="T48-S64-gqa4-bf16"),
     pytest.param(  # kv_splits=0 picks 4 splits here (18 programs -> 64); the last takes 2 tree chunks
         48,
@@ -114,19 +115,19 @@ KERNEL_CASES = [
         2,
         32,
         jnp.float32,
-        ta.BlockSizes(block_k=32, kv_splits=0, target_programs=64),
+        tab.BlockSizes(block_k=32, kv_splits=0, target_programs=64),
         id="T48-auto4",
     ),
     pytest.param(8, 80, 6, 2, 48, jnp.float32, None, id="pad-S80-D48-f32"),
     pytest.param(
-        1, 64, 4, 4, 32, jnp.bfloat16, ta.BlockSizes(block_k=16, kv_splits=2), id="decode-T1-kvsplit2-bf16"
+        1, 64, 4, 4, 32, jnp.bfloat16, tab.BlockSizes(block_k=16, kv_splits=2), id="decode-T1-kvsplit2-bf16"
     ),
 ]
 
 
 @pytest.mark.parametrize(("t", "s", "hq", "hkv", "d", "dtype", "block_sizes"), KERNEL_CASES)
 def test_kernel_matches_reference(
-    t: int, s: int, hq: int, hkv: int, d: int, dtype: jnp.dtype, block_sizes: ta.BlockSizes | None
+    t: int, s: int, hq: int, hkv: int, d: int, dtype: jnp.dtype, block_sizes: tab.BlockSizes | None
 ) -> None:
     args = make_inputs(seed=t * 1000 + s + d, b=3, t=t, s=s, hq=hq, hkv=hkv, d=d, dtype=dtype)
     out = run_kernel(args, block_sizes)
@@ -139,10 +140,10 @@ def test_kernel_matches_reference(
 
 @pytest.mark.parametrize(
     ("t", "s", "hq", "hkv", "d", "dtype", "block_sizes"),
-    [(16, 1024, 28, 4, 128, jnp.bfloat16, None), (8, 80, 9, 3, 48, jnp.float32, ta.BlockSizes(kv_splits=2))],
+    [(16, 1024, 28, 4, 128, jnp.bfloat16, None), (8, 80, 9, 3, 48, jnp.float32, tab.BlockSizes(kv_splits=2))],
 )
 def test_kernel_lowers_to_triton(
-    t: int, s: int, hq: int, hkv: int, d: int, dtype: jnp.dtype, block_sizes: ta.BlockSizes | None
+    t: int, s: int, hq: int, hkv: int, d: int, dtype: jnp.dtype, block_sizes: tab.BlockSizes | None
 ) -> None:
     """Lowering for CUDA needs no GPU and runs Pallas's Triton lowering, which rejects what Triton cannot
     take (non-power-of-two tiles, unsupported ops); the MLIR verifier then checks the Triton module as XLA
@@ -199,36 +200,36 @@ def test_bad_impl_raises(impl: str) -> None:
 
 def test_bad_block_sizes_raise() -> None:
     with pytest.raises(ValueError, match="power of two"):
-        ta.BlockSizes(block_k=24)
+        tab.BlockSizes(block_k=24)
     with pytest.raises(ValueError, match="kv_splits"):
-        ta.BlockSizes(kv_splits=-1)
+        tab.BlockSizes(kv_splits=-1)
     with pytest.raises(ValueError, match="target_programs"):
-        ta.BlockSizes(kv_splits=0, target_programs=0)
+        tab.BlockSizes(kv_splits=0, target_programs=0)
     with pytest.raises(ValueError, match="unknown fields"):
-        ta.BlockSizes.from_dict({"block_q": 32, "blockk": 32})
+        tab.BlockSizes.from_dict({"block_q": 32, "blockk": 32})
 
 
 def test_auto_kv_splits_fill_the_grid() -> None:
     """kv_splits=0: the fewest splits that reach target_programs, at most one per key block; else fixed."""
-    auto = ta.BlockSizes(kv_splits=0, target_programs=256)
+    auto = tab.BlockSizes(kv_splits=0, target_programs=256)
     assert auto.splits_for(programs=3, key_blocks=16) == 16  # SmolLM2 heads, B=1, T=16: 3 programs
     assert auto.splits_for(programs=24, key_blocks=16) == 11  # ceil(256 / 24)
     assert auto.splits_for(programs=96, key_blocks=16) == 3
     assert auto.splits_for(programs=768, key_blocks=16) == 1  # B=32 Qwen heads, T=64: no split
-    assert ta.BlockSizes(kv_splits=2).splits_for(programs=768, key_blocks=16) == 2
+    assert tab.BlockSizes(kv_splits=2).splits_for(programs=768, key_blocks=16) == 2
 
 
 def test_tuned_block_sizes_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """The tuning hook: $TLT_TREE_ATTENTION_BLOCK_SIZES (a file from bench_tree_attention.py --tune, or
     inline JSON) sets the sizes per dtype for callers that pass none; the kernel then runs with them."""
-    tuned = ta.BlockSizes(block_q=16, block_k=32, kv_splits=2)
+    tuned = tab.BlockSizes(block_q=16, block_k=32, kv_splits=2)
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps({"by_dtype": {"float32": tuned.to_dict()}, "device": "test"}))
-    ta.default_block_sizes.cache_clear()
+    tab.default_block_sizes.cache_clear()
     try:
-        monkeypatch.setenv(ta.BLOCK_SIZES_ENV, str(path))
-        assert ta.default_block_sizes("float32") == tuned
-        assert ta.default_block_sizes("bfloat16") == ta.BlockSizes()  # not tuned for this dtype
+        monkeypatch.setenv(tab.BLOCK_SIZES_ENV, str(path))
+        assert tab.default_block_sizes("float32") == tuned
+        assert tab.default_block_sizes("bfloat16") == tab.BlockSizes()  # not tuned for this dtype
         args = make_inputs(seed=11, b=2, t=4, s=64, hq=4, hkv=2, d=16, dtype=jnp.float32)
         fn = jax.jit(functools.partial(ta.tree_attention_pallas, interpret=INTERPRET))
         # the traced kernel took the tuned sizes: a 4-D grid whose last axis is the 2 KV splits
@@ -236,12 +237,12 @@ def test_tuned_block_sizes_from_the_environment(monkeypatch: pytest.MonkeyPatch,
         np.testing.assert_allclose(
             np.asarray(fn(*args)), np.asarray(reference(*args)), atol=ATOL[jnp.float32], rtol=1e-5
         )
-        ta.default_block_sizes.cache_clear()
-        monkeypatch.setenv(ta.BLOCK_SIZES_ENV, '{"by_dtype": {"float32": {"block_q": 24}}}')
+        tab.default_block_sizes.cache_clear()
+        monkeypatch.setenv(tab.BLOCK_SIZES_ENV, '{"by_dtype": {"float32": {"block_q": 24}}}')
         with pytest.raises(ValueError, match="power of two"):
-            ta.default_block_sizes("float32")
+            tab.default_block_sizes("float32")
     finally:
-        ta.default_block_sizes.cache_clear()
+        tab.default_block_sizes.cache_clear()
 
 
 def naive_tree_attention(

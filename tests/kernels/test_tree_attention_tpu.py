@@ -256,3 +256,23 @@ def test_dead_key_blocks_are_skipped() -> None:
     k, v = (jnp.where(live, x, jnp.nan) for x in (k, v))
     got = run_kernel((q, k, v, lengths, mask), BlockSizes(block_k=128), interpret=True)
     assert_close(got, clean, jnp.float32)
+
+
+def test_tree_attention_dispatches_to_the_mosaic_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`impl="pallas_tpu"` runs this kernel (interpreted off-TPU) through the public `tree_attention`; on a
+    TPU backend `auto` and `pallas` pick it (the Triton kernel cannot compile there); on CPU `auto` does
+    not."""
+    args = make_inputs(7, 2, 8, 128, 4, 2, 32, jnp.float32)
+    got = ta.tree_attention(*args, impl="pallas_tpu")
+    assert_close(got, reference(*args), jnp.float32)
+    shapes = _shapes(2, 8, 128, 4, 2, 32, jnp.float32)
+    on_cpu = ta.tree_attention.trace(*shapes, impl="auto").lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" not in on_cpu
+    monkeypatch.setattr(ta, "_on_tpu", lambda: True)
+    jax.clear_caches()  # the traces above were made with the CPU backend's choice
+    try:
+        for impl in ("auto", "pallas"):
+            text = ta.tree_attention.trace(*shapes, impl=impl).lower(lowering_platforms=("tpu",)).as_text()
+            assert text.count("tpu_custom_call") == 1, impl
+    finally:
+        jax.clear_caches()  # nor may later tests in this process meet the faked backend's traces

@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tlt_jax.kernels import tree_attention as ta
+from tlt_jax.kernels import tree_attention_blocks as tab
 from tlt_jax.kernels import triton_check
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
@@ -55,7 +56,7 @@ VARIANTS = [
 
 @pytest.mark.parametrize(("t", "kv_splits", "dtype"), VARIANTS)
 def test_kernel_triton_module_verifies(t: int, kv_splits: int, dtype: jnp.dtype) -> None:
-    bs = ta.BlockSizes(block_q=32, block_k=32, kv_splits=kv_splits)
+    bs = tab.BlockSizes(block_q=32, block_k=32, kv_splits=kv_splits)
     fn = functools.partial(ta.tree_attention_pallas, block_sizes=bs, interpret=False)
     [module] = triton_check.verify_triton_modules(lower_or_skip(fn, *specs(2, t, 128, 6, 2, 32, dtype)))
     # the prefix loop, then the tree loop: 2 chunks of 32 tree tokens at T=64 (a while loop when split)
@@ -66,7 +67,7 @@ def test_kernel_triton_module_verifies(t: int, kv_splits: int, dtype: jnp.dtype)
 def test_qwen_heads_with_padding_verify(kv_splits: int) -> None:
     """Qwen-7B heads (GQA 7, D=128; kv_splits=0 picks 11 splits at B=1) and shapes that need padding
     (S=80, D=48)."""
-    bs = ta.BlockSizes(kv_splits=kv_splits)
+    bs = tab.BlockSizes(kv_splits=kv_splits)
     fn = functools.partial(ta.tree_attention_pallas, block_sizes=bs, interpret=False)
     for shape in ((1, 48, 1024, 28, 4, 128), (3, 8, 80, 9, 3, 48)):
         lowered = lower_or_skip(fn, *specs(*shape, jnp.bfloat16))

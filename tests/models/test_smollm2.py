@@ -7,7 +7,8 @@ import pytest
 
 from tlt_jax.models.llama import from_hf_tensors
 from tlt_jax.models.loading import load_gguf
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow

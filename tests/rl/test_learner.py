@@ -20,7 +20,8 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.batch import TrainBatch, build_train_batch, length_sorted_micro, micro_weights
 from tlt_jax.rl.learner import Learner
 from tlt_jax.rl.trainer import LossConfig, OptimConfig, PolicyTrainer, response_logprobs
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"

@@ -18,8 +18,9 @@ from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rl.learner import Learner
 from tlt_jax.rl.speculation import RolloutMonitor, resolve_drafter
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.utils.checkpoint import DrafterCheckpointer
 

@@ -16,8 +16,9 @@ import pytest
 from tlt_jax.models.config import tiny_config
 from tlt_jax.rollout.adaptive import AdaptivePolicy, build_policy
 from tlt_jax.rollout.beg_mab import BanditPolicy
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.selector_config import SelectorConfig
 from tlt_jax.rollout.types import ChunkRecord

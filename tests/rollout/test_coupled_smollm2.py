@@ -31,8 +31,9 @@ from flax import nnx
 from tlt_jax import config_lib
 from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode, RolloutHooks
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams, target_probs
 from tlt_jax.tasks import make_task
 

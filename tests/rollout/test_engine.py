@@ -10,8 +10,8 @@ from tlt_jax import sharding as shd
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout import interface
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.interface import EngineLike
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.interface import EngineConfig, EngineLike
 from tlt_jax.rollout.sampling import SamplingParams
 
 EOS = 3

@@ -32,8 +32,9 @@ from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.acceptance import tree_accept
 from tlt_jax.rollout.eagle_draft import drafter_prefill
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import ChunkView, FixedMode, RolloutHooks
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.ngram import NgramBank
 from tlt_jax.rollout.sampling import SamplingParams, target_probs
 from tlt_jax.rollout.strategy import SpecConfig

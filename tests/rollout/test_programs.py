@@ -15,8 +15,9 @@ import jax
 import pytest
 
 from tlt_jax.models.config import tiny_config
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.programs import program_precision
 from tlt_jax.rollout.sampling import SamplingParams
 

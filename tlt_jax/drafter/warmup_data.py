@@ -26,8 +26,9 @@ from flax import nnx
 
 from tlt_jax.drafter.packing import DrafterSample, epoch_plan, first_fit, segment_causal_mask
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import ProgressHook
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.utils.tracking import RolloutProgress

@@ -46,11 +46,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from tlt_jax.kernels import cpu_ffi
-from tlt_jax.kernels.tree_attention_blocks import BLOCK_SIZES_ENV as BLOCK_SIZES_ENV
+from tlt_jax.kernels import cpu_ffi, tree_attention_tpu
 from tlt_jax.kernels.tree_attention_blocks import BlockSizes, default_block_sizes
 
-IMPLS = ("auto", "reference", "pallas", "cpu_ffi")
+IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "cpu_ffi")
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 _NEG = -1e30  # finite "minus infinity" for masked logits: keeps exp2(m_prev - m_new) NaN-free
 _LOG2E = math.log2(math.e)
@@ -438,6 +437,10 @@ def _on_gpu() -> bool:
     return jax.default_backend() in _GPU_BACKENDS
 
 
+def _on_tpu() -> bool:
+    return jax.default_backend() == "tpu"
+
+
 @functools.partial(jax.jit, static_argnames=("impl", "interpret", "block_sizes"))
 def tree_attention(
     q: jax.Array,
@@ -452,14 +455,22 @@ def tree_attention(
 ) -> jax.Array:
     """Tree attention (module contract) with a chosen implementation.
 
-    impl: "reference" (jnp), "pallas" (the kernel; `interpret` defaults to True off-GPU), "cpu_ffi" (the CPU
-    kernel; float32 inputs, else the reference), or "auto": Pallas on GPU, the CPU kernel on a single CPU
-    device (`cpu_ffi.auto_enabled`), the reference otherwise.
+    impl: "reference" (jnp), "pallas" (the kernel; `interpret` defaults to True off-GPU; on a TPU backend the
+    Mosaic kernel), "pallas_tpu" (the Mosaic kernel, `tree_attention_tpu`; `interpret` defaults to True
+    off-TPU), "cpu_ffi" (the CPU kernel; float32 inputs, else the reference), or "auto": Pallas on GPU and
+    TPU, the CPU kernel on a single CPU device (`cpu_ffi.auto_enabled`), the reference otherwise.
     """
     if impl not in IMPLS:
         raise ValueError(f"tree_attention: impl must be one of {IMPLS}, got {impl!r}")
     _check_inputs(q, k, v, lengths, tree_mask)
     f32 = all(x.dtype == jnp.float32 for x in (q, k, v))
+    if impl in ("auto", "pallas") and _on_tpu():
+        impl = "pallas_tpu"  # the Triton kernel cannot compile for a TPU
+    if impl == "pallas_tpu":
+        interpret = not _on_tpu() if interpret is None else interpret
+        return tree_attention_tpu.tree_attention_tpu(
+            q, k, v, lengths, tree_mask, block_sizes=block_sizes, interpret=interpret
+        )
     if impl == "auto" and not _on_gpu():
         impl = "cpu_ffi" if f32 and cpu_ffi.auto_enabled() else "reference"
     if impl == "cpu_ffi":

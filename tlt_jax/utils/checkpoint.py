@@ -105,17 +105,38 @@ def _encode(state: PyTree) -> tuple[PyTree, dict[str, Any]]:
             x = jax.random.key_data(x)
         shape, dtype = _shape_dtype(x)
         layout_leaves[p] = {"shape": list(shape), "dtype": str(dtype)}
-        leaves.append(x)
+        leaves.append(_global(x))
     layout = {"version": _LAYOUT_VERSION, "leaves": layout_leaves, "prng_keys": keys}
     return jax.tree_util.tree_unflatten(treedef, leaves), layout
+
+
+def _everywhere() -> jax.sharding.NamedSharding:
+    """Replicated over every device of every process."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _process_local(x: Any) -> bool:
+    return jax.process_count() > 1 and isinstance(x, jax.Array) and x.is_fully_addressable
+
+
+def _global(x: Any) -> Any:
+    """With several processes, a leaf only this process holds (an rng key, the selector's state: equal in
+    every process) saved as replicated over all devices: orbax writes only global arrays there."""
+    if not _process_local(x):
+        return x
+    value = np.asarray(x)
+    return jax.make_array_from_callback(value.shape, _everywhere(), lambda idx: value[idx])
 
 
 def _restore_sharding(x: Any) -> jax.sharding.Sharding:
     sharding = getattr(x, "sharding", None)
     if isinstance(sharding, jax.sharding.Sharding):
-        return sharding
-    # No sharding given: the default device, not whatever topology the checkpoint was written from.
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        # several processes: a process-local target leaf comes back replicated over all devices (see _global)
+        return _everywhere() if _process_local(x) else sharding
+    # No sharding given: the default device (all devices with several processes), not whatever topology the
+    # checkpoint was written from.
+    return _everywhere() if jax.process_count() > 1 else jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
 def _abstract(target: PyTree, layout: dict[str, Any], where: str) -> tuple[PyTree, dict[str, str]]:
