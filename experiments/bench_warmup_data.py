@@ -64,7 +64,7 @@ def main() -> None:
                     config=config,
                     task=task,
                     tokenizer=tokenizer,
-                    engine=warmup_data.build_engine(config, target, tokenizer),
+                    engine=warmup_data.warmup_engine(config, target, tokenizer),
                     hidden_fn=hidden_fn,
                     start=0,
                     num_prompts=n_prompts,

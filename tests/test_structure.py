@@ -174,3 +174,30 @@ def test_main_objects_are_not_typed_any() -> None:
         if arg.arg in TYPED_PARAMS and is_any(arg.annotation)
     ]
     assert not bad, "main objects typed Any (use their class or a Protocol):\n" + "\n".join(bad)
+
+
+ENTRY_POINTS = {"main"}  # a module's command-line entry (`python -m tlt_jax.<module>`), one per runnable module
+
+
+def public_names(path: pathlib.Path) -> set[str]:
+    """Names a module defines at top level (functions, classes, assigned constants), not underscored."""
+    out: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+    return {n for n in out if not n.startswith("_") and n != "__all__"}
+
+
+def test_each_public_name_is_defined_once() -> None:
+    """One idea, one name, one place: no public name is defined by two modules (entry points aside); a
+    module that needs another's name imports it."""
+    where: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        for n in public_names(path) - ENTRY_POINTS:
+            where.setdefault(n, []).append(name)
+    twice = {n: sorted(m) for n, m in where.items() if len(m) > 1}
+    assert not twice, f"public names defined in several modules: {twice}"

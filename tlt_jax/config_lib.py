@@ -401,7 +401,7 @@ def rollout_problems(config: Any, check_paths: bool = True) -> list[str]:
 def validate(config: Any, check_paths: bool = True) -> None:
     """Raise one ValueError listing every problem of the shared sections of `config` (with the field and
     the fix): job, model, mesh, and rollout / drafter / spec when present. A job validates its own sections
-    on top (`tlt_jax.rl.config.validate` for GRPO).
+    on top (`tlt_jax.rl.config.validate_grpo` for GRPO).
 
     `check_paths=False` skips filesystem checks (cluster configs validated on a laptop).
     """

@@ -2,8 +2,8 @@
 
 Resolves and validates the config, writes it to `DIR/config.json`, initialises JAX's distributed runtime when
 `config.multiprocess` is true (the same code path runs on one host), and dispatches on `config.job`:
-"grpo" -> `tlt_jax.rl.learner.run`, "drafter_warmup" -> `tlt_jax.drafter.warmup.run`. Rerunning the same
-command with the same workdir resumes from the latest checkpoint.
+"grpo" -> `tlt_jax.rl.learner.run_grpo`, "drafter_warmup" -> `tlt_jax.drafter.warmup.run_warmup`.
+Rerunning the same command with the same workdir resumes from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics.jsonl and config.json.")
 
-CONFIG_FILE = "config.json"
-
 
 def write_config(config: Any, workdir: str) -> str:
     """Write the resolved config (after command-line overrides) to `workdir/config.json` atomically."""
     from tlt_jax import config_lib
+    from tlt_jax.utils.tracking import CONFIG_FILE
 
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, CONFIG_FILE)
@@ -80,12 +79,12 @@ def setup_jax(config: Any) -> None:
         distributed.check_single_process()
 
 
-def validate(config: Any) -> None:
+def validate_job(config: Any) -> None:
     """The job's validation: every problem of the config in one ValueError (GRPO checks its own sections)."""
     if config.job == "grpo":
         from tlt_jax.rl import config as rl_config
 
-        rl_config.validate(config)
+        rl_config.validate_grpo(config)
     else:
         from tlt_jax import config_lib
 
@@ -96,7 +95,7 @@ def run(config: Any, workdir: str) -> str:
     """Validate, record and run `config` in `workdir`; returns the job's status ("done" / "preempted")."""
     from tlt_jax import config_lib
 
-    validate(config)
+    validate_job(config)
     setup_jax(config)
     import jax
 
@@ -105,11 +104,11 @@ def run(config: Any, workdir: str) -> str:
     if config.job == "grpo":
         from tlt_jax.rl import learner
 
-        return learner.run(config, workdir)
+        return learner.run_grpo(config, workdir)
     if config.job == "drafter_warmup":
         from tlt_jax.drafter import warmup  # written separately; imported only for this job
 
-        return warmup.run(config, workdir)
+        return warmup.run_warmup(config, workdir)
     raise ValueError(f"config.job={config.job!r}: use one of {config_lib.JOBS}.")
 
 
@@ -124,7 +123,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--workdir is required, e.g. --workdir workdirs/default")
     quiet_libraries()
     try:
-        validate(_CONFIG.value)
+        validate_job(_CONFIG.value)
         from tlt_jax.utils import distributed  # the launch variables, read before anything starts
 
         if _CONFIG.value.multiprocess:

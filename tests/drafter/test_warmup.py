@@ -134,7 +134,7 @@ def test_recorded_features_equal_the_forward_path(tmp_path):
             config=config,
             task=task,
             tokenizer=tokenizer,
-            engine=warmup_data.build_engine(config, target, tokenizer),
+            engine=warmup_data.warmup_engine(config, target, tokenizer),
             hidden_fn=warmup_data.make_hidden_fn(target),
             start=0,
             num_prompts=3,
@@ -157,7 +157,7 @@ def test_recorded_features_equal_the_forward_path(tmp_path):
 def test_warmup_end_to_end_and_resume(tmp_path):
     config = load_config("tiny")
     wd = tmp_path / "wd"
-    assert warmup.run(config, wd) == "done"
+    assert warmup.run_warmup(config, wd) == "done"
 
     result = json.loads((wd / warmup.RESULT_FILE).read_text())
     assert result["complete"]
@@ -211,9 +211,9 @@ def test_warmup_end_to_end_and_resume(tmp_path):
     # a rerun of a finished workdir does nothing; after losing the final outputs it resumes: cached data,
     # no new training steps, the same trained drafter
     gen_time = json.loads((wd / warmup.PHASE_TIMES_FILE).read_text())["generate_train"]
-    assert warmup.run(config, wd) == "done"
+    assert warmup.run_warmup(config, wd) == "done"
     (wd / warmup.RESULT_FILE).unlink()
-    assert warmup.run(config, wd) == "done"
+    assert warmup.run_warmup(config, wd) == "done"
     times = json.loads((wd / warmup.PHASE_TIMES_FILE).read_text())
     assert times["generate_train"] == gen_time
     again = json.loads((wd / warmup.RESULT_FILE).read_text())
@@ -229,7 +229,7 @@ def test_warmup_end_to_end_and_resume(tmp_path):
 
     # a longer schedule for the finished workdir trains on from step 6 (no new data) and saves step 8
     config.train.steps = 8
-    assert warmup.run(config, wd) == "done"
+    assert warmup.run_warmup(config, wd) == "done"
     longer = json.loads((wd / warmup.RESULT_FILE).read_text())
     assert longer["complete"] and longer["drafter_checkpoint"]["step"] == 8
     rows3 = read_metrics(wd / "metrics.jsonl")

@@ -19,14 +19,14 @@ def load_config(name: str, arg: str | None = None):
 
 def test_validate_lists_every_problem_with_its_fix() -> None:
     c = load_config("smoke")
-    rl_config.validate(c)
+    rl_config.validate_grpo(c)
     c.rollout.temperature = 0.0
     c.rl.samples_per_prompt = 1
     c.rl.loss_agg = "sum"
     c.model.path = "/nonexistent/model.gguf"  # and random is set too
     c.model.linear_impl = "fast"
     with pytest.raises(ValueError) as e:
-        rl_config.validate(c)
+        rl_config.validate_grpo(c)
     msg = str(e.value)
     assert "config.rollout.temperature=0.0: GRPO needs sampling" in msg
     assert "config.rl.samples_per_prompt=1" in msg
@@ -42,24 +42,24 @@ def test_validate_micro_batches_hold_whole_groups() -> None:
     with pytest.raises(
         ValueError, match=r"micro_batch_size=2 must be a multiple of samples_per_prompt=8.*\[8, 16\]"
     ):
-        rl_config.validate(c)
+        rl_config.validate_grpo(c)
     c.trainer.micro_batch_size = 4
     c.rl.mini_batches = 3
     with pytest.raises(ValueError, match="mini_batches=3 must divide the 16 rows"):
-        rl_config.validate(c)
+        rl_config.validate_grpo(c)
 
 
 def test_validate_drafter_section() -> None:
     c = load_config("smoke")
     c.drafter.kind = "medusa"
     with pytest.raises(ValueError, match=r"config.drafter.kind='medusa': use one of \('none', 'ngram'"):
-        rl_config.validate(c)
+        rl_config.validate_grpo(c)
     c.drafter.kind = "eagle"
     with pytest.raises(ValueError, match=r"needs config.drafter.path.*configs/drafter_warmup.py:tlt"):
-        rl_config.validate(c)
+        rl_config.validate_grpo(c)
     c.drafter.path = "/nonexistent/warmup"
     with pytest.raises(ValueError, match=r"does not exist: create it with .*--workdir /nonexistent/warmup"):
-        rl_config.validate(c)
+        rl_config.validate_grpo(c)
     c.drafter.kind, c.spec.acceptance = "ngram", "exact"
     with pytest.raises(ValueError, match="config.spec is invalid: SpecConfig.acceptance must be one of"):
-        rl_config.validate(c)
+        rl_config.validate_grpo(c)

@@ -59,7 +59,7 @@ def test_bad_eval_section_names_the_field(bad) -> None:
     for k, v in bad.items():
         c.eval[k] = v
     with pytest.raises(ValueError, match="config.eval"):
-        rl_config.validate(c)
+        rl_config.validate_grpo(c)
 
 
 def test_eval_seconds_are_not_in_the_step_time(tmp_path) -> None:

@@ -19,7 +19,7 @@ from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.batch import TrainBatch, build_train_batch, length_sorted_micro, micro_weights
 from tlt_jax.rl.learner import Learner
-from tlt_jax.rl.trainer import LossConfig, OptimConfig, PolicyTrainer, response_logprobs
+from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, response_logprobs
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
@@ -53,7 +53,7 @@ def random_batch(seed: int, groups: int = 4, n: int = 2, bucket: int = 8) -> Tra
 
 
 def trainer(model_seed: int = 0, *, data: int = 1, micro: int = 8, **kw) -> PolicyTrainer:
-    loss = kw.pop("loss", LossConfig(temperature=0.8, fuse_old_logprobs=False))
+    loss = kw.pop("loss", PolicyLossConfig(temperature=0.8, fuse_old_logprobs=False))
     return PolicyTrainer(
         Transformer(CFG, nnx.Rngs(model_seed)),
         mesh(data),
@@ -187,7 +187,7 @@ def test_length_sorted_micro_batches_equal_the_full_width_update(agg: str) -> No
         group_size=2,
         seq_bucket=4,
     )
-    loss = LossConfig(temperature=0.8, aggregation=agg, max_len=12)
+    loss = PolicyLossConfig(temperature=0.8, aggregation=agg, max_len=12)
     full, cut = trainer(micro=2, loss=loss), trainer(micro=2, loss=loss)
     w = micro_weights(np.asarray(batch.response_mask).reshape(4, 1, 2, 12), agg)
     m_full, (logp_full,) = full.update([full.put_micro(batch)], [w])
@@ -210,7 +210,7 @@ def test_length_sorted_micro_batches_equal_the_full_width_update(agg: str) -> No
 def test_train_layers_freezes_the_bottom_of_the_model() -> None:
     """train_layers=1 on a 2-layer model: layer 1 and the final norm move; the embedding (tied head) and
     layer 0 stay bit-identical and carry no optimizer state."""
-    tr = trainer(micro=8, train_layers=1, loss=LossConfig(fuse_old_logprobs=True))
+    tr = trainer(micro=8, train_layers=1, loss=PolicyLossConfig(fuse_old_logprobs=True))
     before = jax.tree_util.tree_map(np.asarray, tr.params)
     tr.update([tr.put_micro(random_batch(6))], [np.ones((1,), np.float32)])
     after = jax.tree_util.tree_map(np.asarray, tr.params)
@@ -232,7 +232,7 @@ def test_train_layers_freezes_the_bottom_of_the_model() -> None:
 
 
 def test_no_recompilation_after_warmup() -> None:
-    tr = trainer(micro=4, loss=LossConfig(fuse_old_logprobs=True))
+    tr = trainer(micro=4, loss=PolicyLossConfig(fuse_old_logprobs=True))
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda e, d, **kw: (
@@ -288,7 +288,7 @@ def test_one_grpo_step_changes_params_and_raises_the_surrogate() -> None:
         group_size=n,
         seq_bucket=8,
     )
-    loss = LossConfig(temperature=1.0, kl_coef=0.01, fuse_old_logprobs=False)
+    loss = PolicyLossConfig(temperature=1.0, kl_coef=0.01, fuse_old_logprobs=False)
     tr = PolicyTrainer(
         model, m, loss, OptimConfig(lr=1e-3, weight_decay=0.0), micro_batch_size=4, with_reference=True
     )

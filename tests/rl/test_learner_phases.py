@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tlt_jax import config_lib
-from tlt_jax.rl.advantages import Advantages, group_advantages, train_batch
+from tlt_jax.rl.advantages import Advantages, step_advantages, train_batch
 from tlt_jax.rl.metrics import (
     StepClock,
     engine_gap_metrics,
@@ -72,10 +72,10 @@ def test_score_rollout_decodes_and_scores_every_row() -> None:
 
 def test_group_advantages_and_dynamic_sampling() -> None:
     rewards = np.asarray([1, 0, 1, 0, 1, 1, 1, 1], np.float32)  # group 1 all right: no signal
-    adv = group_advantages(rewards, PLAN)
+    adv = step_advantages(rewards, PLAN)
     np.testing.assert_allclose(adv.values, [1, -1, 1, -1, 0, 0, 0, 0], atol=1e-5)
     assert adv.keep.all() and adv.keep.shape == (8,)
-    dapo = group_advantages(rewards, StepPlan(prompts=2, group=4, advantage="drgrpo", dynamic_sampling=True))
+    dapo = step_advantages(rewards, StepPlan(prompts=2, group=4, advantage="drgrpo", dynamic_sampling=True))
     np.testing.assert_allclose(dapo.values, [0.5, -0.5, 0.5, -0.5, 0, 0, 0, 0])
     np.testing.assert_array_equal(dapo.keep, [True] * 4 + [False] * 4)
 

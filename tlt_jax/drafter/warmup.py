@@ -315,7 +315,7 @@ def _fmt_eval(r: AcceptanceResult) -> str:
     return out
 
 
-def run(config: Any, workdir: str | os.PathLike) -> str:
+def run_warmup(config: Any, workdir: str | os.PathLike) -> str:
     """Run (or resume) the drafter warm-up in `workdir`; returns "done". See the module docstring: its phases
     are `train` and the helpers below, in the order this calls them."""
     wd = pathlib.Path(workdir).resolve()
@@ -501,7 +501,7 @@ def main(argv: Sequence[str]) -> None:
     cfg = flags.FLAGS["config"].value
     if cfg.get("job", "drafter_warmup") != "drafter_warmup":
         raise app.UsageError(f"config.job={cfg.job!r}: this entry point runs only 'drafter_warmup'.")
-    run(cfg, flags.FLAGS.workdir)
+    run_warmup(cfg, flags.FLAGS.workdir)
 
 
 if __name__ == "__main__":

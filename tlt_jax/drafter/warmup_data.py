@@ -65,7 +65,7 @@ class PhaseTimes:
 # The engine and the target forward
 
 
-def build_engine(config: Any, target: Transformer, tokenizer: Any) -> RolloutEngine:
+def warmup_engine(config: Any, target: Transformer, tokenizer: Any) -> RolloutEngine:
     """The engine that generates the warm-up data (`config.generation`; it records the target's hidden
     states unless `generation.record_hidden=False`)."""
     gen = config.generation
@@ -352,7 +352,7 @@ def build_data(
 
     gen = config.generation
     task = make_task(config.task)
-    engine = build_engine(config, target, tokenizer)
+    engine = warmup_engine(config, target, tokenizer)
     hidden_fn = make_hidden_fn(target)
     common = dict(
         config=config,

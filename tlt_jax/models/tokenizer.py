@@ -24,9 +24,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from tlt_jax.models.gguf import GGUFFile, read_gguf
-
-PathLike = str | os.PathLike
+from tlt_jax.models.gguf import GGUFFile, PathLike, read_gguf
 
 # Tokens that end an assistant turn or a document in the common chat formats. When such a token is a special
 # token of the vocabulary it is a stop token, in addition to the declared eos (SmolLM2 declares <|im_end|>

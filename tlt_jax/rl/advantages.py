@@ -25,7 +25,7 @@ class Advantages:
     keep: np.ndarray
 
 
-def group_advantages(rewards: np.ndarray, plan: StepPlan) -> Advantages:
+def step_advantages(rewards: np.ndarray, plan: StepPlan) -> Advantages:
     """The plan's advantage method over groups of `plan.group` consecutive rows, and its keep mask (all
     True unless `plan.dynamic_sampling`, which drops groups whose rewards are all equal)."""
     r = jnp.asarray(rewards)

@@ -18,7 +18,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.evaluation import EvalConfig
-from tlt_jax.rl.trainer import LossConfig, OptimConfig, PolicyTrainer
+from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer
 
 
 def rl_problems(config: Any) -> list[str]:
@@ -109,11 +109,11 @@ def eval_config_from(config: Any) -> EvalConfig:
         raise ValueError(f"config.eval is invalid: {e}") from e
 
 
-def loss_config_from(config: Any) -> LossConfig:
+def loss_config_from(config: Any) -> PolicyLossConfig:
     """The GRPO-family loss of `config.rl` at the rollout's temperature (old log-probs fused into the update's
     forward when `trainer.fuse_old_logprobs` and one mini-batch per step)."""
     rl, tc = config.rl, config.trainer
-    return LossConfig(
+    return PolicyLossConfig(
         temperature=float(config.rollout.temperature),
         clip_low=float(rl.clip_low),
         clip_high=float(rl.clip_high),
@@ -172,7 +172,7 @@ def abstract_policy_trainer(
     )
 
 
-def validate(config: Any, check_paths: bool = True) -> None:
+def validate_grpo(config: Any, check_paths: bool = True) -> None:
     """Every problem of a GRPO config (shared sections and the job's own), in one ValueError."""
     problems = []
     try:

@@ -30,18 +30,17 @@ from absl import logging
 from tlt_jax import config_lib
 from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.rl import config as rl_config
-from tlt_jax.rl.advantages import group_advantages, train_batch
+from tlt_jax.rl.advantages import step_advantages, train_batch
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR, checkpoint_state, restore_drafter, restore_state
 from tlt_jax.rl.evaluation import held_out_eval
 from tlt_jax.rl.metrics import StepClock, engine_gap_metrics, finish_metrics, learning_metrics
-from tlt_jax.rl.outputs import SAMPLES_FILE, log_samples, open_outputs
+from tlt_jax.rl.outputs import log_samples, open_outputs
 from tlt_jax.rl.plan import StepPlan
 from tlt_jax.rl.reward import score_rollout
 from tlt_jax.rl.rollout import PromptEncoder, generate_rollout
 from tlt_jax.rl.selector import build_selector, load_selector_state, selector_metrics
 from tlt_jax.rl.speculation import RolloutMonitor, announced_drafter
 from tlt_jax.rl.spot import (
-    BUFFER_DIR,
     buffer_dir,
     build_spot,
     engine_drafter,
@@ -55,14 +54,12 @@ from tlt_jax.tasks import Problem, make_task
 from tlt_jax.utils import compile_stats
 from tlt_jax.utils.checkpoint import Checkpointer, PreemptionGuard
 
-__all__ = ["BUFFER_DIR", "CHECKPOINT_DIR", "SAMPLES_FILE", "Learner", "run"]
-
 
 class Learner:
     """Builds everything from a config, restores the workdir's latest checkpoint if any, and runs steps."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-        rl_config.validate(config)
+        rl_config.validate_grpo(config)
         self.config, self.workdir = config, workdir
         self.is_main = jax.process_index() == 0
         self._compiles = compile_stats.compile_log().snapshot()
@@ -178,7 +175,7 @@ class Learner:
                 self.spot.after_rollout()
         with clock.phase("reward"):
             scores = score_rollout(self.task, self.tokenizer, problems, rollout, plan.rows)
-            adv = group_advantages(scores.rewards, plan)
+            adv = step_advantages(scores.rewards, plan)
             batch = train_batch(rollout, adv, plan)
         with compile_stats.scope("update"), clock.phase("logprob"):
             batch, train_logp = old_logprobs(self.trainer, batch, plan)
@@ -245,7 +242,7 @@ class Learner:
             self.trackers = None
 
 
-def run(config: Any, workdir: str) -> str:
+def run_grpo(config: Any, workdir: str) -> str:
     """Train GRPO as configured, in `workdir` (created; resumed from its latest checkpoint if present)."""
     os.makedirs(workdir, exist_ok=True)
     return Learner(config, workdir).train()

@@ -38,7 +38,7 @@ class StepPlan:
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> StepPlan:
-        """The plan of a validated GRPO config (`tlt_jax.rl.config.validate`)."""
+        """The plan of a validated GRPO config (`tlt_jax.rl.config.validate_grpo`)."""
         rl = config.rl
         return cls(
             prompts=int(rl.prompts_per_step),

@@ -101,7 +101,7 @@ def response_logprobs(
 
 
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
+class PolicyLossConfig:
     """Static settings of the GRPO-family loss (see tlt_jax.rl.grpo)."""
 
     temperature: float = 1.0
@@ -131,7 +131,7 @@ def lr_schedule(oc: OptimConfig) -> optax.Schedule:
     return lambda count: oc.lr * jnp.minimum(1.0, (count + 1.0) / (oc.warmup_steps + 1.0))
 
 
-def make_optimizer(oc: OptimConfig, trainable: Any = None) -> optax.GradientTransformation:
+def policy_optimizer(oc: OptimConfig, trainable: Any = None) -> optax.GradientTransformation:
     """AdamW with global-norm clipping and warm-up (the VeRL actor's optimizer). `trainable`: a pytree of
     bools like the params; False leaves get no update and no optimizer state (None: all trainable)."""
     parts = [optax.clip_by_global_norm(oc.grad_clip)] if oc.grad_clip > 0 else []
@@ -201,7 +201,7 @@ class PolicyTrainer:
         self,
         model: Transformer,
         mesh: Mesh,
-        loss: LossConfig,
+        loss: PolicyLossConfig,
         optim: OptimConfig,
         *,
         micro_batch_size: int,
@@ -229,7 +229,7 @@ class PolicyTrainer:
         params: Any,
         cfg: ModelConfig,
         mesh: Mesh | AbstractMesh,
-        loss: LossConfig,
+        loss: PolicyLossConfig,
         optim: OptimConfig,
         *,
         micro_batch_size: int,
@@ -267,7 +267,7 @@ class PolicyTrainer:
         params: Any,
         cfg: ModelConfig,
         mesh: Mesh | AbstractMesh,
-        loss: LossConfig,
+        loss: PolicyLossConfig,
         optim: OptimConfig,
         micro_batch_size: int,
         master_dtype: str,
@@ -284,7 +284,7 @@ class PolicyTrainer:
         self.param_shardings = shd.param_shardings(params, mesh, self.rules)
         self.trainable = trainable_mask(params, cfg.num_layers, train_layers)
         self.train_layers = int(train_layers)
-        self.tx = make_optimizer(optim, self.trainable if train_layers else None)
+        self.tx = policy_optimizer(optim, self.trainable if train_layers else None)
         self.opt_shardings = optimizer_shardings(self.tx, params, self.param_shardings, mesh)
         self._zeros = jax.jit(
             lambda p: jax.tree_util.tree_map(jnp.zeros_like, p), out_shardings=self.param_shardings
