@@ -176,7 +176,7 @@ def test_main_objects_are_not_typed_any() -> None:
     assert not bad, "main objects typed Any (use their class or a Protocol):\n" + "\n".join(bad)
 
 
-ENTRY_POINTS = {"main"}  # a module's command-line entry (`python -m tlt_jax.<module>`), one per runnable module
+ENTRY_POINTS = {"main"}  # a runnable module's command-line entry (`python -m tlt_jax.<module>`)
 
 
 def public_names(path: pathlib.Path) -> set[str]:

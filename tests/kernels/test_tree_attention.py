@@ -22,6 +22,7 @@ import pytest
 from tlt_jax.kernels import tree_attention as ta
 from tlt_jax.kernels import tree_attention_blocks as tab
 from tlt_jax.kernels import triton_check
+from tlt_jax.kernels.tree_attention_reference import tree_attention_reference
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 _MODE = os.environ.get("TLT_PALLAS_INTERPRET", "auto")
@@ -78,7 +79,7 @@ def make_inputs(
 def reference(*args: jax.Array) -> jax.Array:
     """The oracle at full fp32 matmul precision (on GPUs XLA's default fp32 matmul is TF32)."""
     with jax.default_matmul_precision("highest"):
-        return jax.jit(ta.tree_attention_reference)(*args)
+        return jax.jit(tree_attention_reference)(*args)
 
 
 def run_kernel(args: tuple[jax.Array, ...], block_sizes: tab.BlockSizes | None) -> jax.Array:
@@ -187,7 +188,7 @@ def test_auto_on_cpu_is_the_reference() -> None:
     auto = functools.partial(ta.tree_attention, impl="auto")
     assert not _has_pallas_call(auto, *args)
     assert _has_pallas_call(functools.partial(ta.tree_attention, impl="pallas"), *args)
-    want = jax.jit(ta.tree_attention_reference)(*args)
+    want = jax.jit(tree_attention_reference)(*args)
     np.testing.assert_array_equal(np.asarray(auto(*args)), np.asarray(want))
 
 

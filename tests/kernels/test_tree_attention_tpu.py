@@ -31,6 +31,7 @@ from jaxlib.mosaic.python import tpu as mosaic_tpu
 from tlt_jax.kernels import tree_attention as ta
 from tlt_jax.kernels import tree_attention_tpu as tpu
 from tlt_jax.kernels.tree_attention_blocks import BlockSizes
+from tlt_jax.kernels.tree_attention_reference import tree_attention_reference
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 _FAST_COMPILE = {"xla_backend_optimization_level": 0}  # interpreted kernels: only their numbers matter
@@ -62,7 +63,7 @@ def make_inputs(seed: int, b: int, t: int, s: int, hq: int, hkv: int, d: int, dt
 
 def reference(*args: jax.Array) -> jax.Array:
     with jax.default_matmul_precision("highest"):
-        return jax.jit(ta.tree_attention_reference)(*args)
+        return jax.jit(tree_attention_reference)(*args)
 
 
 def run_kernel(
@@ -228,7 +229,7 @@ def test_gradient_matches_reference() -> None:
     with jax.default_matmul_precision("highest"):
         got = jax.jit(jax.grad(functools.partial(loss, kernel), argnums=(0, 1, 2)))
         got = got.lower(q, k, v).compile(_FAST_COMPILE)(q, k, v)
-        want = jax.jit(jax.grad(functools.partial(loss, ta.tree_attention_reference), argnums=(0, 1, 2)))(
+        want = jax.jit(jax.grad(functools.partial(loss, tree_attention_reference), argnums=(0, 1, 2)))(
             q, k, v
         )
     for g_got, g_want in zip(got, want, strict=True):

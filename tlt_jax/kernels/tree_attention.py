@@ -48,50 +48,17 @@ from jax.experimental.pallas import triton as plgpu
 
 from tlt_jax.kernels import cpu_ffi, tree_attention_tpu
 from tlt_jax.kernels.tree_attention_blocks import BlockSizes, default_block_sizes
+from tlt_jax.kernels.tree_attention_reference import (
+    check_inputs,
+    tree_attention_reference,
+    with_reference_grad,
+)
 
 IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "cpu_ffi")
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 _NEG = -1e30  # finite "minus infinity" for masked logits: keeps exp2(m_prev - m_new) NaN-free
 _LOG2E = math.log2(math.e)
 _Carry = tuple[jax.Array, jax.Array, jax.Array]  # (acc [M, D], running max [M], running sum [M])
-
-
-def visibility_mask(lengths_b: jax.Array, tree_mask_btt: jax.Array, seq_len: int) -> jax.Array:
-    """[B, T, S] bool: which cache positions each new token may attend to."""
-    t = tree_mask_btt.shape[1]
-    j = jnp.arange(seq_len, dtype=jnp.int32)[None, :]  # [1, S]
-    rel = j - lengths_b[:, None]  # [B, S]
-    prefix = (rel < 0)[:, None, :]  # [B, 1, S]
-    in_tree = (rel >= 0) & (rel < t)
-    rel_idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (rel.shape[0], t, seq_len))
-    tree_vis = jnp.take_along_axis(tree_mask_btt, rel_idx, axis=2)
-    return prefix | (in_tree[:, None, :] & tree_vis)
-
-
-def tree_attention_reference(
-    q_bthd: jax.Array,
-    k_bhsd: jax.Array,
-    v_bhsd: jax.Array,
-    lengths_b: jax.Array,
-    tree_mask_btt: jax.Array,
-) -> jax.Array:
-    """Reference (jnp) tree attention; see the module docstring for the contract.
-
-    Computed in float32 whatever the input dtype: it is the oracle, and XLA's CPU dot has no
-    bf16 x bf16 -> f32 path for this (transpose-free) layout.
-    """
-    b, t, hq, d = q_bthd.shape
-    hkv, s = k_bhsd.shape[1], k_bhsd.shape[2]
-    g = hq // hkv
-    q = q_bthd.reshape(b, t, hkv, g, d).astype(jnp.float32)
-    k_bhsd, v_bhsd = k_bhsd.astype(jnp.float32), v_bhsd.astype(jnp.float32)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k_bhsd)
-    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
-    vis = visibility_mask(lengths_b, tree_mask_btt, s)[:, None, None, :, :]  # [B,1,1,T,S]
-    scores = jnp.where(vis, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v_bhsd)
-    return out.reshape(b, t, hq, d).astype(q_bthd.dtype)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -170,21 +137,6 @@ def _tree_attention_kernel(
         o_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l_sum
-
-
-def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_mask: jax.Array) -> None:
-    """Shape/dtype contract of every entry point (raises at trace time)."""
-    chex.assert_rank([q, k, v, lengths, tree_mask], [4, 4, 4, 1, 3])
-    b, t, hq, d = q.shape
-    chex.assert_equal_shape([k, v])
-    chex.assert_axis_dimension(k, 0, b)
-    chex.assert_axis_dimension(k, 3, d)
-    chex.assert_shape(lengths, (b,))
-    chex.assert_shape(tree_mask, (b, t, t))
-    chex.assert_type(lengths, int)
-    chex.assert_type(tree_mask, bool)
-    chex.assert_is_divisible(hq, k.shape[1])
-    chex.assert_axis_dimension_gteq(k, 2, t)
 
 
 def _pallas_forward(
@@ -342,39 +294,7 @@ def _merge_splits(o_part: jax.Array, m_part: jax.Array, l_part: jax.Array, out_d
     return (o_sum / jnp.where(l_all > 0, l_all, 1.0)[..., None]).astype(out_dtype)
 
 
-_Arrays5 = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _pallas_with_grad(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
-    tree_mask: jax.Array,
-    block_sizes: BlockSizes,
-    interpret: bool,
-) -> jax.Array:
-    """The kernel's forward with a VJP attached (pallas_call itself has no autodiff rule)."""
-    return _pallas_forward(q, k, v, lengths, tree_mask, block_sizes, interpret)
-
-
-def _pallas_with_grad_fwd(*args: Any) -> tuple[jax.Array, _Arrays5]:
-    """`_pallas_with_grad`'s arguments in; the output, and the five arrays the backward recomputes from."""
-    return _pallas_forward(*args), args[:5]
-
-
-def _pallas_with_grad_bwd(
-    block_sizes: BlockSizes, interpret: bool, res: _Arrays5, g_out: jax.Array
-) -> tuple[jax.Array | None, ...]:
-    """Backward through the reference: the same math recomputed in jnp (forward-only kernel, exact grads)."""
-    del block_sizes, interpret
-    q, k, v, lengths, tree_mask = res
-    _, vjp = jax.vjp(lambda q_, k_, v_: tree_attention_reference(q_, k_, v_, lengths, tree_mask), q, k, v)
-    return (*vjp(g_out), None, None)
-
-
-_pallas_with_grad.defvjp(_pallas_with_grad_fwd, _pallas_with_grad_bwd)
+_pallas_with_grad = with_reference_grad(_pallas_forward)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -395,7 +315,7 @@ def tree_attention_pallas(
     forward may use it too.
     Rows whose query sees no key at all (not a valid tree) return zeros where the reference averages V.
     """
-    _check_inputs(q, k, v, lengths, tree_mask)
+    check_inputs(q, k, v, lengths, tree_mask)
     chex.assert_type([k, v], k.dtype)
     block_sizes = block_sizes or default_block_sizes(jnp.dtype(k.dtype).name)
     return _pallas_with_grad(q, k, v, lengths, tree_mask, block_sizes, interpret)
@@ -462,7 +382,7 @@ def tree_attention(
     """
     if impl not in IMPLS:
         raise ValueError(f"tree_attention: impl must be one of {IMPLS}, got {impl!r}")
-    _check_inputs(q, k, v, lengths, tree_mask)
+    check_inputs(q, k, v, lengths, tree_mask)
     f32 = all(x.dtype == jnp.float32 for x in (q, k, v))
     if impl in ("auto", "pallas") and _on_tpu():
         impl = "pallas_tpu"  # the Triton kernel cannot compile for a TPU

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tlt_jax.kernels.tree_attention_blocks import BlockSizes
+from tlt_jax.kernels.tree_attention_reference import check_inputs, with_reference_grad
 
 # TPU defaults (untuned): 128 query rows fill the MXU's rows; 512-key blocks amortise the ~0.35 us grid step
 # over a 256 KiB K+V DMA (D=128, bf16).
@@ -256,65 +257,7 @@ def _forward(
     return out.reshape(b, t, hq, d)
 
 
-def _reference_math(
-    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_mask: jax.Array
-) -> jax.Array:
-    """The contract in jnp, float32 (the backward pass differentiates it). The same math as
-    `tree_attention.tree_attention_reference`, restated here because that module imports this one."""
-    b, t, hq, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d).astype(jnp.float32)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(jnp.float32)) / math.sqrt(d)
-    rel = jnp.arange(s, dtype=jnp.int32)[None, :] - lengths[:, None]  # [B, S]
-    tree_idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, s))
-    in_tree = ((rel >= 0) & (rel < t))[:, None, :] & jnp.take_along_axis(tree_mask, tree_idx, axis=2)
-    vis = ((rel < 0)[:, None, :] | in_tree)[:, None, None]  # [B, 1, 1, T, S]
-    probs = jax.nn.softmax(jnp.where(vis, scores, jnp.finfo(jnp.float32).min), axis=-1)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v.astype(jnp.float32))
-    return out.reshape(b, t, hq, d).astype(q.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _with_grad(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
-    tree_mask: jax.Array,
-    block_sizes: BlockSizes,
-    interpret: bool | Any,
-) -> jax.Array:
-    """The kernel's forward with a VJP attached (pallas_call has no autodiff rule)."""
-    return _forward(q, k, v, lengths, tree_mask, block_sizes, interpret)
-
-
-def _with_grad_fwd(*args: Any) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    return _forward(*args), args[:5]
-
-
-def _with_grad_bwd(
-    block_sizes: BlockSizes, interpret: bool | Any, res: tuple[jax.Array, ...], g_out: jax.Array
-) -> tuple[jax.Array | None, ...]:
-    del block_sizes, interpret
-    q, k, v, lengths, tree_mask = res
-    _, vjp = jax.vjp(lambda q_, k_, v_: _reference_math(q_, k_, v_, lengths, tree_mask), q, k, v)
-    return (*vjp(g_out), None, None)
-
-
-_with_grad.defvjp(_with_grad_fwd, _with_grad_bwd)
-
-
-def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_mask: jax.Array) -> None:
-    """The contract's shapes and dtypes (raises at trace time), as the other entry points check them."""
-    chex.assert_rank([q, k, v, lengths, tree_mask], [4, 4, 4, 1, 3])
-    b, t, hq, d = q.shape
-    chex.assert_equal_shape([k, v])
-    chex.assert_type([k, v], k.dtype)
-    chex.assert_shape(k, (b, k.shape[1], k.shape[2], d))
-    chex.assert_shape([lengths, tree_mask], [(b,), (b, t, t)])
-    chex.assert_type([lengths, tree_mask], [int, bool])
-    chex.assert_is_divisible(hq, k.shape[1])
-    chex.assert_axis_dimension_gteq(k, 2, t)
+_with_grad = with_reference_grad(_forward)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -338,5 +281,6 @@ def tree_attention_tpu(
     Differentiable (the backward recomputes in jnp). Like the GPU kernel, rows whose query sees no key at
     all return zeros, and cache slots past lengths + T must hold finite values.
     """
-    _check_inputs(q, k, v, lengths, tree_mask)
+    check_inputs(q, k, v, lengths, tree_mask)
+    chex.assert_type([k, v], k.dtype)
     return _with_grad(q, k, v, lengths, tree_mask, block_sizes or TPU_BLOCK_SIZES, interpret)
