@@ -19,7 +19,7 @@ from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.batch import TrainBatch, build_train_batch, length_sorted_micro, micro_weights
 from tlt_jax.rl.learner import Learner
-from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, response_logprobs
+from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions, response_logprobs
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
@@ -59,9 +59,7 @@ def trainer(model_seed: int = 0, *, data: int = 1, micro: int = 8, **kw) -> Poli
         mesh(data),
         loss,
         kw.pop("optim", OptimConfig(lr=1e-2, weight_decay=0.0)),
-        micro_batch_size=micro,
-        with_reference=kw.pop("with_reference", False),
-        **kw,
+        TrainerOptions(micro_batch_size=micro, with_reference=kw.pop("with_reference", False), **kw),
     )
 
 
@@ -290,7 +288,7 @@ def test_one_grpo_step_changes_params_and_raises_the_surrogate() -> None:
     )
     loss = PolicyLossConfig(temperature=1.0, kl_coef=0.01, fuse_old_logprobs=False)
     tr = PolicyTrainer(
-        model, m, loss, OptimConfig(lr=1e-3, weight_decay=0.0), micro_batch_size=4, with_reference=True
+        model, m, loss, OptimConfig(lr=1e-3, weight_decay=0.0), TrainerOptions(4, with_reference=True)
     )
     mb = tr.put_micro(batch)
     old = tr.logprobs(mb).logp

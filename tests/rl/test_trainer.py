@@ -11,7 +11,7 @@ from optax.transforms import MaskedNode
 from tlt_jax import sharding as shd
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer
+from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions
 
 CFG = tiny_config(num_layers=2)
 
@@ -39,8 +39,8 @@ def test_adamw_moments_are_sharded_like_the_params(train_layers: int, fsdp: bool
     """The moments of a tensor-parallel (and FSDP) policy are split like its weights, frozen layers have no
     state; `jax.jit(tx.init)` alone replicated them on every device (a 7B's 56.7 GiB per device on 2 x 4)."""
     mesh = shd.make_mesh(2, 2, jax.devices()[:4])
-    kw = dict(micro_batch_size=4, with_reference=True, fsdp=fsdp, train_layers=train_layers)
-    t = PolicyTrainer(Transformer(CFG, nnx.Rngs(0)), mesh, PolicyLossConfig(), OptimConfig(), **kw)
+    opts = TrainerOptions(micro_batch_size=4, with_reference=True, fsdp=fsdp, train_layers=train_layers)
+    t = PolicyTrainer(Transformer(CFG, nnx.Rngs(0)), mesh, PolicyLossConfig(), OptimConfig(), opts)
     flags = _same_layout(t, t.opt_state)
     assert flags and all(flags)
     moments = [x for x in jax.tree_util.tree_leaves(t.opt_state) if x.ndim == 2]
@@ -52,7 +52,7 @@ def test_adamw_moments_are_sharded_like_the_params(train_layers: int, fsdp: bool
     # the abstract trainer (memory plans) lays everything out the same, and its apply compiles to that layout
     graphdef, params = nnx.split(Transformer(CFG, nnx.Rngs(0)), nnx.Param)
     a = PolicyTrainer.abstract(
-        graphdef, jax.eval_shape(lambda: params), CFG, mesh, PolicyLossConfig(), OptimConfig(), **kw
+        graphdef, jax.eval_shape(lambda: params), CFG, mesh, PolicyLossConfig(), OptimConfig(), opts
     )
     for got, want in zip(
         jax.tree_util.tree_leaves(a.opt_state), jax.tree_util.tree_leaves(t.opt_state), strict=True

@@ -18,7 +18,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.evaluation import EvalConfig
-from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer
+from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions
 
 
 def rl_problems(config: Any) -> list[str]:
@@ -138,9 +138,10 @@ def optim_config_from(config: Any) -> OptimConfig:
     )
 
 
-def _trainer_options(config: Any) -> dict[str, Any]:
+def trainer_options_from(config: Any) -> TrainerOptions:
+    """`TrainerOptions` from `config.trainer` (a reference copy when the loss has a KL term)."""
     tc = config.trainer
-    return dict(
+    return TrainerOptions(
         micro_batch_size=int(tc.micro_batch_size),
         with_reference=float(config.rl.kl_coef) > 0,
         master_dtype=str(tc.master_dtype),
@@ -152,7 +153,7 @@ def _trainer_options(config: Any) -> dict[str, Any]:
 def policy_trainer(config: Any, model: Transformer, mesh: Mesh) -> PolicyTrainer:
     """The learner's `PolicyTrainer` for `model` (which it takes over) as `config` sets it up."""
     return PolicyTrainer(
-        model, mesh, loss_config_from(config), optim_config_from(config), **_trainer_options(config)
+        model, mesh, loss_config_from(config), optim_config_from(config), trainer_options_from(config)
     )
 
 
@@ -168,7 +169,7 @@ def abstract_policy_trainer(
         mesh,
         loss_config_from(config),
         optim_config_from(config),
-        **_trainer_options(config),
+        trainer_options_from(config),
     )
 
 

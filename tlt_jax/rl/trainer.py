@@ -124,6 +124,18 @@ class OptimConfig:
     grad_clip: float = 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainerOptions:
+    """How the trainer holds the policy: rows per micro-batch, a frozen reference copy (KL), the masters'
+    dtype, FSDP (the hidden dim also split over the data axis), and how many top layers train (0: all)."""
+
+    micro_batch_size: int
+    with_reference: bool = False
+    master_dtype: str = "float32"
+    fsdp: bool = False
+    train_layers: int = 0
+
+
 def lr_schedule(oc: OptimConfig) -> optax.Schedule:
     """Linear warm-up from lr / (warmup + 1) to lr over `warmup_steps` updates, then constant."""
     if oc.warmup_steps <= 0:
@@ -203,24 +215,17 @@ class PolicyTrainer:
         mesh: Mesh,
         loss: PolicyLossConfig,
         optim: OptimConfig,
-        *,
-        micro_batch_size: int,
-        with_reference: bool,
-        master_dtype: str = "float32",
-        fsdp: bool = False,
-        train_layers: int = 0,
+        options: TrainerOptions,
     ):
         graphdef, params = nnx.split(model, nnx.Param)
-        self._configure(
-            graphdef, params, model.cfg, mesh, loss, optim, micro_batch_size, master_dtype, fsdp, train_layers
-        )
+        self._configure(graphdef, params, model.cfg, mesh, loss, optim, options)
         self.params = jax.jit(
             lambda p: jax.tree_util.tree_map(lambda x: x.astype(self.master_dtype), p),
             out_shardings=self.param_shardings,
         )(params)
         self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
         # A real copy: the policy's buffers are donated by every update.
-        self.ref_params = self.compute_params(copy=True) if with_reference else None
+        self.ref_params = self.compute_params(copy=True) if options.with_reference else None
 
     @classmethod
     def abstract(
@@ -231,20 +236,13 @@ class PolicyTrainer:
         mesh: Mesh | AbstractMesh,
         loss: PolicyLossConfig,
         optim: OptimConfig,
-        *,
-        micro_batch_size: int,
-        with_reference: bool,
-        master_dtype: str = "float32",
-        fsdp: bool = False,
-        train_layers: int = 0,
+        options: TrainerOptions,
     ) -> PolicyTrainer:
         """A trainer built from abstract parameters (`jax.ShapeDtypeStruct`s): every layout, the optimizer and
         the jitted programs as `__init__` makes them, with `params` / `opt_state` / `ref_params` abstract too,
         so its programs compile ahead of time with nothing materialised (memory plans at 7B-32B shapes)."""
         t = cls.__new__(cls)
-        t._configure(
-            graphdef, params, cfg, mesh, loss, optim, micro_batch_size, master_dtype, fsdp, train_layers
-        )
+        t._configure(graphdef, params, cfg, mesh, loss, optim, options)
         t.params = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, t.master_dtype, sharding=s), params, t.param_shardings
         )
@@ -256,7 +254,7 @@ class PolicyTrainer:
             jax.tree_util.tree_map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, t.compute_dtype, sharding=x.sharding), t.params
             )
-            if with_reference
+            if options.with_reference
             else None
         )
         return t
@@ -269,15 +267,13 @@ class PolicyTrainer:
         mesh: Mesh | AbstractMesh,
         loss: PolicyLossConfig,
         optim: OptimConfig,
-        micro_batch_size: int,
-        master_dtype: str,
-        fsdp: bool,
-        train_layers: int,
+        options: TrainerOptions,
     ) -> None:
         """Everything but the buffers: layouts, the optimizer, the jitted programs (from shapes only)."""
         self.mesh, self.loss, self.optim, self.graphdef = mesh, loss, optim, graphdef
-        self.micro_batch_size = int(micro_batch_size)
-        self.compute_dtype, self.master_dtype = jnp.dtype(cfg.dtype), jnp.dtype(master_dtype)
+        self.micro_batch_size = int(options.micro_batch_size)
+        self.compute_dtype, self.master_dtype = jnp.dtype(cfg.dtype), jnp.dtype(options.master_dtype)
+        fsdp, train_layers = options.fsdp, options.train_layers
         # fsdp: the hidden ("embed") dim of every weight is also split over the data axis, so master weights
         # and AdamW moments are sharded over all devices (XLA gathers each weight where it is used).
         self.rules = {**shd.DEFAULT_RULES, "embed": "data"} if fsdp else dict(shd.DEFAULT_RULES)
