@@ -66,7 +66,7 @@ WHEELS = {
 FALLBACK = {"flax": "0.12.12"}
 SDIST_PURE = {"cellpylib": "2.4.0", "zss": "1.2.0"}  # sdists only: built into py3-none-any wheels here
 SDIST_CP312 = {"pycosat": "0.6.6"}  # C extension, sdist only: built with a local CPython 3.12
-# What the wheels need that the GPU image already has (KINDS.md's package list): numpy, pyyaml, requests,
+# What the wheels need that the GPU image already has (its package list): numpy, pyyaml, requests,
 # tqdm, absl-py, rich, matplotlib, sympy, tabulate, six. Imports checked after installing: IMPORTS.
 IMPORTS = ("ml_collections", "gguf", "reasoning_gym")
 

@@ -124,7 +124,7 @@ def test_cluster_configs_validate_without_weights(name: str) -> None:
     c.model.path = "/cluster/models/Qwen2.5"
     config_lib.validate(c, check_paths=False)
     rl, ro = c.rl, c.rollout
-    # the paper's settings (TLT_REFERENCE.md): 8 samples, T=0.9, low_var_kl 0.001, lr 1e-6, long responses
+    # the paper's settings: 8 samples, T=0.9, low_var_kl 0.001, lr 1e-6, long responses
     assert (rl.samples_per_prompt, ro.temperature, rl.kl_coef, rl.lr) == (8, 0.9, 0.001, 1e-6)
     assert ro.max_new_tokens >= 16384 and c.model.dtype == "bfloat16"
     assert isinstance(config_lib.engine_config_from(c), EngineConfig)

@@ -272,7 +272,7 @@ def tiny_random_model(architecture: str = "llama", vocab_size: int = 264, **kw: 
 
 
 def paper_grpo(c: mlc.ConfigDict, dataset: str = "gsm_symbolic", steps: int = 200) -> mlc.ConfigDict:
-    """The TLT reference scripts' GRPO settings for 7B-70B models on GPUs (TLT_REFERENCE.md): 8 samples per
+    """The TLT reference scripts' GRPO settings for 7B-70B models on GPUs (the paper's setup): 8 samples per
     prompt, temperature 0.9, low_var_kl 0.001 to the initial policy, lr 1e-6, responses up to 32K tokens,
     bfloat16 compute with float32 master weights.
 

@@ -209,3 +209,10 @@ def test_compaction_stays_within_shards_and_reports_idle_devices(model):
     assert all(v.live_per_shard[1] == 8 for v in idle), "shard 1's rows were moved or finished early"
     # 8 live rows in the fullest shard keep 2 x 8 rows (global compaction would have packed them into 2 x 4)
     assert all(v.record.batch_bucket == 16 for v in hook.views)
+
+
+def test_engine_config_names_a_bad_attention_implementation() -> None:
+    """An unknown `attn_impl` fails when the config is built, naming the choices, not at the first trace."""
+    with pytest.raises(ValueError, match=r"attn_impl='flash'.*'pallas_tpu'.*rollout\.attn_impl"):
+        EngineConfig(attn_impl="flash")
+    assert EngineConfig(attn_impl="pallas_tpu").attn_impl == "pallas_tpu"

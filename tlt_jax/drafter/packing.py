@@ -15,7 +15,7 @@ attention as context; they carry no loss.
 Packing. `pack_samples` puts several samples into each of `rows` rows of `seq_len` tokens (static shapes, so
 one compiled step) with per-sample segment ids and positions restarting at 0. The drafter's attention mask is
 block-diagonal causal over segments: no token attends across samples (the reference packs under one causal
-mask; TLT_REFERENCE.md). The alignment above is computed inside the step by shifting within a row
+mask). The alignment above is computed inside the step by shifting within a row
 (`eagle_inputs`); a pair whose next token belongs to another segment (a sample's last token) is dropped from
 the loss, and it cannot leak into other samples because nothing after it in its own segment exists. A
 packed batch therefore gives every sample exactly the loss it would get alone (tests/drafter/test_packing.py).

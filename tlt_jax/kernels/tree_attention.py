@@ -29,8 +29,9 @@ it runs an online softmax in two phases:
 With `kv_splits > 1` the prefix blocks are split over an extra grid axis (more programs for small batches,
 flash-decoding style) and the partial results are merged in the wrapper; `kv_splits=0` picks the split count
 per call from the grid size (a batch-1 call fills the GPU, a batch-32 one takes no split).
-The tile and launch parameters (`BlockSizes`, and the tuned defaults) are in `tree_attention_blocks`,
-re-exported here.
+The tile and launch parameters (`BlockSizes`, and the tuned defaults) are in `tree_attention_blocks`; the
+contract in jnp (reference, input checks, the reference-gradient wrapper) in `tree_attention_reference`; the
+TPU (Mosaic) kernel in `tree_attention_tpu`, which `tree_attention(impl="auto")` picks on a TPU backend.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `tree_attention.tree_attention_pallas` takes a `BlockSizes`; with none it uses `default_block_sizes(cache
 dtype)`: `BlockSizes()`, or the sizes tuned for that dtype on the device at hand, read from
-`$TLT_TREE_ATTENTION_BLOCK_SIZES`. `tlt_jax.kernels.tree_attention` re-exports all three names.
+`$TLT_TREE_ATTENTION_BLOCK_SIZES`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class BlockSizes:
 # Tuned block sizes (the tuning hook): `experiments/bench_tree_attention.py --tune --tuned-out FILE` writes
 # {"by_dtype": {"bfloat16": {...BlockSizes fields...}}, ...} for the device it ran on; pointing this variable
 # at FILE (or holding that JSON inline) makes every caller that passes no `block_sizes` use them for that
-# dtype (other dtypes keep `BlockSizes()`). experiments/gpu_suite.py sets it for the phases after tuning.
+# dtype (other dtypes keep `BlockSizes()`). gpu/gpu_suite.py sets it for the phases after tuning.
 BLOCK_SIZES_ENV = "TLT_TREE_ATTENTION_BLOCK_SIZES"
 
 

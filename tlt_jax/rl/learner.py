@@ -140,11 +140,6 @@ class Learner:
         info = self.ckpt.save(self.step, self._state(), meta)
         logging.info("checkpoint step %d queued (blocked %.0f ms)", self.step, info.blocking_ms)
 
-    def push_drafter(self, params: Any) -> None:
-        """New drafter weights for the next rollouts (they must fit the engine's drafter: same shapes). With
-        a spot trainer, the next step pushes its weights over them and checkpoints store those."""
-        self.engine.set_drafter_params(params)
-
     # ---- one step -----------------------------------------------------------------------------------------
     def _rollout(self, problems: list[Problem], key: jax.Array) -> Rollout:
         """The step's rollout (a method: experiments/lockstep.py wraps it to see every training rollout)."""

@@ -5,8 +5,10 @@ ratios and KL terms assume it), so speculative decoding may only change *speed*,
 rule here takes the target's sampling distribution `p` as produced by `sampling.target_probs` (temperature,
 top-k, top-p already applied), so plain decoding and speculative decoding sample the very same `p`.
 
-Three rules:
+Four rules:
 
+* `tree_accept_coupled` (the default): verification coupled to plain sampling: each node's draw is the one
+  plain decoding makes with the same key, so a speculative round emits the tokens 1-token steps would emit.
 * `tree_accept`: target-only tree sampling (SGLang's `tree_speculative_sampling_target_only`, used by TLT). It
   needs no draft probabilities, so it works for any drafter and any tree shape.
 * `tree_accept_greedy`: the temperature-0 special case (argmax matching); `tree_accept` on one-hot `p` gives

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from tlt_jax.kernels.tree_attention import IMPLS as ATTN_IMPLS
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.hooks import IdleWork
 from tlt_jax.rollout.ngram import NgramBank
@@ -36,7 +37,7 @@ class EngineConfig:
     min_cache_bucket: int = 64  # cache-length buckets are powers of two from here up to max_cache_len
     prompt_bucket: int = 16  # prompt lengths are padded to powers of two >= this
     compact: bool = True  # compact live rows into smaller batch buckets as sequences finish
-    # "auto" | "reference" | "pallas" | "cpu_ffi" (see tlt_jax.kernels.tree_attention)
+    # "auto" | "reference" | "pallas" | "pallas_tpu" | "cpu_ffi" (see tlt_jax.kernels.tree_attention)
     attn_impl: str = "auto"
     stop_strings: tuple[str, ...] = ()
     spec: SpecConfig = SpecConfig()  # speculative rollouts (off by default)
@@ -54,6 +55,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision={self.matmul_precision!r}: use one of {MATMUL_PRECISIONS}.")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={self.attn_impl!r}: use one of {ATTN_IMPLS} (rollout.attn_impl).")
         if self.max_new_tokens < 1 or self.chunk_steps < 1 or self.hidden_window < 1:
             raise ValueError("max_new_tokens, chunk_steps and hidden_window must be >= 1")
         if self.max_new_tokens >= self.max_cache_len:

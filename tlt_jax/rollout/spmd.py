@@ -6,7 +6,7 @@
   decode chunk and the others run idle-device work (drafter micro-steps). Each device takes its own branch
   of a per-device `lax.cond`; collectives (the work's gradient psum, the chunk's counters) stay outside it.
   Measured on the CPU backend: two programs dispatched on disjoint device sets serialise, one SPMD program
-  with a per-device branch overlaps (JAX_NOTES.md).
+  with a per-device branch overlaps (docs/benchmarks.md).
 """
 
 from __future__ import annotations
