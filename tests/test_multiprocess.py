@@ -184,6 +184,19 @@ def test_two_processes_see_four_devices_and_agree_on_a_psum() -> None:
         assert r["mesh_shape"] == {"data": 4, "model": 1}
         assert r["sum"] == r["psum"] == 1 + 2 + 3 + 4  # both need the other process's shards
     assert reports[0]["local_shards"] == [1.0, 2.0] and reports[1]["local_shards"] == [3.0, 4.0]
+    for r in reports:
+        # tlt_jax.sharding's host helpers: the whole array from both processes' shards; a process-local value
+        # (a typed key included) put on all 4 devices
+        assert r["to_host"] == [1.0, 2.0, 3.0, 4.0]
+        assert r["to_host_tree"] == {"x": [1.0, 2.0, 3.0, 4.0], "total": 10.0, "host": [1.0, 2.0, 3.0, 4.0]}
+        put = r["put_global"]
+        assert put["w"] == [0.0, 1.0, 2.0] and put["key"] == put["local_key"]
+        assert put["devices"] == put["key_devices"] == 4
+    # BEG-MAB with different measured speeds per process: both learn their mean and play the same arms (alone,
+    # process 0 would have stayed on plain)
+    assert reports[0]["bandit_played"] == reports[1]["bandit_played"]
+    assert reports[0]["bandit_rewards"] == reports[1]["bandit_rewards"]
+    assert set(reports[0]["bandit_rewards"]) == {80.0, 100.0} and reports[0]["bandit_played"][-1] == "3_1_4"
 
 
 @pytest.mark.parametrize("process_id", [1, 0])
@@ -231,27 +244,7 @@ def test_multiprocess_without_launch_variables_is_a_clear_config_error(tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-# ---- two processes equal one: GRPO through `python -m tlt_jax.main` -------------------------------------
-# What still breaks under 2 processes, outside the launch path (found with the workarounds of
-# tests/multiprocess_driver.py, which report every site they cover; line numbers of 2026-11-25's tree).
-BLOCKERS = (
-    "rollout/harvest.py:57,63,77,80 (and :114 with stop strings) and rollout/scheduler.py:195 (and :88 with "
-    "prompt hidden states): np.asarray(jax.device_get(x)) of the batch-sharded DecodeState (done, "
-    "num_generated, cache.lengths, out_tokens, out_logp, out_hidden), a jax.Array that spans the other "
-    "process's devices: RuntimeError 'Fetching value for jax.Array that spans non-addressable devices'; "
-    "needs multihost_utils.process_allgather(x, tiled=True) (one host-fetch helper for all of them)",
-    "rollout/scheduler.py:94 (n-gram SD) and drafter/spot_trainer.py:181 (spot trainer): jax.device_put of "
-    "process-local jax.Arrays (NgramBank.empty's jnp arrays; init_state's params and typed PRNG key) to "
-    "engine.replicated, a sharding over all processes: ValueError 'device_put's second argument must be ... "
-    "addressable devices'; needs the host value (np.asarray, typed keys via key_data + wrap_key_data) or "
-    "creation under jit with out_shardings",
-    "rl/learner.py:104 (base_key = jax.random.key(seed)) and the selector's state and key "
-    "(rollout/beg_mab.py, state_dict): single-device arrays in the checkpoint state: orbax 'Cannot serialize "
-    "host local jax.Array (rng) in multi-host setting' at utils/checkpoint.py:223-225 (Checkpointer.save, "
-    "from Learner.save); needs them replicated over the mesh, or Checkpointer.save making single-device "
-    "leaves global when jax.process_count() > 1",
-)
-BLOCKED = "two processes do not yet run GRPO unaided; blocked by: " + " | ".join(BLOCKERS)
+# ---- two processes equal one: TLT (GRPO and more) through `python -m tlt_jax.main` ----------------------
 # Metrics that depend only on the computation (as tests/test_main.py), and the TLT ones.
 DETERMINISTIC = ("reward/mean", "accuracy", "length/mean", "length/max", "loss/pg", "optim/grad_norm")
 TLT_METRICS = ("spec/verify_rounds", "spec/accept_len", "spot/steps", "spot/drafter_step", "spot/loss")
@@ -260,9 +253,10 @@ TLT_METRICS = ("spec/verify_rounds", "spec/accept_len", "spot/steps", "spot/draf
 # float32 ulps of accumulated rounding.
 RTOL, ATOL = 1e-5, 1e-6
 # TLT on the smoke model: n-gram speculative rollouts, a spot trainer training a fresh EAGLE drafter after
-# each rollout, and the fixed selector (BEG-MAB's rewards are measured wall-clock speeds, different in each
-# process: README, "Several processes / hosts"). idle_devices runs too, but trains nothing here: the smoke
-# model's rows all run to max_new_tokens, so no device goes idle.
+# each rollout, and the fixed selector: BEG-MAB's rewards are measured wall-clock speeds (the processes of one
+# run learn their mean and agree, test_two_processes_see_four_devices_and_agree_on_a_psum; a run on one
+# process measures others, so its choices could differ). idle_devices is not run here: the smoke model's rows
+# all run to max_new_tokens, so no device goes idle (README, "Several processes / hosts").
 TLT = (
     "--config.spot.mode=after_rollout",
     "--config.spot.after_rollout_steps=2",
@@ -330,46 +324,30 @@ def assert_same_runs(one: pathlib.Path, two: pathlib.Path, steps: int, metrics: 
 
 
 def run_one_and_two(
-    tmp_path: pathlib.Path, two_cmd: list[str], *overrides: str, config: str
-) -> tuple[pathlib.Path, pathlib.Path, list[subprocess.CompletedProcess]]:
-    """The run on 1 process x 4 devices, then on 2 processes x 2 devices (`two_cmd` + the main args)."""
+    tmp_path: pathlib.Path, *overrides: str, config: str
+) -> tuple[pathlib.Path, pathlib.Path]:
+    """`python -m tlt_jax.main` on 1 process x 4 devices, then on 2 processes x 2 devices."""
     one, two = tmp_path / "one", tmp_path / "two"
-    cmd = [sys.executable, "-m", "tlt_jax.main", *main_args(one, *overrides, config=config)]
-    single = subprocess.run(cmd, env=clean_env(4), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    ok([single])
-    procs = launch(
-        two_cmd + main_args(two, "--config.multiprocess=True", *overrides, config=config), 2, timeout=600
-    )
-    ok(procs)
-    return one, two, procs
-
-
-@pytest.mark.skip(reason=BLOCKED)
-def test_two_processes_equal_one_grpo(tmp_path) -> None:
-    """2 GRPO steps of the smoke config, plain `python -m tlt_jax.main`: 2 processes x 2 devices vs 1 process
-    x 4 devices (the same mesh, data=4): the same rewards, losses and policy (and optimizer) state."""
-    one, two, _ = run_one_and_two(tmp_path, [sys.executable, "-m", "tlt_jax.main"], config="smoke.py:steps=2")
-    assert_same_runs(one, two, 2, DETERMINISTIC)
-
-
-@pytest.mark.skip(reason=BLOCKED)
-def test_two_processes_equal_one_tlt(tmp_path) -> None:
-    """As above with TLT's features (TLT): also the drafter the spot trainer trained and its optimizer."""
     cmd = [sys.executable, "-m", "tlt_jax.main"]
-    one, two, _ = run_one_and_two(tmp_path, cmd, *TLT, config="smoke.py:steps=2,spec=true")
-    assert_same_runs(one, two, 2, DETERMINISTIC + TLT_METRICS)
+    single = subprocess.run(
+        cmd + main_args(one, *overrides, config=config),
+        env=clean_env(4),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    ok([single])
+    ok(launch(cmd + main_args(two, "--config.multiprocess=True", *overrides, config=config), 2, timeout=600))
+    return one, two
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_tlt_with_workarounds(tmp_path) -> None:
-    """test_two_processes_equal_one_tlt with the three workarounds of tests/multiprocess_driver.py standing in
-    for the fixes BLOCKERS lists: everything else of a 2-process run (launch, global mesh, SPMD programs,
-    n-gram SD, the spot trainer, the selector, orbax's multi-process checkpoint) already equals one process:
-    rewards, losses, SD and spot metrics, the policy, its optimizer, the spot-trained drafter and the rng."""
-    cmd = [sys.executable, str(DRIVER), "main-with-workarounds"]
-    one, two, procs = run_one_and_two(tmp_path, cmd, *TLT, config="smoke.py:steps=2,spec=true")
+def test_two_processes_equal_one(tmp_path) -> None:
+    """2 steps of TLT on the smoke config (GRPO with n-gram SD rollouts and the spot trainer, TLT), plain
+    `python -m tlt_jax.main`: 2 processes x 2 devices vs 1 process x 4 devices (the same mesh, data=4): the
+    same rewards, losses, SD and spot metrics, policy, optimizer, spot-trained drafter and rng."""
+    one, two = run_one_and_two(tmp_path, *TLT, config="smoke.py:steps=2,spec=true")
     assert_same_runs(one, two, 2, DETERMINISTIC + TLT_METRICS)
     rows = read_metrics(two / "metrics.jsonl")
     assert rows[-1]["spot/drafter_step"] > 0 and rows[-1]["spec/verify_rounds"] > 0
-    used = sorted({line for line in procs[0].stderr.splitlines() if line.startswith("WORKAROUND")})
-    print("\n".join(used) or "no workaround was needed: unskip the tests above")

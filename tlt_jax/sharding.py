@@ -141,3 +141,69 @@ def shard_pytree_batch(tree: object, mesh: Mesh, rules: Mapping[str, str | None]
         return NamedSharding(mesh, logical_spec(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh, rules))
 
     return jax.tree_util.tree_map(one, tree)
+
+
+# ---- several processes: moving values between the host and arrays that span every process's devices ------
+def _spans_other_processes(x: object) -> bool:
+    """A jax.Array with shards only other processes hold (replicated arrays have a copy here)."""
+    return isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated)
+
+
+def to_host_tree(tree: object) -> object:
+    """`jax.device_get` that also works with several processes: every array leaf as numpy, the whole array.
+
+    A leaf sharded over other processes' devices (the rollout's batch-sharded decode state on a multi-host
+    mesh, where `np.asarray` fails with "spans non-addressable devices") is gathered from every process with
+    `multihost_utils.process_allgather` (a collective: every process must make the same call). On one process
+    this is `jax.device_get` and nothing else."""
+    from jax.experimental import multihost_utils
+
+    leaves, treedef = jax.tree.flatten(tree)
+    remote = [i for i, x in enumerate(leaves) if _spans_other_processes(x)]
+    local = sorted(set(range(len(leaves))) - set(remote))
+    out: list[object] = list(leaves)
+    for i, v in zip(local, jax.device_get([leaves[i] for i in local]), strict=True):
+        out[i] = np.asarray(v)
+    if remote:
+        gathered = multihost_utils.process_allgather([leaves[i] for i in remote], tiled=True)
+        for i, v in zip(remote, gathered, strict=True):
+            out[i] = np.asarray(v)
+    return jax.tree.unflatten(treedef, out)
+
+
+def to_host(x: object) -> np.ndarray:
+    """One array as numpy, from whichever processes hold it (`to_host_tree`)."""
+    return to_host_tree(x)  # type: ignore[return-value]
+
+
+def put_global(tree: object, sharding: jax.sharding.Sharding, *, may_alias: bool | None = None) -> object:
+    """`jax.device_put(tree, sharding)` that also works when `sharding` spans several processes' devices.
+
+    JAX refuses to put an array that lives on this process's devices (a freshly initialised state, typed PRNG
+    keys included) onto a sharding over every process's devices; each process holds the same value, so its
+    host copy is put instead (typed keys through their key data). Arrays already on the global mesh and host
+    values pass through. On one process (or a sharding this process holds entirely) this is
+    `jax.device_put` and nothing else."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding, may_alias=may_alias)
+
+    def one(x: object) -> object:
+        if not (isinstance(x, jax.Array) and x.is_fully_addressable):
+            return jax.device_put(x, sharding, may_alias=may_alias)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = jax.device_put(np.asarray(jax.random.key_data(x)), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        return jax.device_put(np.asarray(x), sharding)
+
+    return jax.tree.map(one, tree)
+
+
+def process_mean(values: np.ndarray) -> np.ndarray:
+    """The mean over processes of a host array each process measured itself (wall-clock speeds): the same
+    float32 array in every process, so decisions taken from it agree. On one process: the values (float32)."""
+    values = np.asarray(values, np.float32)
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(values), np.float32).mean(axis=0, dtype=np.float32)

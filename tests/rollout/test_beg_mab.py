@@ -442,6 +442,54 @@ def test_policy_api_summary_new_rollout_and_no_recompiles():
     assert (bm._select_jit._cache_size(), bm._update_jit._cache_size()) == sizes
 
 
+def test_policy_learns_the_mean_speed_of_all_processes(monkeypatch):
+    """Several processes (faked: the other one measured 40 tokens/s more and the same acceptance) learn the
+    mean of their measured speeds, so they hold one state and choose one arm; a non-finite speed in any
+    process fails in all of them (no process waits on a collective the others left)."""
+    from jax.experimental import multihost_utils
+
+    cfg = _cfg(algorithm="egreedy", epsilon=0.0)
+    gathered = []
+
+    def allgather(x, tiled=False):  # noqa: ANN001, ANN202
+        gathered.append(np.asarray(x))
+        return np.stack([x, x + np.float32([40.0, 0.0])])
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    policy = bm.BanditPolicy(cfg)
+    policy.observe("plain", 64, 100.0, 0.0)
+    policy.observe("8_4_48", 64, 30.0, 3.5)
+    s = policy.summary()
+    assert s["bandit/b3/plain/reward"] == 120.0 and s["bandit/b3/8_4_48/reward"] == 50.0
+    assert s["bandit/b3/8_4_48/accept"] == 3.5 and len(gathered) == 2
+    with pytest.raises(ValueError, match="finite"):
+        policy.observe("plain", 64, float("inf"), 1.0)
+    monkeypatch.undo()  # one process: the measured values themselves
+    policy.observe("plain", 64, 100.0, 0.0)
+    assert policy.summary()["bandit/b3/plain/reward_mean"] == pytest.approx((120.0 + 100.0) / 2)
+
+
+@pytest.mark.devices(4)
+def test_policy_loads_a_state_replicated_over_a_mesh_onto_this_process():
+    """A multi-process checkpoint restores the selector's leaves replicated over every device
+    (utils/checkpoint.py); loaded, the selector runs on one device again, as a fresh one does."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tlt_jax import sharding as shd
+
+    cfg = _cfg(algorithm="beg_mab")
+    policy = bm.BanditPolicy(cfg, seed=1)
+    _play(policy, 20, seed=0)
+    everywhere = NamedSharding(shd.make_mesh(data=4), P())
+    resumed = bm.BanditPolicy(cfg, seed=5)
+    resumed.load_state_dict(jax.device_put(policy.state_dict(), everywhere))
+    for leaf in jax.tree.leaves(resumed.state_dict()):
+        assert len(leaf.sharding.device_set) == 1
+    assert _play(resumed, 20, seed=1) == _play(policy, 20, seed=1)
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [

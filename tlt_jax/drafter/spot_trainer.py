@@ -41,6 +41,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from tlt_jax import sharding as shd
 from tlt_jax.drafter import trainer as tr
 from tlt_jax.drafter.buffer import DrafterBuffer
 from tlt_jax.drafter.chain import shift_left
@@ -177,8 +178,10 @@ class SpotTrainer(RolloutHooks):
         self.tx, self.loss_cfg = cfg.optimizer(), cfg.loss_config()
         self.trainer = tr.DrafterTrainer(self.tx, self.loss_cfg, seed=cfg.seed)
         # replicated over the engine's mesh, like the target's embedding and head it trains against; a copy
-        # (may_alias=False): the train step donates its state, and the engine may hold the same buffers
-        self.state = jax.device_put(self.trainer.init_state(drafter), engine.replicated, may_alias=False)
+        # (may_alias=False): the train step donates its state, and the engine may hold the same buffers. With
+        # several processes the mesh spans all of them: put_global puts the host copy of this process's fresh
+        # state (equal in every process)
+        self.state = shd.put_global(self.trainer.init_state(drafter), engine.replicated, may_alias=False)
         self.buffer = DrafterBuffer(cfg.buffer_tokens, cfg.window, cfg.context, seed=cfg.seed)
         self.rl_step = 0
         self._probe = jax.jit(topk_hits, static_argnums=(0,))
@@ -266,7 +269,7 @@ class SpotTrainer(RolloutHooks):
             return
         batch, _ = pack_samples(self._fresh, self.cfg.seq_len, self.cfg.eval_samples)  # static shape
         b = to_device(batch)
-        hits = jax.device_get(
+        hits = shd.to_host_tree(
             self._probe(
                 self.trainer.graphdef,
                 self.state.params,
@@ -276,7 +279,7 @@ class SpotTrainer(RolloutHooks):
                 self.engine.draft_vocab,
             )
         )
-        sums = jax.device_get(self._eval(self.state.params, b, self.embed_w, self.head_w))
+        sums = shd.to_host_tree(self._eval(self.state.params, b, self.embed_w, self.head_w))
         if float(hits["count"]) == 0:
             return
         n = float(hits["count"])
@@ -296,7 +299,7 @@ class SpotTrainer(RolloutHooks):
 
     def _record(self, metrics: dict[str, Any]) -> None:
         """Keep one update's normalised metrics (loss, feat_loss, ce, top1_acc, ...)."""
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        m = {k: float(v) for k, v in shd.to_host_tree(metrics).items()}
         self._updates.append(m)
         self.stats["spot/trained_tokens"] += m["num_tokens"]
 
@@ -380,7 +383,7 @@ class SpotTrainer(RolloutHooks):
 
         def on_done(outputs: tuple, seconds: float) -> None:
             self.state, sums, norms = outputs
-            self.last_device_grad_norms = np.asarray(jax.device_get(norms))
+            self.last_device_grad_norms = shd.to_host(norms)  # [D], sharded over the data axis
             self._record(normalize_metrics(sums))
             self._rollout_steps += 1
             self.stats["spot/steps"] += 1
@@ -396,7 +399,7 @@ class SpotTrainer(RolloutHooks):
         return {"state": self.state}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.state = jax.device_put(d["state"], self.engine.replicated, may_alias=False)
+        self.state = shd.put_global(d["state"], self.engine.replicated, may_alias=False)
 
     def on_start(self, info: RolloutInfo) -> None:
         del info

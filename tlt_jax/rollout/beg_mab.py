@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax import sharding as shd
 from tlt_jax.rollout import selector_policies as policies
 from tlt_jax.rollout.selector_config import MAX_RUNNING, SelectorConfig, SelectorState
 
@@ -166,7 +167,14 @@ class BanditPolicy:
         return self.cfg.arms[int(arm)]
 
     def observe(self, arm: str, running: int, tokens_per_second: float, accept_length: float) -> None:
-        """Learn from a finished chunk of `arm` at `running` rows (accept_length: tokens per verify round)."""
+        """Learn from a finished chunk of `arm` at `running` rows (accept_length: tokens per verify round).
+
+        With several processes each measured its own tokens/s (wall clock): every process learns their mean
+        (`sharding.process_mean`, a collective), so all of them hold one state and choose the same arms (a
+        different arm in one process would run another program there: a hang). On one process: the values."""
+        tokens_per_second, accept_length = (
+            float(x) for x in shd.process_mean(np.asarray([tokens_per_second, accept_length]))
+        )
         if not (math.isfinite(tokens_per_second) and math.isfinite(accept_length)) or running < 0:
             raise ValueError(
                 f"observe({arm!r}, running={running}, tokens_per_second={tokens_per_second}, "
@@ -192,9 +200,11 @@ class BanditPolicy:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore from `state_dict()` output (e.g. a `Checkpointer.restore` into a fresh policy's dict)."""
         state = flax.serialization.from_state_dict(init(self.cfg), d["state"])
-        state = jax.tree_util.tree_map(jnp.asarray, state)
+        # through the host: with several processes a restored leaf is replicated over every process's devices
+        # (utils/checkpoint.py); the selector runs on this process's default device, as a fresh one does
+        state = jax.tree_util.tree_map(lambda x: jnp.asarray(shd.to_host(x)), state)
         check_state(self.cfg, state)
-        key = jnp.asarray(d["key"])
+        key = jnp.asarray(shd.to_host(d["key"]))
         chex.assert_trees_all_equal_shapes_and_dtypes(key, self.key)
         self.state, self.key = state, key
 
@@ -202,7 +212,7 @@ class BanditPolicy:
         """Metrics: per bucket and eligible arm the chunks played ("count"), and over the arm's window the
         median reward ("reward", what BEG-MAB ranks by), mean reward and mean accept length (when non-empty);
         sglang adds each bucket's rung and EMA, threshold whether SD is on."""
-        s = jax.device_get(self.state)
+        s = shd.to_host_tree(self.state)
         out: dict[str, float] = {}
         for b in range(self.cfg.num_buckets):
             for a, name in enumerate(self.cfg.arms):

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from tlt_jax import sharding as shd
 from tlt_jax.rollout.harvest import Harvester
 from tlt_jax.rollout.hooks import ChunkView, HookList, RolloutHooks, RolloutInfo, ThresholdPolicy, as_hooks
 from tlt_jax.rollout.interface import EngineLike
@@ -85,13 +86,13 @@ def _prefill(
     jax.block_until_ready(state)
     prompt_hidden = None
     if prompt_h is not None:
-        ph = np.asarray(jax.device_get(prompt_h))
+        ph = shd.to_host(prompt_h)
         prompt_hidden = [ph[i, : len(p)] for i, p in enumerate(prompts)]
     harvest = Harvester(engine, prompts, n, max_new, prompt_hidden, hook)
     seq_ids = np.where(np.arange(state.done.shape[0]) >= num_p * n, -1, np.arange(state.done.shape[0]))
     bank = NgramBank.empty(num_p * n, n, max_new) if engine.needs()[1] else None
     if bank is not None:
-        bank = jax.device_put(bank, engine.replicated)
+        bank = shd.put_global(bank, engine.replicated)
     stats.add_time("prefill", time.perf_counter() - t0)
     max_total = int(max(len(p) for p in prompts)) + max_new
     return _HostLoop(engine, hook, harvest, stats, sampling, dparams, state, seq_ids, bank, max_total)
@@ -192,7 +193,7 @@ class _HostLoop:
         stats.sd_per_step.extend([mode != "plain"] * record.steps)
         stats.seconds_per_step.extend([record.seconds / max(record.steps, 1)] * record.steps)
         stats.chunks.append(record)
-        done_now = np.asarray(jax.device_get(self.state.done)).reshape(d, -1)
+        done_now = shd.to_host(self.state.done).reshape(d, -1)
         live = tuple(int(x) for x in (~done_now).sum(axis=1))
         self.hook.on_chunk(ChunkView(record, live, self.harvest.num_finished))
 
