@@ -301,7 +301,7 @@ class RolloutEngine:
         t0 = time.perf_counter()  # after compiling: the chunk's seconds are its execution only
         result = program(*args)
         out = result if work is None else result[0]  # the fused tick returns (chunk out, drafter work out)
-        fetched = jax.device_get((out.running, out.emitted, out.rows, out.hist))
+        fetched = shd.to_host_tree((out.running, out.emitted, out.rows, out.hist))  # all processes' rows
         dt = time.perf_counter() - t0
         if work is not None:
             work.on_done(result[1], dt)
