@@ -1,17 +1,22 @@
-"""The learner's checkpoint stores the drafter once (in the spot trainer's state when one trains it), still
-reads checkpoints of the older layout that stored it twice, and names the leaves of one that fits neither."""
+"""The learner's checkpoint stores the drafter once (in the spot trainer's state when one trains it) and no
+frozen policy layer, still reads checkpoints of the older layouts, and names the leaves of one that fits
+none; the spot trainer's buffer folders go with their checkpoint steps."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import types
 
 import jax
 import numpy as np
 import pytest
 
 from tlt_jax import config_lib
+from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
 from tlt_jax.rl.learner import Learner
-from tlt_jax.rl.spot import save_buffer
+from tlt_jax.rl.spot import BUFFER_DIR, buffer_dir, save_buffer
+from tlt_jax.utils.checkpoint import Checkpointer, item_bytes
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -69,3 +74,77 @@ def test_drafter_stored_once_and_the_older_layout_still_restores(tmp_path) -> No
     # no spot trainer (and no drafter): the current layout's error names the leaves the target lacks
     with pytest.raises(ValueError, match=r"in the checkpoint but not in the target: drafter/"):
         Learner(spot_config(spot="off"), workdir)
+
+
+def test_frozen_layers_are_not_stored_and_come_back_from_the_model(tmp_path) -> None:
+    """train_layers > 0: the frozen layers are left out of the checkpoint (a fingerprint instead); a resume
+    takes the trained layers from the checkpoint and the frozen ones from its model, and refuses a model whose
+    frozen layers differ from the saved run's."""
+    workdir = str(tmp_path / "run")
+    c = spot_config(spot="off")
+    c.trainer.train_layers = 1  # the top one of the tiny model's 2 layers (the embedding frozen)
+    first = Learner(c, workdir)
+    try:
+        trainer = first.trainer
+        trainer.params = jax.tree.map(lambda t, x: x + 0.5 if t else x, trainer.trainable, trainer.params)
+        want = leaves(trainer.params)
+        full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.params))
+        first.save()
+        layout = first.ckpt.layout(0)
+    finally:
+        first.close()
+    stored = layout["leaves"]
+    assert not any(p.startswith(("params/embed", "params/layers/0/")) for p in stored)
+    assert any(p.startswith("params/layers/1/") for p in stored) and "frozen/embed/value" in stored
+    assert item_bytes(layout)["params"] < full / 2
+    c.seed = 1  # another random model: its frozen layers are not the saved run's
+    with pytest.raises(ValueError, match=r"frozen parameters .* differ from the saved run's at \['embed'\]"):
+        Learner(c, workdir)
+    c.seed = 0
+    second = Learner(c, workdir)
+    try:
+        assert second.step == 0
+        assert_same(second.trainer.params, want)
+        # step 1 in the older layout (every parameter stored, no fingerprint) still restores
+        older = {k: v for k, v in second._state().items() if k != "frozen"}
+        older["params"] = second.trainer.params
+        second.ckpt.save(1, older, {"step": 1, "data_position": 2, "num_steps": 2})
+    finally:
+        second.close()
+    third = Learner(c, workdir)
+    try:
+        assert third.step == 1
+        assert_same(third.trainer.params, want)
+    finally:
+        third.close()
+
+
+def test_spot_buffers_go_with_their_checkpoints_also_after_a_resume(tmp_path) -> None:
+    """A buffer folder is removed once (and only once) retention has removed its checkpoint step."""
+    workdir = str(tmp_path)
+    spot = types.SimpleNamespace(buffer=types.SimpleNamespace(save=lambda d: os.makedirs(d, exist_ok=True)))
+    state = {"w": np.zeros(4, np.float32)}
+
+    def on_disk(ckpt: Checkpointer) -> tuple[list[int], list[int]]:
+        buffers = sorted(int(d) for d in os.listdir(os.path.join(workdir, BUFFER_DIR)))
+        return ckpt.all_steps(), buffers
+
+    def run(steps: range, keep: int) -> list[int]:
+        ckpt = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=keep)
+        try:
+            for step in steps:
+                before = ckpt.all_steps()
+                save_buffer(spot, workdir, step)  # as Learner.save: the buffer, then the checkpoint
+                ckpt.save(step, state)
+                kept, buffers = on_disk(ckpt)
+                assert set(kept) <= set(buffers)  # never a checkpoint without its buffer
+                assert set(buffers) <= {*before, step}  # no buffer of a step deleted before this save
+        finally:
+            ckpt.close()  # waits for the last save, whose retention deletes a step: its buffer goes too
+        kept, buffers = on_disk(ckpt)
+        assert kept == buffers
+        return kept
+
+    assert run(range(1, 6), keep=2) == [4, 5]
+    os.makedirs(buffer_dir(workdir, 6))  # a process killed after the buffer, before its checkpoint
+    assert run(range(6, 8), keep=1) == [7]  # resumed with a smaller retention: step 6 again, then 7

@@ -18,7 +18,15 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tlt_jax.utils.checkpoint import Checkpointer, DrafterCheckpointer, PreemptionGuard, SaveInfo, path_str
+from tlt_jax.utils.checkpoint import (
+    Checkpointer,
+    DrafterCheckpointer,
+    PreemptionGuard,
+    SaveInfo,
+    Unsaved,
+    item_bytes,
+    path_str,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -61,6 +69,24 @@ def test_roundtrip_with_abstract_state_keeps_types_and_typed_keys(tmp_path):
     np.testing.assert_array_equal(
         jax.random.uniform(restored["rng"][0], (3,)), jax.random.uniform(state["rng"][0], (3,))
     )
+
+
+def test_unsaved_leaves_are_not_written_and_come_back_from_the_target(tmp_path):
+    state = _train_state(seed=2)
+    frozen = jnp.arange(6.0).reshape(2, 3)
+    saving = {**state, "params": {**state["params"], "frozen": Unsaved(frozen)}}
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        ckpt.save(1, saving)
+        layout = ckpt.layout()
+        assert "params/frozen" not in layout["leaves"] and "params/w" in layout["leaves"]
+        sizes = item_bytes(layout)
+        assert sizes["params"] == (12 + 3) * 4 and sizes["opt_state"] == 2 * (12 + 3) * 4 + 4
+        assert list(sizes) == ["opt_state", "params", "drafter", "rng"]  # largest first
+        other = frozen + 1.0  # the target's value is what comes back: the caller rebuilds it
+        target = {**saving, "params": {**state["params"], "frozen": Unsaved(other)}}
+        restored, _ = ckpt.restore(abstract_state=target)
+    assert restored["params"]["frozen"] is other
+    _assert_same(restored, {**state, "params": {**state["params"], "frozen": other}})
 
 
 def test_restore_without_target_rewraps_keys_and_returns_plain_tree(tmp_path):

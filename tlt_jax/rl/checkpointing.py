@@ -1,16 +1,23 @@
 """The learner's checkpoint: one tree of arrays per saved step (tlt_jax.utils.checkpoint.Checkpointer).
 
-    params, opt_state   the policy and its AdamW state
+    params, opt_state   the policy's trained parameters and their AdamW state (frozen layers are not stored)
     drafter             the rollout drafter's weights, when no spot trainer trains them (else None)
     spot                the spot trainer's state: the drafter's weights, its optimizer, step and key
     bandit              the strategy selector's state
     rng                 the run's base key (step s uses fold_in(rng, s))
+    frozen              with frozen layers (config.trainer.train_layers > 0): their fingerprint, not them
 
 The drafter is stored once. When a spot trainer runs, its state holds the drafter's weights and the engine
 holds a copy (the one pushed after every step, cast to the engine's drafter weight dtype); on restore the
 engine gets that copy again from the spot trainer's weights, the same cast of the same arrays. Checkpoints
 written before this layout stored both ("drafter" too, with a spot trainer): `restore_state` still reads
 them, and drops the second copy. The step, data position and step count go into the JSON meta.
+
+With config.trainer.train_layers > 0 the embedding, tied head and lower layers never change (no update, no
+optimizer state): they are not stored (`Unsaved`), and a restore keeps the values the resumed run built from
+its model file, the same arrays the uninterrupted run trains beside. "frozen" holds a fingerprint of them
+(per leaf: the sum and the sum of squares) that a restore checks, so a run resumed over a different model file
+stops instead of mixing two models. Checkpoints written before (every parameter stored) still restore.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import logging
 
 from tlt_jax.drafter.spot_trainer import SpotTrainer
@@ -25,9 +34,26 @@ from tlt_jax.rl.selector import selector_state
 from tlt_jax.rl.trainer import PolicyTrainer
 from tlt_jax.rollout.adaptive import AdaptivePolicy
 from tlt_jax.rollout.engine import RolloutEngine
-from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.checkpoint import Checkpointer, Unsaved
 
 CHECKPOINT_DIR = "checkpoints"
+
+
+def _fingerprint(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return jnp.stack([jnp.sum(x), jnp.sum(x * x)])
+
+
+_FINGERPRINT = jax.jit(_fingerprint)
+
+
+def frozen_fingerprint(trainer: PolicyTrainer) -> Any:
+    """Per frozen parameter leaf, [sum, sum of squares] in float32 (None when every parameter trains)."""
+    if all(jax.tree_util.tree_leaves(trainer.trainable)):
+        return None
+    return jax.tree_util.tree_map(
+        lambda t, x: None if t else _FINGERPRINT(x), trainer.trainable, trainer.params
+    )
 
 
 def checkpoint_state(
@@ -38,39 +64,85 @@ def checkpoint_state(
     rng: jax.Array,
 ) -> dict[str, Any]:
     """The tree one checkpoint stores (see the module docstring); also the target a restore fills."""
-    return {
-        "params": trainer.params,
+    state = {
+        "params": jax.tree_util.tree_map(
+            lambda t, x: x if t else Unsaved(x), trainer.trainable, trainer.params
+        ),
         "opt_state": trainer.opt_state,
         "drafter": engine.drafter_params if spot is None else None,
         "spot": None if spot is None else spot.state_dict(),
         "bandit": selector_state(selector),
         "rng": rng,
     }
+    frozen = frozen_fingerprint(trainer)
+    if frozen is not None:
+        state["frozen"] = frozen
+    return state
+
+
+def _older_layouts(like: dict[str, Any], engine: RolloutEngine) -> list[tuple[str, dict[str, Any]]]:
+    """Targets for checkpoints written before this layout: every parameter stored (no "frozen"), and/or the
+    engine's drafter copy stored beside the spot trainer's state."""
+    full = {k: v for k, v in like.items() if k != "frozen"}
+    full["params"] = jax.tree_util.tree_map(
+        lambda x: x.value if isinstance(x, Unsaved) else x,
+        like["params"],
+        is_leaf=lambda x: isinstance(x, Unsaved),
+    )
+    out = []
+    if "frozen" in like:
+        out.append(("every parameter stored", full))
+    if like["spot"] is not None and engine.drafter_params is not None:
+        twice = "the drafter stored twice"
+        out.append((twice, {**like, "drafter": engine.drafter_params}))
+        if "frozen" in like:
+            out.append((f"every parameter stored, {twice}", {**full, "drafter": engine.drafter_params}))
+    return out
+
+
+def _check_frozen(saved: Any, like: Any, where: str) -> None:
+    """The frozen parameters' fingerprint in the checkpoint against the resumed run's."""
+    if like is None:
+        return
+    paths = []
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(like), jax.tree_util.tree_leaves(saved), strict=True
+    ):
+        if not np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6):
+            paths.append(jax.tree_util.keystr(path))
+    if paths:
+        raise ValueError(
+            f"{where}: the frozen parameters (not stored: the run rebuilds them from its model) differ from "
+            f"the saved run's at {', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''}: resume with the "
+            "model file (config.model.path) and config.trainer.train_layers of the run that wrote it."
+        )
 
 
 def restore_state(
     ckpt: Checkpointer, step: int, like: dict[str, Any], engine: RolloutEngine
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Checkpoint `step` in the layout of `like` (`checkpoint_state`'s tree) and its meta. A checkpoint of
-    the older layout (the drafter in "drafter" as well as in the spot trainer's state) is read too, its
-    "drafter" copy dropped; a checkpoint that fits neither raises the current layout's ValueError, which
-    names the leaves that differ."""
+    """Checkpoint `step` in the layout of `like` (`checkpoint_state`'s tree) and its meta, with the frozen
+    parameters (not stored) taken from `like`. Checkpoints of older layouts (every parameter stored; the
+    drafter in "drafter" as well as in the spot trainer's state) are read too, a second drafter copy dropped;
+    a checkpoint that fits none raises the current layout's ValueError, which names the leaves that differ."""
+    where = f"step {step} in {ckpt.directory}"
     try:
-        return ckpt.restore(step, like)
+        state, meta = ckpt.restore(step, like)
     except ValueError as current:
-        if like["spot"] is None or engine.drafter_params is None:
-            raise  # without a spot trainer the layout did not change
-        try:
-            state, meta = ckpt.restore(step, {**like, "drafter": engine.drafter_params})
-        except ValueError:
-            raise current from None
-    logging.warning(
-        "step %d in %s has the older checkpoint layout (the drafter stored twice); read it, and its second "
-        "drafter copy dropped: the next checkpoint stores the drafter once",
-        step,
-        ckpt.directory,
-    )
-    return {**state, "drafter": None}, meta
+        for name, target in _older_layouts(like, engine):
+            try:
+                state, meta = ckpt.restore(step, target)
+            except ValueError:
+                continue
+            logging.warning(
+                "%s has an older checkpoint layout (%s); read it: the next checkpoint has the current one",
+                where,
+                name,
+            )
+            return {**state, "drafter": None} if like["spot"] is not None else state, meta
+        raise current from None
+    _check_frozen(state.pop("frozen", None), like.get("frozen"), where)
+    return state, meta
 
 
 def restore_drafter(engine: RolloutEngine, spot: SpotTrainer | None, saved: Any) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 
 from absl import logging
 from flax import nnx
@@ -20,8 +19,10 @@ from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer
 from tlt_jax.drafter.trainer import TRAIN_STATE_DIR
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
+from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
 from tlt_jax.rl.speculation import ResolvedDrafter
 from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.utils.checkpoint import follow_steps, prune_steps
 
 BUFFER_DIR = "spot_buffer"  # the spot trainer's data buffer, one folder per checkpointed step
 
@@ -74,11 +75,19 @@ def buffer_dir(workdir: str, step: int) -> str:
     return os.path.join(workdir, BUFFER_DIR, str(step))
 
 
-def save_buffer(spot: SpotTrainer, workdir: str, step: int, keep: int) -> None:
+def save_buffer(spot: SpotTrainer, workdir: str, step: int, keep: int | None = None) -> None:
     """Write the data buffer of checkpoint `step` (synchronously: every complete checkpoint has its buffer)
-    and delete all but the newest `keep + 1` buffers: the `keep` checkpoints orbax keeps, plus the oldest,
-    which it deletes only once this step's asynchronous save is complete."""
+    and remove the buffers whose checkpoint retention has removed (`prune_buffers`); the checkpointer of
+    `<workdir>/checkpoints` removes the rest when it closes (`follow_steps`). `keep` is unused: the
+    checkpoints on disk decide (kept for callers that pass config.keep_checkpoints)."""
+    del keep
     spot.buffer.save(buffer_dir(workdir, step))
-    steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, BUFFER_DIR)) if d.isdigit())
-    for old in steps[: -keep - 1]:
-        shutil.rmtree(buffer_dir(workdir, old), ignore_errors=True)
+    follow_steps(os.path.join(workdir, CHECKPOINT_DIR), os.path.join(workdir, BUFFER_DIR))
+    prune_buffers(workdir, keep_step=step)
+
+
+def prune_buffers(workdir: str, keep_step: int | None = None) -> list[int]:
+    """Remove every buffer folder whose checkpoint step is gone from `<workdir>/checkpoints` (deleted by
+    retention, or never finalised by a process killed mid-save), except `keep_step` (the one whose
+    checkpoint is about to be written); returns the steps removed (`tlt_jax.utils.checkpoint.prune_steps`)."""
+    return prune_steps(os.path.join(workdir, CHECKPOINT_DIR), os.path.join(workdir, BUFFER_DIR), keep_step)

@@ -10,6 +10,9 @@ Typed PRNG keys (`jax.random.key`) cannot be serialised by orbax: `save` stores 
 and records the key implementation in `layout`; `restore` rewraps them with `jax.random.wrap_key_data`, so a
 typed key round-trips as a typed key (raw uint32 keys are ordinary arrays and round-trip as such).
 
+A leaf wrapped in `Unsaved` is not written: restoring into a target gives back the target's own value there
+(the learner's frozen policy layers, which the run rebuilds from its model file). `item_bytes` sizes a step.
+
 Crash safety comes from orbax: a step is written into `<step>.orbax-checkpoint-tmp` and renamed to `<step>`
 only once complete, so a process killed mid-save leaves the previous step restorable; half-written temporary
 directories are ignored, and removed when the next `Checkpointer` opens the directory (synchronously, by
@@ -38,6 +41,34 @@ PyTree = Any
 _LAYOUT_VERSION = 1
 # Leaves whose path has one of these components are the target's embedding / LM head that the drafter shares.
 DEFAULT_SHARED_NAMES = ("embed", "embedding", "embed_tokens", "lm_head", "tok_embeddings")
+
+
+class Unsaved:
+    """A state leaf the checkpoint does not store (a pytree leaf; orbax sees None there): `restore` with a
+    target puts the target's `value` back, so the caller must rebuild the same value before restoring."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def _is_unsaved(x: Any) -> bool:
+    return isinstance(x, Unsaved)
+
+
+def _drop_unsaved(tree: PyTree) -> PyTree:
+    """`tree` with its Unsaved leaves replaced by None (an empty node: no leaf, no layout entry)."""
+    return jax.tree_util.tree_map(lambda x: None if _is_unsaved(x) else x, tree, is_leaf=_is_unsaved)
+
+
+def _put_back_unsaved(target: PyTree, restored: PyTree) -> PyTree:
+    """`restored` (None where `target` has an Unsaved leaf) with the target's values put back there."""
+    if not any(_is_unsaved(x) for x in jax.tree_util.tree_leaves(target, is_leaf=_is_unsaved)):
+        return restored
+    none_or_unsaved = lambda x: x is None or _is_unsaved(x)  # noqa: E731
+    flat_t, treedef = jax.tree_util.tree_flatten(target, is_leaf=none_or_unsaved)
+    flat_r = treedef.flatten_up_to(restored)
+    leaves = [t.value if _is_unsaved(t) else r for t, r in zip(flat_t, flat_r, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +243,41 @@ def _remove_half_written_steps(directory: str) -> None:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
+# checkpoint directory -> folders of per-step subfolders that follow its retention (`follow_steps`)
+_FOLLOWERS: dict[str, set[str]] = {}
+
+
+def follow_steps(directory: str | os.PathLike, root: str | os.PathLike) -> None:
+    """Register `root`, a folder of per-step subfolders (`<root>/<step>`, e.g. a data buffer saved beside
+    each checkpoint) that follows the retention of the checkpoints in `directory`: a `Checkpointer` of
+    `directory` removes, when it closes, every subfolder whose step it no longer holds (`prune_steps`)."""
+    _FOLLOWERS.setdefault(os.path.abspath(os.fspath(directory)), set()).add(os.path.abspath(os.fspath(root)))
+
+
+def prune_steps(
+    directory: str | os.PathLike, root: str | os.PathLike, keep_step: int | None = None
+) -> list[int]:
+    """Remove the `<root>/<step>` folders whose checkpoint step is gone from `directory` (deleted by
+    retention, or never finalised by a process killed mid-save), except `keep_step`; returns their steps.
+
+    A folder goes only once its checkpoint has: orbax deletes the oldest step after the next save is
+    finalised (in the background), so while a save is in flight the step it will delete keeps its folder
+    (removed by the next call). A step being written (`<step>.orbax-checkpoint-tmp*`) keeps its folder.
+    Process 0 only."""
+    root = os.fspath(root)
+    if jax.process_index() != 0 or not os.path.isdir(root):
+        return []
+    directory = os.fspath(directory)
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    have = {int(n.split(".", 1)[0]) for n in names if n.split(".", 1)[0].isdigit()}
+    if keep_step is not None:
+        have.add(int(keep_step))
+    removed = sorted(int(d) for d in os.listdir(root) if d.isdigit() and int(d) not in have)
+    for step in removed:
+        shutil.rmtree(os.path.join(root, str(step)), ignore_errors=True)
+    return removed
+
+
 class Checkpointer:
     """Saves and restores the training state (arrays) plus JSON metadata; keeps the last `max_to_keep` steps.
 
@@ -241,7 +307,7 @@ class Checkpointer:
         (the step is not newer than the latest saved one).
         """
         meta_json = _to_json(meta)
-        encoded, layout = _encode(state)
+        encoded, layout = _encode(_drop_unsaved(state))
         t0 = time.perf_counter()
         saved = self._mngr.save(
             int(step),
@@ -294,10 +360,12 @@ class Checkpointer:
         if abstract_state is None:
             target, wrap = None, dict(layout.get("prng_keys", {}))
         else:
-            target, wrap = _abstract(abstract_state, layout, where)
+            target, wrap = _abstract(_drop_unsaved(abstract_state), layout, where)
             _check_layout(target, layout, where)
         restored = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         state = restored["state"]
+        if abstract_state is not None:
+            state = _put_back_unsaved(abstract_state, state)
         if wrap:
             state = jax.tree_util.tree_map_with_path(
                 lambda p, x: (
@@ -307,6 +375,14 @@ class Checkpointer:
             )
         return state, meta
 
+    def layout(self, step: int | None = None) -> dict[str, Any]:
+        """The saved layout of `step` (default: the latest): {"leaves": {path: {"shape", "dtype"}}, ...}."""
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no finalised checkpoint in {self.directory}")
+        step = steps[-1] if step is None else int(step)
+        return self._mngr.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
+
     def wait(self) -> float:
         """Block until pending async saves are written; returns the seconds waited."""
         t0 = time.perf_counter()
@@ -314,14 +390,35 @@ class Checkpointer:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        """Wait for pending saves and release orbax's resources."""
+        """Wait for pending saves, release orbax's resources, and remove the per-step folders registered
+        with `follow_steps` whose checkpoint retention has deleted."""
         self._mngr.close()
+        for root in sorted(_FOLLOWERS.get(self.directory, ())):
+            prune_steps(self.directory, root)
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def leaf_bytes(layout: dict[str, Any]) -> dict[str, int]:
+    """Bytes of every saved leaf (shape x dtype size, before orbax's compression), by path."""
+    return {
+        p: int(np.prod(v["shape"], dtype=np.int64)) * np.dtype(v["dtype"]).itemsize
+        for p, v in layout["leaves"].items()
+    }
+
+
+def item_bytes(layout: dict[str, Any], depth: int = 1) -> dict[str, int]:
+    """Bytes per item of a saved step: leaf sizes summed by the first `depth` path components (depth 1:
+    the top-level items, e.g. params / opt_state / spot / rng), largest first."""
+    out: dict[str, int] = {}
+    for p, n in leaf_bytes(layout).items():
+        key = "/".join(p.split("/")[:depth])
+        out[key] = out.get(key, 0) + n
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 class DrafterCheckpointer:
