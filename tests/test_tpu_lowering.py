@@ -13,10 +13,12 @@ devices, drafter micro-steps on idle ones) needs a mesh without a model axis, so
 
 Attention: "reference" (jnp) and "pallas_tpu" (the Mosaic kernel `tree_attention(impl="auto")` picks on a
 TPU). Off a TPU the engine runs the Mosaic kernel in Pallas's interpreter, so the Pallas variant is traced
-as on a TPU backend (`tree_attention._on_tpu` patched, in-memory traces cleared around it) and must contain
-a `tpu_custom_call`. Finding (xfail, strict): the Mosaic kernel inside the GSPMD-partitioned prefill and
-chunk programs does not lower on any mesh of more than one device ("Mosaic kernels cannot be automatically
-partitioned. Please wrap the call in a shard_map."); inside the tick's `shard_map` it does.
+as on a TPU backend (`tree_attention._on_tpu` patched, in-memory traces cleared around it). Inside the tick's
+`shard_map` the kernel is a `tpu_custom_call`; in the automatically partitioned prefill and chunk programs it
+sits behind its partitioning rule (`kernels/tree_attention_sharding.py`: a `CustomSPMDPartitioning` call
+whose per-device body, the Mosaic kernel on its rows and heads, XLA's partitioner asks JAX for when it
+compiles); without that rule Mosaic refused to lower there ("Mosaic kernels cannot be automatically
+partitioned").
 """
 
 from __future__ import annotations
@@ -49,14 +51,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 STRATEGIES = ["3_1_4", "2_2_4", "ngram_3_1_4"]  # EAGLE chain, EAGLE tree, n-gram chain
 ROWS, PROMPTS, PROMPT_LEN, RESPONSE_LEN = 4, 2, 8, 16
 _CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @([\w.$-]+)")
-_TPU_OK = {"tpu_custom_call", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
-MOSAIC_UNPARTITIONED = (
-    "defect: with attn_impl='pallas_tpu' (what 'auto' picks on a TPU) the Mosaic tree-attention kernel "
-    "sits in the GSPMD-partitioned prefill and chunk programs, and lowering for a TPU on any mesh of more "
-    "than one device fails: NotImplementedError 'Mosaic kernels cannot be automatically partitioned. "
-    "Please wrap the call in a shard_map.' (jax/_src/tpu_custom_call.py); tlt_jax/models/llama.py calls "
-    "tree_attention without a shard_map. The spot trainer's tick (already in shard_map) lowers."
-)
+# CustomSPMDPartitioning: jax's custom_partitioning, expanded by the SPMD partitioner on any backend
+_TPU_OK = {
+    "tpu_custom_call",
+    "CustomSPMDPartitioning",
+    "Sharding",
+    "SPMDFullToShardShape",
+    "SPMDShardToFullShape",
+}
 
 
 def smoke(attn_impl: str, data: int, model: int) -> dict[str, Any]:
@@ -115,12 +117,14 @@ def rollout_programs(s: dict[str, Any], lower: TpuLowering) -> None:
         lower(("chunk", mode), s["engine"]._chunk_fn(prog), args, (2, 4))
 
 
-def check_texts(texts: dict[tuple, str], mosaic: bool) -> None:
-    """No custom call a TPU lacks (CPU FFI kernels, host callbacks); the Mosaic kernel iff `mosaic`."""
+def check_texts(texts: dict[tuple, str], kernel: str | None) -> None:
+    """No custom call a TPU lacks (CPU FFI kernels, host callbacks); the attention kernel's call (`kernel`:
+    "tpu_custom_call" in a shard_map, "CustomSPMDPartitioning" behind its partitioning rule) iff given."""
     for key, text in texts.items():
         targets = set(_CUSTOM_CALL.findall(text))
         assert targets <= _TPU_OK, f"{key}: custom calls a TPU cannot run: {sorted(targets - _TPU_OK)}"
-        assert ("tpu_custom_call" in targets) == mosaic, f"{key}: custom calls {sorted(targets)}"
+        kernels = targets & {"tpu_custom_call", "CustomSPMDPartitioning"}
+        assert kernels == ({kernel} if kernel else set()), f"{key}: custom calls {sorted(targets)}"
 
 
 @pytest.fixture
@@ -161,16 +165,16 @@ def test_rl_step_programs_lower_for_tpu(lower: TpuLowering) -> None:
         "update_apply",
         "drafter_step",
     }
-    check_texts(lower.texts, mosaic=False)
+    check_texts(lower.texts, None)
 
 
 @pytest.mark.devices(4)
-@pytest.mark.xfail(raises=NotImplementedError, strict=True, reason=MOSAIC_UNPARTITIONED)
 def test_rollout_programs_with_the_mosaic_kernel_lower_for_tpu(as_on_tpu: Any, lower: TpuLowering) -> None:
-    """The prefill and chunks of the 2 x 2 mesh with the Mosaic tree-attention kernel."""
+    """The prefill and chunks of the 2 x 2 mesh with the Mosaic tree-attention kernel behind its
+    partitioning rule (each device: its rows and heads)."""
     s = smoke("pallas_tpu", 2, 2)
     rollout_programs(s, lower)
-    check_texts(lower.texts, mosaic=True)
+    check_texts(lower.texts, "CustomSPMDPartitioning")
 
 
 def spot_tick(s: dict[str, Any], lower: TpuLowering, mode: str) -> None:
@@ -202,7 +206,7 @@ def test_spot_tick_lowers_for_tpu(lower: TpuLowering) -> None:
     for mode in ("plain", STRATEGIES[0]):
         spot_tick(s, lower, mode)
     assert len(lower.texts) == 2
-    check_texts(lower.texts, mosaic=False)
+    check_texts(lower.texts, None)
 
 
 @pytest.mark.devices(4)
@@ -210,4 +214,4 @@ def test_spot_tick_with_the_mosaic_kernel_lowers_for_tpu(as_on_tpu: Any, lower: 
     """The EAGLE-chain tick with the Mosaic kernel: in the tick's shard_map it lowers to a tpu_custom_call."""
     s = smoke("pallas_tpu", 4, 1)
     spot_tick(s, lower, STRATEGIES[0])
-    check_texts(lower.texts, mosaic=True)
+    check_texts(lower.texts, "tpu_custom_call")

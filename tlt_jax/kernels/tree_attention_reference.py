@@ -16,6 +16,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.kernels.tree_attention_sharding import partitioned
+
 _Arrays5 = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
 
@@ -74,7 +76,15 @@ def check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, t
 
 def with_reference_grad(forward: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """`forward(q, k, v, lengths, tree_mask, block_sizes, interpret)` with a VJP that recomputes the same
-    math through `tree_attention_reference` (exact gradients for a forward-only kernel)."""
+    math through `tree_attention_reference` (exact gradients for a forward-only kernel), and split over a
+    device mesh by rows and heads (`tree_attention_sharding.partitioned`, inside the VJP: there is no
+    differentiation rule for `custom_partitioning`)."""
+
+    def sharded(*args: Any) -> jax.Array:
+        *arrays, block_sizes, interpret = args
+        if not isinstance(interpret, bool):  # the TPU interpreter (host callbacks) runs as one device
+            return forward(*args)
+        return partitioned(lambda *a: forward(*a, block_sizes, interpret))(*arrays)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
     def with_grad(
@@ -86,10 +96,10 @@ def with_reference_grad(forward: Callable[..., jax.Array]) -> Callable[..., jax.
         block_sizes: Any,
         interpret: Any,
     ) -> jax.Array:
-        return forward(q, k, v, lengths, tree_mask, block_sizes, interpret)
+        return sharded(q, k, v, lengths, tree_mask, block_sizes, interpret)
 
     def fwd(*args: Any) -> tuple[jax.Array, _Arrays5]:
-        return forward(*args), args[:5]
+        return sharded(*args), args[:5]
 
     def bwd(
         block_sizes: Any, interpret: Any, res: _Arrays5, g_out: jax.Array
