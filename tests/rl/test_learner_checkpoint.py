@@ -15,7 +15,7 @@ import pytest
 from tlt_jax import config_lib
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
 from tlt_jax.rl.learner import Learner
-from tlt_jax.rl.spot import BUFFER_DIR, buffer_dir, save_buffer
+from tlt_jax.rl.spot import BUFFER_DIR, buffer_dir, buffer_root, save_buffer
 from tlt_jax.utils.checkpoint import Checkpointer, item_bytes
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
@@ -58,7 +58,7 @@ def test_drafter_stored_once_and_the_older_layout_still_restores(tmp_path) -> No
         saved, _ = first.ckpt.restore(0)
         assert not jax.tree.leaves(saved.get("drafter")) and jax.tree.leaves(saved["spot"])
         # step 1 in the older layout: the engine's drafter copy stored beside the spot trainer's state
-        save_buffer(spot, workdir, 1, keep=3)
+        save_buffer(spot, workdir, 1)
         older = {**first._state(), "drafter": engine.drafter_params}
         first.ckpt.save(1, older, {"step": 1, "data_position": 2, "num_steps": 2})
         want_spot, want_engine = leaves(spot.state), leaves(engine.drafter_params)
@@ -130,7 +130,9 @@ def test_spot_buffers_go_with_their_checkpoints_also_after_a_resume(tmp_path) ->
         return ckpt.all_steps(), buffers
 
     def run(steps: range, keep: int) -> list[int]:
-        ckpt = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=keep)
+        ckpt = Checkpointer(
+            os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=keep, followers=(buffer_root(workdir),)
+        )
         try:
             for step in steps:
                 before = ckpt.all_steps()

@@ -42,6 +42,7 @@ from tlt_jax.rl.selector import build_selector, load_selector_state, selector_me
 from tlt_jax.rl.speculation import RolloutMonitor, announced_drafter
 from tlt_jax.rl.spot import (
     buffer_dir,
+    buffer_root,
     build_spot,
     engine_drafter,
     push_drafter,
@@ -52,7 +53,8 @@ from tlt_jax.rl.update import old_logprobs, update_policy
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, make_task
 from tlt_jax.utils import compile_stats
-from tlt_jax.utils.checkpoint import Checkpointer, PreemptionGuard
+from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.preemption import PreemptionGuard
 
 
 class Learner:
@@ -101,7 +103,9 @@ class Learner:
         self.base_key = jax.random.key(int(config.seed))
         self.step, self.data_position = 0, 0
         self.ckpt = Checkpointer(
-            os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=int(config.keep_checkpoints)
+            os.path.join(workdir, CHECKPOINT_DIR),
+            max_to_keep=int(config.keep_checkpoints),
+            followers=(buffer_root(workdir),) if self.spot is not None else (),
         )
         self._restore()
         self.trackers = open_outputs(config, workdir, self.step, self.is_main)
@@ -131,7 +135,7 @@ class Learner:
         """Checkpoint the state after `self.step` completed steps (async; waited for at exit). The spot
         trainer's data buffer is written first (synchronously): every complete checkpoint has its buffer."""
         if self.spot is not None and self.is_main:
-            save_buffer(self.spot, self.workdir, self.step, int(self.config.keep_checkpoints))
+            save_buffer(self.spot, self.workdir, self.step)
         meta = {
             "step": self.step,
             "data_position": self.data_position,

@@ -22,7 +22,7 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
 from tlt_jax.rl.speculation import ResolvedDrafter
 from tlt_jax.rollout.engine import RolloutEngine
-from tlt_jax.utils.checkpoint import follow_steps, prune_steps
+from tlt_jax.utils.checkpoint import prune_steps
 
 BUFFER_DIR = "spot_buffer"  # the spot trainer's data buffer, one folder per checkpointed step
 
@@ -75,15 +75,17 @@ def buffer_dir(workdir: str, step: int) -> str:
     return os.path.join(workdir, BUFFER_DIR, str(step))
 
 
-def save_buffer(spot: SpotTrainer, workdir: str, step: int, keep: int | None = None) -> None:
+def save_buffer(spot: SpotTrainer, workdir: str, step: int) -> None:
     """Write the data buffer of checkpoint `step` (synchronously: every complete checkpoint has its buffer)
     and remove the buffers whose checkpoint retention has removed (`prune_buffers`); the checkpointer of
-    `<workdir>/checkpoints` removes the rest when it closes (`follow_steps`). `keep` is unused: the
-    checkpoints on disk decide (kept for callers that pass config.keep_checkpoints)."""
-    del keep
+    `<workdir>/checkpoints` removes the rest when it closes (its `followers`: `buffer_root`)."""
     spot.buffer.save(buffer_dir(workdir, step))
-    follow_steps(os.path.join(workdir, CHECKPOINT_DIR), os.path.join(workdir, BUFFER_DIR))
     prune_buffers(workdir, keep_step=step)
+
+
+def buffer_root(workdir: str) -> str:
+    """The folder of every step's data buffer (a `Checkpointer` follower: pruned with its retention)."""
+    return os.path.join(workdir, BUFFER_DIR)
 
 
 def prune_buffers(workdir: str, keep_step: int | None = None) -> list[int]:

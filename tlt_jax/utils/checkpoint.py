@@ -1,4 +1,4 @@
-"""Orbax checkpoints for the RL loop, selective drafter checkpoints, and a preemption guard.
+"""Orbax checkpoints for the RL loop and selective drafter checkpoints (the preemption guard: `preemption`).
 
 One checkpoint step is a directory with three orbax items:
 - `state`: the array pytree (policy params, optimizer state, drafter params or None, rng key, ...),
@@ -26,8 +26,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -243,17 +241,6 @@ def _remove_half_written_steps(directory: str) -> None:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
-# checkpoint directory -> folders of per-step subfolders that follow its retention (`follow_steps`)
-_FOLLOWERS: dict[str, set[str]] = {}
-
-
-def follow_steps(directory: str | os.PathLike, root: str | os.PathLike) -> None:
-    """Register `root`, a folder of per-step subfolders (`<root>/<step>`, e.g. a data buffer saved beside
-    each checkpoint) that follows the retention of the checkpoints in `directory`: a `Checkpointer` of
-    `directory` removes, when it closes, every subfolder whose step it no longer holds (`prune_steps`)."""
-    _FOLLOWERS.setdefault(os.path.abspath(os.fspath(directory)), set()).add(os.path.abspath(os.fspath(root)))
-
-
 def prune_steps(
     directory: str | os.PathLike, root: str | os.PathLike, keep_step: int | None = None
 ) -> list[int]:
@@ -285,8 +272,17 @@ class Checkpointer:
     its arrays) and the write finishes in a background thread; `wait()` joins it, `close()` waits and frees.
     """
 
-    def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, async_save: bool = True):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+        followers: Sequence[str | os.PathLike] = (),
+    ):
         self.directory = os.path.abspath(os.fspath(directory))
+        # folders of per-step subfolders (`<root>/<step>`, e.g. a data buffer saved beside each checkpoint)
+        # that follow these checkpoints' retention: `close` removes those whose step is gone (`prune_steps`)
+        self.followers = tuple(os.path.abspath(os.fspath(r)) for r in followers)
         _remove_half_written_steps(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
@@ -390,10 +386,10 @@ class Checkpointer:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        """Wait for pending saves, release orbax's resources, and remove the per-step folders registered
-        with `follow_steps` whose checkpoint retention has deleted."""
+        """Wait for pending saves, release orbax's resources, and remove the followers' per-step folders
+        whose checkpoint retention has deleted."""
         self._mngr.close()
-        for root in sorted(_FOLLOWERS.get(self.directory, ())):
+        for root in self.followers:
             prune_steps(self.directory, root)
 
     def __enter__(self) -> Checkpointer:
@@ -509,43 +505,3 @@ class DrafterCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class PreemptionGuard:
-    """Context manager turning SIGTERM/SIGINT into a flag, so the loop can checkpoint and exit cleanly.
-
-    Inside the context the signals set `should_stop` (and `received`) instead of killing the process; a
-    second SIGINT raises KeyboardInterrupt (an escape hatch at the terminal). The previous handlers come
-    back on exit. Must be entered from the main thread (a Python rule for signal handlers). Multi-host runs
-    must also agree on the stop step (e.g. `jax.experimental.multihost_utils.reached_preemption_sync_point`).
-    """
-
-    def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)):
-        self._signals = tuple(signals)
-        self._previous: dict[int, Any] = {}
-        self.received: signal.Signals | None = None
-
-    @property
-    def should_stop(self) -> bool:
-        """True once one of the guarded signals arrived."""
-        return self.received is not None
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if signum == signal.SIGINT and self.received == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum)
-        logging.warning("received %s: stopping after the current step", self.received.name)
-
-    def __enter__(self) -> PreemptionGuard:
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError(
-                "PreemptionGuard must be entered from the main thread (signal handlers live there)."
-            )
-        for s in self._signals:
-            self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous.clear()
