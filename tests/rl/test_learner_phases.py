@@ -20,12 +20,13 @@ from tlt_jax.rl.metrics import (
 )
 from tlt_jax.rl.plan import StepPlan
 from tlt_jax.rl.reward import Scores, score_rollout
+from tlt_jax.rl.trainer import OptimConfig
 from tlt_jax.rl.update import UpdateResult, old_logprobs, update_policy
 from tlt_jax.rollout.types import Rollout, RolloutStats
 from tlt_jax.tasks import Problem, RewardResult
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
-PLAN = StepPlan(prompts=2, group=4, seq_bucket=4, max_response=6, lr=0.1, warmup_steps=3)
+PLAN = StepPlan(prompts=2, group=4, seq_bucket=4, max_response=6, optim=OptimConfig(lr=0.1, warmup_steps=3))
 
 
 def rollout(lengths=(3, 1, 6, 2, 4, 4, 1, 5), finish=None) -> Rollout:

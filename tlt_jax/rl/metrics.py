@@ -18,6 +18,7 @@ import numpy as np
 from tlt_jax.rl.advantages import Advantages
 from tlt_jax.rl.plan import StepPlan
 from tlt_jax.rl.reward import Scores
+from tlt_jax.rl.trainer import lr_schedule
 from tlt_jax.rl.update import UpdateResult
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.types import Rollout
@@ -52,8 +53,9 @@ def length_metrics(lengths: np.ndarray) -> dict[str, float]:
 
 
 def scheduled_lr(plan: StepPlan, step: int) -> float:
-    """The policy's learning rate at the end of `step` (linear warm-up over optimizer steps)."""
-    return plan.lr * min(1.0, step * plan.mini_batches / (plan.warmup_steps + 1))
+    """The policy's learning rate at the end of `step`: the trainer's schedule at the step's last optimizer
+    update (`mini_batches` updates per step)."""
+    return float(lr_schedule(plan.optim)(step * plan.mini_batches - 1))
 
 
 def learning_metrics(

@@ -10,6 +10,9 @@ import dataclasses
 
 import ml_collections
 
+from tlt_jax.rl.config import optim_config_from
+from tlt_jax.rl.trainer import OptimConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
@@ -25,8 +28,7 @@ class StepPlan:
     loss_agg: str = "seq_mean_token_mean"
     seq_bucket: int = 16  # trainer columns are rounded up to multiples of this
     max_response: int | None = None  # the rollout's max_new_tokens (the widest response column count)
-    lr: float = 0.0  # peak policy learning rate (for the optim/lr metric)
-    warmup_steps: int = 0
+    optim: OptimConfig = OptimConfig()  # the policy optimizer's settings (its schedule: the optim/lr metric)
 
     @property
     def rows(self) -> int:
@@ -51,6 +53,5 @@ class StepPlan:
             loss_agg=rl.loss_agg,
             seq_bucket=int(config.trainer.seq_bucket),
             max_response=int(config.rollout.max_new_tokens),
-            lr=float(rl.lr),
-            warmup_steps=int(rl.warmup_steps),
+            optim=optim_config_from(config),
         )
