@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-	$(PIP) install -q -e ".[dev,parity]" 2>&1 | grep -v "is ignored" || true
+	PYTHONWARNINGS=ignore::UserWarning $(PIP) install -q -e ".[dev,parity]" 2>&1 | grep -v "is ignored" || true
 	$(PY) -c "import jax, flax, optax, orbax.checkpoint, chex, ml_collections, gguf, tokenizers, torch, transformers"
 	@touch $@
 
@@ -51,16 +51,18 @@ warmup: setup
 	$(PY) -m tlt_jax.main --config configs/drafter_warmup.py:tlt --workdir workdirs/drafter_tlt
 
 # pytest exit code 5 means no test was collected: that is a broken suite, not a pass. Two xdist workers
-# (TEST_WORKERS): most test time is single-threaded XLA compilation, so two processes use both cores.
+# (TEST_WORKERS): most test time is single-threaded XLA compilation, so two processes use both cores. The
+# summary lists skipped tests with their reasons (-rs) and the 10 slowest (--durations).
+PYTEST_SUMMARY := -rs --durations=10 --durations-min=1
 test: setup
-	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not experiments" \
-	  $(PYTEST_ARGS) tests; rc=$$?; \
+	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_SUMMARY) \
+	  -m "not experiments" $(PYTEST_ARGS) tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5); failing."; exit 1; fi; exit $$rc
 
 # The experiment scripts' smoke runs (subprocesses compiling SmolLM2 programs: 348 s of test time, measured). They
 # check the scripts, not the system, so CI's `make test` leaves them out; run them before changing a script.
 test-experiments: setup
-	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q -n $(TEST_WORKERS) -m experiments \
+	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_SUMMARY) -m experiments \
 	  $(PYTEST_ARGS) tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-experiments: pytest collected no tests (exit 5); failing."; exit 1; fi; \
 	exit $$rc

@@ -116,7 +116,7 @@ def test_default_config_validates_and_shrinks(smollm_gguf_path) -> None:
     assert load_config("default", "seed=3").task.seed == 3
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_7b", "qwen2_5_32b"])
+@pytest.mark.parametrize("name", ["qwen2_5_7b", "qwen2_5_7b_tpu", "qwen2_5_32b"])
 def test_cluster_configs_validate_without_weights(name: str) -> None:
     c = load_config(name)
     with pytest.raises(ValueError, match="set exactly one of config.model.path"):

@@ -4,6 +4,7 @@ paper's bucketed layout (which program groups each batch bucket compiles), and a
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -118,3 +119,37 @@ def test_memory_plans_quick_smoke(tmp_path: pathlib.Path) -> None:
     assert res["fits_7b"] in ("0", "1", "uncertain")
     assert "mesh {'data': 2, 'model': 4}" in proc.stdout and "resident per device" in proc.stdout
     assert (tmp_path / "memory_plans.png").stat().st_size > 0
+
+
+def test_tpu_slices_hold_the_7b_trainer_state() -> None:
+    """configs/qwen2_5_7b_tpu.py: each slice's mesh holds the resident state (engine weights, float32
+    masters, AdamW moments, reference, spot drafter state; abstract shapes, exact) in under 3/4 of a chip's
+    HBM, the numbers its docstring states; a v5e-8 is refused because no mesh of 8 chips x 16 GiB holds it."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from experiments.memory_plan_programs import resident
+    from tlt_jax import config_lib
+    from tlt_jax.models.build import model_config_from
+
+    path = ROOT / "configs" / "qwen2_5_7b_tpu.py"
+    spec = importlib.util.spec_from_file_location("tpu_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def gib(c, data: int, model: int) -> float:
+        am = AbstractMesh((data, model), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+        r = resident(c, model_config_from(c), am)
+        return sum(v for k, v in r.items() if k != "engine_rest") / 2**30
+
+    for name, s in module.SLICES.items():
+        c = config_lib.load_config_file(path, f"slice={name}")
+        c.model.init = "random"
+        assert c.mesh.data * c.mesh.model == s["devices"] and c.rollout.attn_impl == "pallas_tpu"
+        assert gib(c, c.mesh.data, c.mesh.model) < 0.75 * s["hbm_gib"], name
+    assert round(gib(config_lib.load_config_file(path, "slice=v5p-8"), 1, 4), 1) == 30.0
+    c = config_lib.load_config_file(path, "slice=v5e-16")
+    assert round(gib(c, 4, 4), 1) == 11.4
+    c.trainer.fsdp = True  # v5e-8: every 8-chip mesh the heads allow (model 1, 2, 4), trainer state sharded
+    assert min(gib(c, 8 // m, m) for m in (1, 2, 4)) > 16.0
+    with pytest.raises(ValueError, match="v5e-8.*17.6 GiB per chip"):
+        config_lib.load_config_file(path, "slice=v5e-8")

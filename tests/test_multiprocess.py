@@ -107,6 +107,20 @@ def test_resolve_errors_name_the_variables_to_set() -> None:
         {dist.COORDINATOR: "h:1", dist.NUM_PROCESSES: "2", dist.PROCESS_ID: "0", dist.INIT_TIMEOUT: "7"}
     )
     assert spec.timeout_s == 7
+    # auto: JAX's cluster detection (a TPU VM slice) finds the three values at initialize
+    spec = dist.resolve({dist.COORDINATOR: "auto", dist.INIT_TIMEOUT: "9"})
+    assert (spec.coordinator, spec.timeout_s) == (dist.AUTO, 9)
+
+
+def test_detection_outside_a_cluster_is_a_clear_error() -> None:
+    """TLT_JAX_COORDINATOR=auto where JAX detects no cluster (this CPU machine): the error names the
+    variables to set instead (a subprocess: initialize is once per process)."""
+    code = "from tlt_jax.utils import distributed; distributed.initialize()"
+    env = {**clean_env(1), dist.COORDINATOR: "auto"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "TLT_JAX_COORDINATOR=auto: JAX's cluster detection could not start" in proc.stderr
+    assert f"set {dist.COORDINATOR}=host:port, {dist.NUM_PROCESSES} and {dist.PROCESS_ID}" in proc.stderr
 
 
 def test_single_process_refuses_an_explicit_process_count() -> None:

@@ -100,7 +100,9 @@ def test_kernel_matches_reference(
     t: int, s: int, hq: int, hkv: int, d: int, dtype: jnp.dtype, block_sizes: BlockSizes | None
 ) -> None:
     args = make_inputs(seed=t * 1000 + s + d, b=3, t=t, s=s, hq=hq, hkv=hkv, d=d, dtype=dtype)
-    assert_close(run_kernel(args, block_sizes, interpret=True), reference(*args), dtype)
+    # on a TPU the compiled kernel (what `impl="auto"` runs there), elsewhere Pallas's interpreter
+    compiled = jax.default_backend() == "tpu"
+    assert_close(run_kernel(args, block_sizes, interpret=not compiled), reference(*args), dtype)
 
 
 @pytest.mark.parametrize(

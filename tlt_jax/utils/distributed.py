@@ -9,6 +9,8 @@ every jitted program runs SPMD across the processes. This module only finds thos
   SLURM      SLURM_PROCID, SLURM_NTASKS, and the first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST)
              as the coordinator, on port TLT_JAX_COORDINATOR_PORT (default: derived from SLURM_JOB_ID, as
              JAX's own SLURM detection does, so that every task of a job picks the same one)
+  auto       TLT_JAX_COORDINATOR=auto: JAX's own cluster detection finds all three (a Cloud TPU VM slice
+             from its metadata server; also SLURM, Open MPI, Kubernetes jobsets)
 
 Each value comes from its explicit variable when set, else from SLURM's. TLT_JAX_INIT_TIMEOUT (seconds,
 default 120) bounds the wait for the peers: a process whose peers never come fails with an error naming the
@@ -37,6 +39,7 @@ SLURM_NTASKS = "SLURM_NTASKS"
 SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
 SLURM_JOB_ID = "SLURM_JOB_ID"
 
+AUTO = "auto"  # TLT_JAX_COORDINATOR=auto: JAX's cluster detection
 DEFAULT_TIMEOUT_S = 120
 DEFAULT_PORT = 61_234  # a host without a port, and neither TLT_JAX_COORDINATOR_PORT nor SLURM_JOB_ID set
 
@@ -115,6 +118,11 @@ def resolve(env: Mapping[str, str] | None = None) -> ProcessSpec:
     """The process layout from `env` (default os.environ): explicit TLT_JAX_* variables first, then SLURM's.
     Raises one ValueError naming every missing or inconsistent value and the variables that set it."""
     env = os.environ if env is None else env
+    timeout = _int(env, INIT_TIMEOUT) if env.get(INIT_TIMEOUT, "").strip() else DEFAULT_TIMEOUT_S
+    if timeout < 1:
+        raise ValueError(f"{INIT_TIMEOUT}={timeout}: must be >= 1 second.")
+    if env.get(COORDINATOR, "").strip() == AUTO:  # count and id are known once initialized
+        return ProcessSpec(AUTO, 0, 0, timeout, "JAX's cluster detection")
     coordinator, coord_src = _coordinator(env)
     count, count_src, pid, pid_src = _count_and_id(env)
     missing = []
@@ -137,9 +145,6 @@ def resolve(env: Mapping[str, str] | None = None) -> ProcessSpec:
         raise ValueError(
             f"process id {pid} ({pid_src}) must be in 0..{count - 1} for {count} processes ({count_src})."
         )
-    timeout = _int(env, INIT_TIMEOUT) if env.get(INIT_TIMEOUT, "").strip() else DEFAULT_TIMEOUT_S
-    if timeout < 1:
-        raise ValueError(f"{INIT_TIMEOUT}={timeout}: must be >= 1 second.")
     return ProcessSpec(
         coordinator=coordinator,
         num_processes=count,
@@ -198,6 +203,8 @@ def initialize(env: Mapping[str, str] | None = None) -> ProcessSpec:
     import jax
 
     spec = resolve(env)
+    if spec.coordinator == AUTO:
+        return _initialize_detected(spec)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on CPU
     if spec.process_id != 0:
         wait_for_coordinator(spec)
@@ -220,3 +227,21 @@ def initialize(env: Mapping[str, str] | None = None) -> ProcessSpec:
     except Exception as e:  # the runtime's own errors (DEADLINE_EXCEEDED, UNAVAILABLE) name no remedy
         raise RuntimeError(_failure(spec, str(e))) from e
     return spec
+
+
+def _initialize_detected(spec: ProcessSpec) -> ProcessSpec:
+    """TLT_JAX_COORDINATOR=auto: `jax.distributed.initialize()` with JAX's cluster detection (on a TPU VM
+    slice every host learns the coordinator, the host count and its id from the TPU metadata)."""
+    import jax
+
+    try:
+        jax.distributed.initialize(
+            initialization_timeout=spec.timeout_s, shutdown_timeout_seconds=spec.timeout_s
+        )
+    except Exception as e:
+        raise RuntimeError(
+            f"{COORDINATOR}=auto: JAX's cluster detection could not start the distributed runtime ({e}). "
+            f"It works on a Cloud TPU VM slice and under SLURM/Open MPI/Kubernetes; elsewhere set "
+            f"{COORDINATOR}=host:port, {NUM_PROCESSES} and {PROCESS_ID}."
+        ) from e
+    return dataclasses.replace(spec, num_processes=jax.process_count(), process_id=jax.process_index())
