@@ -154,23 +154,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(
-    cmd: list[str], num: int, *, devices: int = 2, ids: list[int] | None = None, timeout: float = 300
-) -> list[subprocess.CompletedProcess]:
-    """Start processes `ids` (default all) of a `num`-process job running `cmd` and wait for all of them
-    (killed, and the test failed, past `timeout`)."""
-    port = free_port()
-    procs = []
+def start(
+    cmd: list[str], num: int, *, devices: int = 2, ids: list[int] | None = None, env: dict | None = None
+) -> list[subprocess.Popen]:
+    """Start processes `ids` (default all) of a `num`-process job running `cmd` (stdout/stderr piped)."""
+    port, procs = free_port(), []
     for i in range(num) if ids is None else ids:
-        env = clean_env(devices)
-        env.update(
+        penv = {**clean_env(devices), **(env or {})}
+        penv.update(
             {dist.COORDINATOR: f"127.0.0.1:{port}", dist.NUM_PROCESSES: str(num), dist.PROCESS_ID: str(i)}
         )
         procs.append(
             subprocess.Popen(
-                cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                cmd, env=penv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float, what: str) -> list[subprocess.CompletedProcess]:
+    """Wait for every process (all killed, and the test failed, past `timeout`)."""
     deadline, out = time.monotonic() + timeout, []
     try:
         for p in procs:
@@ -179,8 +182,15 @@ def launch(
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        pytest.fail(f"{cmd} in {num} processes did not finish within {timeout} s")
+        pytest.fail(f"{what} did not finish within {timeout} s")
     return out
+
+
+def launch(
+    cmd: list[str], num: int, *, devices: int = 2, ids: list[int] | None = None, timeout: float = 300
+) -> list[subprocess.CompletedProcess]:
+    """Start processes `ids` (default all) of a `num`-process job running `cmd` and wait for all of them."""
+    return wait_all(start(cmd, num, devices=devices, ids=ids), timeout, f"{cmd} in {num} processes")
 
 
 def ok(procs: list[subprocess.CompletedProcess]) -> None:
@@ -306,62 +316,119 @@ def leaves(tree, path: str = "") -> dict[str, np.ndarray]:
     return {path: np.asarray(tree)}
 
 
-def final_states(one: pathlib.Path, two: pathlib.Path, step: int) -> tuple[dict, dict]:
-    """Both runs' checkpoint `step`; the 2-process one restored into the 1-process one's structure on one
-    device (without a target orbax refuses a checkpoint saved on another topology)."""
+def restore_on_one_device(workdir: pathlib.Path, step: int, like=None) -> dict:
+    """A run's checkpoint `step` restored onto one device (into `like`'s structure: without a target orbax
+    refuses a checkpoint saved on another topology)."""
     import jax
 
-    with Checkpointer(one / "checkpoints", async_save=False) as ckpt:
-        a, meta_a = ckpt.restore(step)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), a)
-    with Checkpointer(two / "checkpoints", async_save=False) as ckpt:
-        b, meta_b = ckpt.restore(step, like)
-    assert meta_a["step"] == meta_b["step"] == step
-    return a, b
+    with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
+        if like is None:
+            state, meta = ckpt.restore(step)
+        else:
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like)
+            state, meta = ckpt.restore(step, target)
+    assert meta["step"] == step
+    return state
 
 
-def assert_same_runs(one: pathlib.Path, two: pathlib.Path, steps: int, metrics: tuple[str, ...]) -> None:
-    ma, mb = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
-    assert [m["step"] for m in ma] == [m["step"] for m in mb] == list(range(1, steps + 1))
-    for ra, rb in zip(ma, mb, strict=True):
-        chosen = tuple(k for k in ra if k.startswith("bandit/") and k.endswith(("/chosen", "/count")))
-        for k in metrics + chosen:
-            assert ra[k] == pytest.approx(rb[k], rel=RTOL, abs=ATOL), (ra["step"], k)
-    a, b = final_states(one, two, steps)
-    # all of the state but the selector's rewards, which are measured speeds (wall clock)
+def assert_same_state(a: dict, b: dict, what: str) -> None:
+    """All of the state but the selector's rewards, which are measured speeds (wall clock)."""
     la = {k: v for k, v in leaves(a).items() if not k.startswith("/bandit/state/")}
     lb = {k: v for k, v in leaves(b).items() if not k.startswith("/bandit/state/")}
     assert la.keys() == lb.keys() and any(k.startswith("/params/") for k in la)
     for k in la:
-        np.testing.assert_allclose(la[k], lb[k], rtol=RTOL, atol=ATOL, err_msg=k)
+        np.testing.assert_allclose(la[k], lb[k], rtol=RTOL, atol=ATOL, err_msg=f"{what}: {k}")
 
 
-def run_one_and_two(
-    tmp_path: pathlib.Path, *overrides: str, config: str
-) -> tuple[pathlib.Path, pathlib.Path]:
-    """`python -m tlt_jax.main` on 1 process x 4 devices, then on 2 processes x 2 devices."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    cmd = [sys.executable, "-m", "tlt_jax.main"]
-    single = subprocess.run(
-        cmd + main_args(one, *overrides, config=config),
-        env=clean_env(4),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+def assert_same_metrics(one: pathlib.Path, other: pathlib.Path, steps: int, metrics: tuple[str, ...]) -> None:
+    """Each step logged exactly once in both runs, with equal values."""
+    ma, mb = read_metrics(one / "metrics.jsonl"), read_metrics(other / "metrics.jsonl")
+    assert [m["step"] for m in ma] == [m["step"] for m in mb] == list(range(1, steps + 1))
+    for ra, rb in zip(ma, mb, strict=True):
+        chosen = tuple(k for k in ra if k.startswith("bandit/") and k.endswith(("/chosen", "/count")))
+        for k in metrics + chosen:
+            assert ra[k] == pytest.approx(rb[k], rel=RTOL, abs=ATOL), (other.name, ra["step"], k)
+
+
+def wait_for_step(
+    workdir: pathlib.Path, step: int, procs: list[subprocess.Popen], timeout: float = 300
+) -> None:
+    """Until checkpoint `step` is finalised and its metrics line written (failing if the run ends first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = workdir / "metrics.jsonl"
+        logged = metrics.exists() and any(m["step"] == step for m in read_metrics(metrics))
+        if logged and (workdir / "checkpoints" / str(step)).is_dir():
+            return
+        assert all(p.poll() is None for p in procs), "the run ended before it could be killed"
+        time.sleep(0.05)
+    pytest.fail(f"no checkpoint {step} in {workdir} within {timeout} s")
+
+
+MAIN = [sys.executable, "-m", "tlt_jax.main"]
+MP = "--config.multiprocess=True"
+HEARTBEAT_S = 10  # TLT_JAX_HEARTBEAT_TIMEOUT of the 2-process runs: how long a dead peer goes unnoticed
+
+
+def one_process(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        MAIN + args, env=clean_env(4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    ok([single])
-    ok(launch(cmd + main_args(two, "--config.multiprocess=True", *overrides, config=config), 2, timeout=600))
-    return one, two
+
+
+def killed_then_resumed_on_two(workdir: pathlib.Path, args: list[str]) -> None:
+    """1 process x 4 devices, SIGKILLed after step 1's checkpoint; relaunched as 2 processes x 2 devices."""
+    proc = one_process(args)
+    wait_for_step(workdir, 1, [proc])
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert not (workdir / "checkpoints" / "2").exists()
+    ok(launch(MAIN + [*args[:-2], MP, *args[-2:]], 2, timeout=600))
+
+
+def peer_dies_then_resumed_on_one(workdir: pathlib.Path, args: list[str]) -> None:
+    """2 processes x 2 devices; process 1 SIGKILLed after step 1's checkpoint: process 0 must exit within
+    the heartbeat bound with the error saying what happened and how to resume; relaunched as 1 process."""
+    procs = start(MAIN + [*args[:-2], MP, *args[-2:]], 2, env={dist.HEARTBEAT_TIMEOUT: str(HEARTBEAT_S)})
+    wait_for_step(workdir, 1, procs)
+    procs[1].kill()
+    t0 = time.monotonic()
+    survivor = wait_all(procs[:1], HEARTBEAT_S + 50, "process 0 after its peer died")[0]
+    assert time.monotonic() - t0 < HEARTBEAT_S + 50
+    procs[1].communicate(timeout=60)
+    assert survivor.returncode != 0 and not (workdir / "checkpoints" / "2").exists()
+    assert "error: process 0 of 2: a cross-process operation failed" in survivor.stderr, survivor.stderr[
+        -3000:
+    ]
+    assert "Relaunch all 2 processes with the same command" in survivor.stderr
+    proc = one_process(args)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-6000:]
 
 
 @pytest.mark.slow
 def test_two_processes_equal_one(tmp_path) -> None:
-    """2 steps of TLT on the smoke config (GRPO with n-gram SD rollouts and the spot trainer, TLT), plain
-    `python -m tlt_jax.main`: 2 processes x 2 devices vs 1 process x 4 devices (the same mesh, data=4): the
-    same rewards, losses, SD and spot metrics, policy, optimizer, spot-trained drafter and rng."""
-    one, two = run_one_and_two(tmp_path, *TLT, config="smoke.py:steps=2,spec=true")
-    assert_same_runs(one, two, 2, DETERMINISTIC + TLT_METRICS)
-    rows = read_metrics(two / "metrics.jsonl")
+    """2 steps of TLT on the smoke config (GRPO with n-gram SD rollouts, the spot trainer, the fixed selector)
+    through `python -m tlt_jax.main`, a checkpoint after each step, three ways on the same 4-device mesh:
+    `one` 1 process x 4 devices, uninterrupted; `a` 1 process killed after step 1, resumed as 2 processes x
+    2 devices; `b` 2 processes whose process 1 dies after step 1 (process 0 exits, bounded, saying so),
+    resumed as 1 process. Step 2 of `a` and step 1 of `b` ran on two processes; every step's rewards, losses,
+    SD and spot metrics and every checkpoint (policy, optimizer, spot-trained drafter, rng) equal `one`'s, so
+    checkpoints cross from 2 processes to 1 and back, and a dead peer costs only the steps since the last."""
+    config = "smoke.py:steps=2,spec=true"
+    runs = {k: tmp_path / k for k in ("one", "a", "b")}
+    args = {k: main_args(w, *TLT, "--config.checkpoint_every=1", config=config) for k, w in runs.items()}
+    proc = one_process(args["one"])
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-6000:]
+    killed_then_resumed_on_two(runs["a"], args["a"])
+    peer_dies_then_resumed_on_one(runs["b"], args["b"])
+    for k in ("a", "b"):
+        assert_same_metrics(runs["one"], runs[k], 2, DETERMINISTIC + TLT_METRICS)
+    for step in (1, 2):
+        want = restore_on_one_device(runs["one"], step)
+        for k in ("a", "b"):
+            assert_same_state(want, restore_on_one_device(runs[k], step, want), f"run {k} step {step}")
+    rows = read_metrics(runs["a"] / "metrics.jsonl")
     assert rows[-1]["spot/drafter_step"] > 0 and rows[-1]["spec/verify_rounds"] > 0

@@ -11,16 +11,22 @@ from __future__ import annotations
 import json
 import logging as logging_std
 import os
+import pathlib
 import sys
 from typing import Any
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tlt_jax.utils.config_checks import ALLOW_CHANGE_FLAG, check_workdir_config, override_hints
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file: configs/<name>.py[:arg].", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics.jsonl and config.json.")
+_ALLOW_CHANGE = flags.DEFINE_bool(
+    ALLOW_CHANGE_FLAG, False, "Resume a workdir whose config.json differs from this config (changes logged)."
+)
 
 
 def write_config(config: Any, workdir: str) -> str:
@@ -50,6 +56,75 @@ def quiet_libraries() -> None:
     handler = logging.get_absl_handler()
     if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
         handler.addFilter(_QuietLibraries())
+
+
+class ConsoleFormatter(logging_std.Formatter):
+    """INFO and below as the bare message: a person reads the step line, not the logger's prefix. WARNING and
+    above keep absl's full record (level, date, time, thread, file:line): where a problem came from. absl
+    writes no log file unless a program asks it to (this one does not), so the console is the whole log."""
+
+    def __init__(self) -> None:
+        super().__init__("%(message)s")
+        self.full = logging.PythonFormatter()
+
+    def format(self, record: logging_std.LogRecord) -> str:
+        return self.full.format(record) if record.levelno >= logging_std.WARNING else super().format(record)
+
+
+def plain_console() -> None:
+    """Format absl's handler with `ConsoleFormatter` (under `app.run`, before the job logs anything)."""
+    logging.get_absl_handler().setFormatter(ConsoleFormatter())
+
+
+def _steps_in(folder: pathlib.Path) -> str:
+    steps = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+    return f" (steps {', '.join(map(str, steps[-4:]))})" if steps else " (none yet)"
+
+
+def _wandb_row(config: Any, wd: pathlib.Path) -> str | None:
+    """Where the run's wandb data is (and how to upload an offline run), or why there is none."""
+    from tlt_jax.utils.tracking import WANDB_ID_FILE, resolve_wandb_mode
+
+    section = config.get("wandb") or {}
+    try:
+        mode = resolve_wandb_mode(section.get("mode"), os.environ)
+    except ValueError as e:
+        return f"unknown mode: {e}"
+    if mode == "disabled":
+        return "off (config.wandb.mode or WANDB_MODE is disabled)"
+    run_id = (wd / WANDB_ID_FILE).read_text().strip() if (wd / WANDB_ID_FILE).exists() else ""
+    runs = sorted((wd / "wandb").glob(f"*run-*-{run_id}")) if run_id else []
+    if not runs:
+        return None
+    if mode == "offline":
+        return f"{runs[-1]} (offline; upload it with `wandb sync {runs[-1]}`)"
+    return f"{runs[-1]} ({mode}, project {section.get('project') or 'tlt_jax'}, run id {run_id})"
+
+
+def run_summary(config: Any, workdir: str, status: str) -> str:
+    """The end of a job: its status, then where its outputs are (metrics, samples, checkpoints, the plot,
+    wandb, the config); a line for each that exists."""
+    from tlt_jax.utils.run_plots import PLOT_DIR, PLOT_FILE
+    from tlt_jax.utils.tracking import CONFIG_FILE, METRICS_FILE, read_metrics
+
+    wd = pathlib.Path(workdir)
+    rows: list[tuple[str, str]] = []
+    if (wd / METRICS_FILE).exists():
+        steps = {r["step"] for r in read_metrics(wd / METRICS_FILE)}
+        rows.append(("metrics", f"{wd / METRICS_FILE} ({len(steps)} logged steps)"))
+    if (wd / "samples.jsonl").exists():
+        rows.append(("samples", str(wd / "samples.jsonl")))
+    for name in ("checkpoints", "drafter", "train_state"):
+        if (wd / name).is_dir():
+            rows.append((name, f"{wd / name}{_steps_in(wd / name)}"))
+    if (wd / PLOT_DIR / PLOT_FILE).exists():
+        rows.append(("plot", str(wd / PLOT_DIR / PLOT_FILE)))
+    wandb = _wandb_row(config, wd) if config.job == "grpo" else None
+    if wandb:
+        rows.append(("wandb", wandb))
+    rows.append(("config", str(wd / CONFIG_FILE)))
+    tail = "; rerun the same command to resume" if status != "done" else ""
+    return "\n".join([f"job {config.job}: {status}{tail}"] + [f"  {k:<12} {v}" for k, v in rows])
 
 
 def setup_jax(config: Any) -> None:
@@ -91,14 +166,19 @@ def validate_job(config: Any) -> None:
         config_lib.validate(config)
 
 
-def run(config: Any, workdir: str) -> str:
-    """Validate, record and run `config` in `workdir`; returns the job's status ("done" / "preempted")."""
+def run(config: Any, workdir: str, allow_config_change: bool = False) -> str:
+    """Validate, record and run `config` in `workdir`; returns the job's status ("done" / "preempted"). A
+    workdir whose config.json differs from `config` is refused unless `allow_config_change`."""
     from tlt_jax import config_lib
 
     validate_job(config)
+    changes = check_workdir_config(config, workdir, allow_config_change)
+    if changes:
+        logging.warning("resuming %s with a changed config:\n  %s", workdir, "\n  ".join(changes))
     setup_jax(config)
     import jax
 
+    config_lib.build_mesh(config)  # a mesh that does not fit the devices fails before the workdir is written
     if jax.process_index() == 0:
         write_config(config, workdir)
     if config.job == "grpo":
@@ -107,8 +187,12 @@ def run(config: Any, workdir: str) -> str:
         return learner.run_grpo(config, workdir)
     if config.job == "drafter_warmup":
         from tlt_jax.drafter import warmup  # written separately; imported only for this job
+        from tlt_jax.utils.run_plots import refresh_plot
 
-        return warmup.run_warmup(config, workdir)
+        status = warmup.run_warmup(config, workdir)
+        if jax.process_index() == 0:  # the GRPO learner draws its own plot as it goes
+            refresh_plot(workdir)
+        return status
     raise ValueError(f"config.job={config.job!r}: use one of {config_lib.JOBS}.")
 
 
@@ -122,8 +206,10 @@ def main(argv: list[str]) -> None:
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required, e.g. --workdir workdirs/default")
     quiet_libraries()
+    plain_console()
     try:
         validate_job(_CONFIG.value)
+        check_workdir_config(_CONFIG.value, _WORKDIR.value, _ALLOW_CHANGE.value)
         from tlt_jax.utils import distributed  # the launch variables, read before anything starts
 
         if _CONFIG.value.multiprocess:
@@ -133,8 +219,39 @@ def main(argv: list[str]) -> None:
     except ValueError as e:  # a config mistake: say what and how to fix it, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    status = run(_CONFIG.value, _WORKDIR.value)
-    logging.info("job %s: %s", _CONFIG.value.job, status)
+    try:
+        status = run(_CONFIG.value, _WORKDIR.value, _ALLOW_CHANGE.value)
+    except Exception as e:  # several processes: a peer's death shows here as a failed collective
+        import jax
+
+        hint = distributed.peer_failure_message(e, jax.process_index(), jax.process_count())
+        if hint:
+            print(f"error: {hint}", file=sys.stderr, flush=True)
+        raise
+    import jax
+
+    if jax.process_index() == 0:
+        logging.info("%s", run_summary(_CONFIG.value, _WORKDIR.value, status))
+    else:
+        logging.info("job %s: %s", _CONFIG.value.job, status)
+
+
+def _file_config(argv: list[str]) -> Any:
+    """The config of the `--config` file without the overrides (None when it does not load): what a
+    mistyped override's nearest keys come from."""
+    from tlt_jax import config_lib
+
+    for i, a in enumerate(argv):
+        value = a.split("=", 1)[1] if a.startswith("--config=") else None
+        if a == "--config" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value:
+            path, _, arg = value.partition(":")
+            try:
+                return config_lib.load_config_file(path, arg or None)
+            except Exception:  # a broken config file has its own error: no hints then
+                return None
+    return None
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -152,9 +269,11 @@ def parse_flags(argv: list[str]) -> list[str]:
         kind = "unknown config key" if isinstance(e, (AttributeError, KeyError)) else type(e).__name__
         message = f"{kind}: " + "; ".join(line.strip() for line in text.splitlines() if line.strip())
     unknown = [a for a in argv[1:] if a.startswith("--config.")]
+    hints = override_hints(flags.FLAGS["config"].value or _file_config(argv), unknown) if unknown else []
     print(
         f"error: the command-line config is invalid: {message.strip()}\n"
-        f"  config overrides given: {unknown or 'none'}\n"
+        + "".join(f"  {h}\n" for h in hints)
+        + f"  config overrides given: {unknown or 'none'}\n"
         "  Overrides must name existing fields (--config.rl.lr=1e-5); see the config file, or config.json in "
         "a run's workdir, for the available keys.",
         file=sys.stderr,

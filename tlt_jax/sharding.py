@@ -48,8 +48,13 @@ def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | No
     """A (data, model) mesh. data=-1 takes all remaining devices."""
     devices = list(devices if devices is not None else jax.devices())
     if data == -1:
-        if len(devices) % model:
-            raise ValueError(f"mesh: {len(devices)} devices are not divisible by model={model}.")
+        if model < 1 or len(devices) % model:
+            divisors = [d for d in range(1, len(devices) + 1) if len(devices) % d == 0]
+            raise ValueError(
+                f"mesh: config.mesh.model={model} does not divide the {len(devices)} devices: set "
+                f"config.mesh.model to one of {divisors}, or config.mesh.data explicitly (data x model "
+                f"<= {len(devices)} devices are used)."
+            )
         data = len(devices) // model
     if data * model > len(devices):
         raise ValueError(
@@ -181,14 +186,18 @@ def put_global(tree: object, sharding: jax.sharding.Sharding, *, may_alias: bool
 
     JAX refuses to put an array that lives on this process's devices (a freshly initialised state, typed PRNG
     keys included) onto a sharding over every process's devices; each process holds the same value, so its
-    host copy is put instead (typed keys through their key data). Arrays already on the global mesh and host
-    values pass through. On one process (or a sharding this process holds entirely) this is
-    `jax.device_put` and nothing else."""
+    host copy is put instead (typed keys through their key data). Arrays already global (a checkpoint
+    restored on other shardings) are resharded by an identity program; host values are put. On one process
+    (or a sharding this process holds entirely) this is `jax.device_put` and nothing else."""
     if sharding.is_fully_addressable:
         return jax.device_put(tree, sharding, may_alias=may_alias)
 
     def one(x: object) -> object:
-        if not (isinstance(x, jax.Array) and x.is_fully_addressable):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:  # global already: reshard it
+            if x.sharding.is_equivalent_to(sharding, x.ndim):
+                return x
+            return jax.jit(lambda a: a, out_shardings=sharding)(x)
+        if not isinstance(x, jax.Array):
             return jax.device_put(x, sharding, may_alias=may_alias)
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             data = jax.device_put(np.asarray(jax.random.key_data(x)), sharding)

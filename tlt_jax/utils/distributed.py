@@ -14,7 +14,10 @@ every jitted program runs SPMD across the processes. This module only finds thos
 
 Each value comes from its explicit variable when set, else from SLURM's. TLT_JAX_INIT_TIMEOUT (seconds,
 default 120) bounds the wait for the peers: a process whose peers never come fails with an error naming the
-coordinator and the process count instead of hanging. On CPU the cross-process collectives are gloo's.
+coordinator and the process count instead of hanging. TLT_JAX_HEARTBEAT_TIMEOUT (seconds, default 100, JAX's)
+bounds a run whose peer dies: JAX's coordination service declares it dead after that long without a heartbeat
+and ends every other process (which then resume from the last checkpoint when relaunched). On CPU the
+cross-process collectives are gloo's.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ NUM_PROCESSES = "TLT_JAX_NUM_PROCESSES"
 PROCESS_ID = "TLT_JAX_PROCESS_ID"
 COORDINATOR_PORT = "TLT_JAX_COORDINATOR_PORT"
 INIT_TIMEOUT = "TLT_JAX_INIT_TIMEOUT"
-ENV_VARS = (COORDINATOR, NUM_PROCESSES, PROCESS_ID, COORDINATOR_PORT, INIT_TIMEOUT)
+HEARTBEAT_TIMEOUT = "TLT_JAX_HEARTBEAT_TIMEOUT"
+ENV_VARS = (COORDINATOR, NUM_PROCESSES, PROCESS_ID, COORDINATOR_PORT, INIT_TIMEOUT, HEARTBEAT_TIMEOUT)
 
 SLURM_PROCID = "SLURM_PROCID"
 SLURM_NTASKS = "SLURM_NTASKS"
@@ -41,6 +45,7 @@ SLURM_JOB_ID = "SLURM_JOB_ID"
 
 AUTO = "auto"  # TLT_JAX_COORDINATOR=auto: JAX's cluster detection
 DEFAULT_TIMEOUT_S = 120
+DEFAULT_HEARTBEAT_S = 100
 DEFAULT_PORT = 61_234  # a host without a port, and neither TLT_JAX_COORDINATOR_PORT nor SLURM_JOB_ID set
 
 
@@ -53,6 +58,7 @@ class ProcessSpec:
     process_id: int
     timeout_s: int = DEFAULT_TIMEOUT_S
     source: str = ""
+    heartbeat_s: int = DEFAULT_HEARTBEAT_S
 
 
 def first_host(nodelist: str) -> str:
@@ -119,10 +125,12 @@ def resolve(env: Mapping[str, str] | None = None) -> ProcessSpec:
     Raises one ValueError naming every missing or inconsistent value and the variables that set it."""
     env = os.environ if env is None else env
     timeout = _int(env, INIT_TIMEOUT) if env.get(INIT_TIMEOUT, "").strip() else DEFAULT_TIMEOUT_S
-    if timeout < 1:
-        raise ValueError(f"{INIT_TIMEOUT}={timeout}: must be >= 1 second.")
+    beat = _int(env, HEARTBEAT_TIMEOUT) if env.get(HEARTBEAT_TIMEOUT, "").strip() else DEFAULT_HEARTBEAT_S
+    for name, value in ((INIT_TIMEOUT, timeout), (HEARTBEAT_TIMEOUT, beat)):
+        if value < 1:
+            raise ValueError(f"{name}={value}: must be >= 1 second.")
     if env.get(COORDINATOR, "").strip() == AUTO:  # count and id are known once initialized
-        return ProcessSpec(AUTO, 0, 0, timeout, "JAX's cluster detection")
+        return ProcessSpec(AUTO, 0, 0, timeout, "JAX's cluster detection", beat)
     coordinator, coord_src = _coordinator(env)
     count, count_src, pid, pid_src = _count_and_id(env)
     missing = []
@@ -151,6 +159,7 @@ def resolve(env: Mapping[str, str] | None = None) -> ProcessSpec:
         process_id=pid,
         timeout_s=timeout,
         source=f"coordinator from {coord_src}, count from {count_src}, id from {pid_src}",
+        heartbeat_s=beat,
     )
 
 
@@ -222,6 +231,7 @@ def initialize(env: Mapping[str, str] | None = None) -> ProcessSpec:
             process_id=spec.process_id,
             cluster_detection_method="deactivate",
             initialization_timeout=spec.timeout_s,
+            heartbeat_timeout_seconds=spec.heartbeat_s,
             shutdown_timeout_seconds=spec.timeout_s,
         )
     except Exception as e:  # the runtime's own errors (DEADLINE_EXCEEDED, UNAVAILABLE) name no remedy
@@ -236,7 +246,9 @@ def _initialize_detected(spec: ProcessSpec) -> ProcessSpec:
 
     try:
         jax.distributed.initialize(
-            initialization_timeout=spec.timeout_s, shutdown_timeout_seconds=spec.timeout_s
+            initialization_timeout=spec.timeout_s,
+            heartbeat_timeout_seconds=spec.heartbeat_s,
+            shutdown_timeout_seconds=spec.timeout_s,
         )
     except Exception as e:
         raise RuntimeError(
@@ -245,3 +257,21 @@ def _initialize_detected(spec: ProcessSpec) -> ProcessSpec:
             f"{COORDINATOR}=host:port, {NUM_PROCESSES} and {PROCESS_ID}."
         ) from e
     return dataclasses.replace(spec, num_processes=jax.process_count(), process_id=jax.process_index())
+
+
+PEER_SIGNS = ("Gloo", "Connection reset by peer", "Connection closed by peer", "heartbeat", "UNAVAILABLE")
+
+
+def peer_failure_message(error: BaseException, process_id: int, num_processes: int) -> str | None:
+    """What to tell the operator when a run of several processes fails in a cross-process step (a collective
+    or the coordination service: a peer died, was preempted or hangs), or None for other errors. The
+    process exits either way; JAX's coordination service ends it within TLT_JAX_HEARTBEAT_TIMEOUT."""
+    text = f"{type(error).__name__}: {error}"
+    if num_processes < 2 or not any(sign in text for sign in PEER_SIGNS):
+        return None
+    return (
+        f"process {process_id} of {num_processes}: a cross-process operation failed, most likely because "
+        f"another process died or was preempted ({text.splitlines()[0][:300]}). This process exits too. "
+        f"Relaunch all {num_processes} processes with the same command: the run resumes from its last "
+        "complete checkpoint."
+    )
