@@ -33,7 +33,15 @@ setup(
     install_requires=CORE,
     extras_require={
         # pytest-xdist: `make test` runs two workers (compilation is single-threaded: 12.8 -> 9.5 min)
-        "dev": ["pytest>=8", "pytest-xdist==3.8.0", "ruff>=0.6"],
+        # nbclient, nbformat, ipykernel: tests/test_notebook.py runs notebooks/quickstart.ipynb
+        "dev": [
+            "pytest>=8",
+            "pytest-xdist==3.8.0",
+            "ruff>=0.6",
+            "nbclient==0.11.0",
+            "nbformat==5.11.1",
+            "ipykernel==7.4.0",
+        ],
         # GPU clusters: jax with CUDA 12 wheels (same jax version as the CPU pin).
         "cuda": ["jax[cuda12]==0.10.2"],
         # Parity tests against HF transformers. torch is pinned: an unpinned torch pulls GBs of CUDA wheels.

@@ -65,6 +65,8 @@ def compile_seconds(m: dict[str, float], key: str = "time/step") -> float:
     and, for the whole step, every other kind's (compile/<kind>_s outside the rollout: the log-prob and
     update programs, ...). A step that meets a new update shape compiles it (15-21 s per arm in step 3 of a
     --quick run on the 2-core CPU, 2026-11-24), which is not the arm's speed."""
+    if "time/compile" in m:  # the disjoint breakdown (tlt_jax.rl.metrics.StepClock): parts hold no compile
+        return m["time/compile"] if key == "time/step" else 0.0
     rollout = m.get("time/compile_rollout", 0.0)
     if key == "time/rollout":
         return rollout

@@ -9,8 +9,8 @@ a fresh clone pays for compiling.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 
+from experiments.kill_runs import job_env, leftovers
 from tlt_jax.utils.checkpoint import Checkpointer
 from tlt_jax.utils.tracking import read_metrics
 
@@ -61,12 +62,9 @@ app.run(main.main, flags_parser=main.parse_flags)
 
 @pytest.fixture(scope="module")
 def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # sharded over 2 devices; fast orbax saves
-    e["WANDB_MODE"] = "disabled"
-    e["JAX_COMPILATION_CACHE_DIR"] = str(ROOT / ".cache" / "jax_test_cache")  # as tests/conftest.py
-    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    return e
+    """2 fake devices (sharded runs; fast orbax saves), no wandb, the tests' compilation cache (conftest.py),
+    as the kill loop's jobs (tests/test_kill_loop.py)."""
+    return job_env(ROOT / ".cache" / "jax_test_cache")
 
 
 def run_main(
@@ -157,6 +155,7 @@ def test_sigkill_during_a_checkpoint_save_resumes_from_the_last_complete_one(
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]  # step 4 was logged, then the save died
     ok(run_main(env, tmp_path))  # the same command again: restores step 2, reruns 3-4
     assert not any(p.name.startswith("4.") for p in ckpts.iterdir() if not p.name.isdigit())
+    assert leftovers(tmp_path) == []
     assert_same_run(reference_run, tmp_path)
 
 
@@ -190,3 +189,60 @@ def test_sigterm_saves_and_exits_cleanly(env, tmp_path) -> None:
     last = metrics(tmp_path)[-1]["step"]
     with Checkpointer(tmp_path / "checkpoints") as ckpt:
         assert ckpt.all_steps() == [last]  # checkpoint_every=0: only the preemption save
+
+
+def test_console_is_plain_and_the_end_says_where_the_outputs_are(env, reference_run, tmp_path) -> None:
+    """The same command on a finished run (a copy of the reference run): it restores step 4, trains nothing,
+    draws the plot and ends by naming the metrics, checkpoints, plot and config; INFO lines carry no absl
+    prefix."""
+    import shutil
+
+    workdir = tmp_path / "done"
+    shutil.copytree(reference_run, workdir)
+    proc = run_main(env, workdir)
+    ok(proc)
+    lines = proc.stderr.splitlines()
+    assert not [x for x in lines if re.match(r"I\d{4} [\d:.]+ +\d+ \w+\.py:\d+\] ", x)]  # Python INFO records
+    assert any(x.startswith("restored step 4 from ") for x in lines), proc.stderr[-2000:]
+    end = lines[lines.index("job grpo: done") :]
+    assert f"  metrics      {workdir / 'metrics.jsonl'} (4 logged steps)" in end
+    assert f"  checkpoints  {workdir / 'checkpoints'} (steps 2, 4)" in end
+    assert (
+        f"  plot         {workdir / 'plots' / 'run.png'}" in end
+        and (workdir / "plots" / "run.png").stat().st_size
+    )
+    assert f"  config       {workdir / 'config.json'}" in end
+
+
+def test_console_formatter_keeps_the_prefix_for_warnings_only() -> None:
+    import logging as logging_std
+
+    from tlt_jax.main import ConsoleFormatter
+
+    def record(level: int, msg: str) -> logging_std.LogRecord:
+        return logging_std.LogRecord("absl", level, "/x/learner.py", 7, msg, (), None)
+
+    fmt = ConsoleFormatter()
+    assert fmt.format(record(logging_std.INFO, "step 1/10 | reward 0.5")) == "step 1/10 | reward 0.5"
+    warning = fmt.format(record(logging_std.WARNING, "acceptance collapsed"))
+    assert re.match(r"W\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ learner\.py:7\] acceptance collapsed$", warning), (
+        warning
+    )
+
+
+def test_run_summary_names_an_offline_wandb_run_and_how_to_upload_it(tmp_path) -> None:
+    from ml_collections import ConfigDict
+
+    from tlt_jax.main import run_summary
+
+    (tmp_path / "wandb_run_id").write_text("abc123\n")
+    run = tmp_path / "wandb" / "offline-run-20261124_202516-abc123"
+    run.mkdir(parents=True)
+    config = ConfigDict({"job": "grpo", "wandb": {"mode": "offline", "project": "p"}})
+    text = run_summary(config, str(tmp_path), "preempted")
+    assert text.splitlines()[0] == "job grpo: preempted; rerun the same command to resume"
+    assert f"  wandb        {run} (offline; upload it with `wandb sync {run}`)" in text
+    config.wandb.mode = "disabled"
+    assert "  wandb        off (config.wandb.mode or WANDB_MODE is disabled)" in run_summary(
+        config, str(tmp_path), "done"
+    )

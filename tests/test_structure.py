@@ -20,7 +20,7 @@ LAYERS = [
     {"drafter"},
     {"config_lib"},
     {"rl"},
-    {"main", "generate"},
+    {"main", "generate", "export_drafter"},
 ]
 
 

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from ml_collections import config_dict
 
 from tlt_jax import sharding as shd
+from tlt_jax.drafter.eagle_format import init_from_problems
 from tlt_jax.drafter.spot_trainer import SpotConfig
 from tlt_jax.models.build import build_model_and_tokenizer, model_problems
 from tlt_jax.models.config import tiny_config
@@ -138,9 +139,9 @@ def base_config() -> mlc.ConfigDict:
     c.task = mlc.ConfigDict(dict(kind="counting"))
     c.rollout = _rollout_section()
     # What drafts for the rollouts (tlt_jax.rl.speculation): "none" (plain decoding), "ngram" (model-free,
-    # TLT-Base), "eagle" (a warmed drafter from `path`: a warm-up workdir or its drafter/ folder), or "auto"
-    # (eagle when `path` holds one, else ngram). min_accept_len: the acceptance-collapse alarm's floor.
-    c.drafter = mlc.ConfigDict(dict(kind="none", path="", min_accept_len=1.05))
+    # TLT-Base), "eagle" (a warmed drafter: `path`, a warm-up workdir, or `init_from`, an EAGLE export), or
+    # "auto" (eagle when `path` holds one, else ngram). min_accept_len: the acceptance-collapse alarm's floor.
+    c.drafter = mlc.ConfigDict(dict(kind="none", path="", init_from="", min_accept_len=1.05))
     # How speculative rollouts run (rollout.strategy.SpecConfig minus what `drafter` decides)
     c.spec = mlc.ConfigDict(
         {k: v for k, v in dataclasses.asdict(SpecConfig()).items() if k not in SPEC_FROM_DRAFTER}
@@ -377,12 +378,12 @@ def rollout_problems(config: Any, check_paths: bool = True) -> list[str]:
     if dr is not None:
         if dr.kind not in DRAFTER_KINDS:
             out.append(f"config.drafter.kind={dr.kind!r}: use one of {DRAFTER_KINDS}.")
-        if dr.kind == "eagle" and not dr.path:
+        if dr.kind == "eagle" and not dr.path and not dr.get("init_from"):
             out.append(
                 "config.drafter.kind=eagle needs config.drafter.path: a drafter warm-up workdir (create one "
                 "with `python -m tlt_jax.main --config configs/drafter_warmup.py:tlt --workdir DIR`)."
             )
-        elif dr.kind == "eagle" and check_paths and not os.path.exists(dr.path):
+        elif dr.kind == "eagle" and dr.path and check_paths and not os.path.exists(dr.path):
             out.append(
                 f"config.drafter.path={dr.path!r} does not exist: create it with `python -m tlt_jax.main "
                 f"--config configs/drafter_warmup.py:tlt --workdir {dr.path}`, or use drafter.kind=ngram."
@@ -391,6 +392,7 @@ def rollout_problems(config: Any, check_paths: bool = True) -> list[str]:
             out.append(
                 f"config.drafter.min_accept_len={dr.min_accept_len}: must be >= 0 (0 disables the alarm)."
             )
+        out.extend(init_from_problems(dr, check_paths))
     try:
         spec_config_from(config)
     except ValueError as e:

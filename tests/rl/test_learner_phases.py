@@ -6,6 +6,7 @@ from __future__ import annotations
 import pathlib
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -114,7 +115,7 @@ def test_learning_metrics_values_and_order() -> None:
     )
     adv = Advantages(np.asarray([-1, 1] * 4, np.float32), np.asarray([True] * 6 + [False] * 2))
     upd = UpdateResult([{"loss/pg": 1.0}, {"loss/pg": 3.0}], 1, 12, 6, np.zeros((8, 6), np.float32))
-    clock = types.SimpleNamespace(times={"rollout": 2.0})
+    clock = types.SimpleNamespace(walls={"rollout": 2.0})
     m = learning_metrics(2, PLAN, r, scores, adv, upd, 10, clock)
     assert list(m)[:5] == ["loss/pg", "reward/mean", "reward/std", "accuracy", "format"]
     want = {
@@ -156,16 +157,18 @@ def test_engine_gap_only_where_the_trainer_computed_log_probs() -> None:
 
 
 def test_finish_metrics_adds_rollout_stats_programs_and_times() -> None:
-    programs = types.SimpleNamespace(compile_seconds=1.0)
-    engine = types.SimpleNamespace(programs=programs, compile_count=3)
+    engine = types.SimpleNamespace(compile_count=3, modes={"ngram_3_1_4": None})
     clock = StepClock(engine)
     with clock.phase("rollout"):
-        programs.compile_seconds = 1.25
+        jax.jit(lambda x: x * 3 + 1)(np.arange(5.0))  # a fresh program: its compilation is "compile"
+    clock.carve("rollout", "spot", 1e6)  # at most what the phase has left
     with clock.phase("update"):
         pass
     m = finish_metrics({"rollout/tokens": -1.0}, rollout(), clock)
     assert m["rollout/tokens"] == -1.0  # a phase's own value wins over the rollout's statistics
-    assert m["rollout/wall_s"] == 2.0 and m["programs/count"] == 3.0 and m["time/compile_rollout"] == 0.25
-    assert list(m)[-4:] == ["time/rollout", "time/update", "time/step", "rollout/share"]
-    assert m["time/step"] >= m["time/rollout"] + m["time/update"]
-    assert m["rollout/share"] == pytest.approx(m["time/rollout"] / m["time/step"])
+    assert m["rollout/wall_s"] == 2.0 and m["programs/count"] == 3.0 and m["spec/modes"] == 1.0
+    parts = ["rollout", "compile", "spot", "reward", "logprob", "update", "other"]
+    assert list(m)[-9:] == [f"time/{p}" for p in parts] + ["time/step", "rollout/share"]
+    assert m["time/compile"] > 0 and m["time/rollout"] == 0.0 and m["time/spot"] > 0  # all carved
+    assert sum(m[f"time/{p}"] for p in parts) == pytest.approx(m["time/step"], rel=1e-9)
+    assert m["rollout/share"] == pytest.approx(clock.walls["rollout"] / m["time/step"])

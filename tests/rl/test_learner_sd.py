@@ -96,7 +96,7 @@ def test_drafter_section_errors(tmp_path) -> None:
         dict(kind="eagle", path=str(tmp_path / "missing"), min_accept_len=1.0)
     )
     with pytest.raises(
-        FileNotFoundError, match=r"holds no drafter checkpoint: create it with `python -m tlt_jax.main"
+        FileNotFoundError, match=r"holds no drafter checkpoint: create it with `\S*python\S* -m tlt_jax.main"
     ):
         resolve_drafter(section, policy)
     other = save_drafter(tmp_path / "wide", policy.replace(hidden_size=96, intermediate_size=160))

@@ -19,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tlt_jax.utils.checkpoint import (
+    TRASH,
     Checkpointer,
     DrafterCheckpointer,
     SaveInfo,
@@ -230,6 +231,25 @@ def test_sigkill_mid_save_leaves_previous_step_restorable(tmp_path):
     assert ckpt.latest_step() == 2
     assert ckpt.restore(2)[1] == {"data_position": 20}
     ckpt.close()
+
+
+def test_retention_renames_a_retired_step_into_the_trash_then_empties_it(tmp_path):
+    """A step retention retires is renamed into `<dir>/.deleted` (atomic: orbax's in-place delete, killed
+    midway, left a half-deleted `<step>` that it lists as finalised); the trash is emptied after the next
+    save, at close, and when a Checkpointer opens the directory (after a kill while emptying it)."""
+    state = {"w": jnp.arange(4.0)}
+    with Checkpointer(tmp_path, max_to_keep=1) as ckpt:
+        ckpt.save(1, state)
+        ckpt.save(2, state)
+        ckpt.wait()
+        assert ckpt.all_steps() == [2] and os.listdir(tmp_path / TRASH) == ["1"]
+        ckpt.save(3, state)
+        ckpt.wait()
+        assert os.listdir(tmp_path / TRASH) == ["2"]  # 1 emptied after save 3; 2 retired by it
+    assert sorted(os.listdir(tmp_path)) == ["3"]
+    (tmp_path / TRASH / "2" / "state").mkdir(parents=True)  # a kill while emptying the trash
+    with Checkpointer(tmp_path, max_to_keep=1) as ckpt:
+        assert sorted(os.listdir(tmp_path)) == ["3"] and ckpt.all_steps() == [3]
 
 
 class _Drafter(nnx.Module):

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax.numpy as jnp
 import ml_collections
@@ -19,15 +20,18 @@ import pytest
 
 from tlt_jax.utils.tracking import (
     ConsoleTracker,
+    Heartbeat,
     JsonlTracker,
     MultiTracker,
     RolloutProgress,
     Tracker,
     WandbTracker,
     format_step_line,
+    interpreter,
     make_trackers,
     read_metrics,
     resolve_wandb_mode,
+    shorten,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -186,35 +190,112 @@ def test_format_step_line_full_and_partial():
     metrics = {
         "reward/mean": 0.125,
         "accuracy": 0.1,
-        "length/p50": 32.0,
-        "length/p90": 111,
+        "length/p50": 44.5,
+        "length/p90": 162.6,
         "length/max": 384,
-        "time/rollout": 6.0,
-        "time/train": 2.0,
+        "time/step": 132.79,
+        "time/rollout": 71.2,
+        "time/compile": 42.82,
+        "time/spot": 11.0,
+        "time/reward": 0.4,
+        "time/logprob": 0.001,  # rounds to zero: left out
+        "time/update": 6.87,
+        "time/other": 0.5,
         "throughput/tok_per_s": 98.6,
         "spec/accept_len": 2.3125,
+        "eval/reward": 0.3,
+        "eval/accuracy": 0.0625,
+        "eval/seconds": 35.21,
     }
-    assert format_step_line(12, metrics) == (
-        "step 12 | reward 0.125 | acc 10.0% | len p50/p90/max 32/111/384"
-        " | time 8.00s (rollout 6.00s train 2.00s) | rollout 75% | 99 tok/s | accept 2.31"
+    assert format_step_line(12, metrics, num_steps=20) == (
+        "step 12/20 | reward 0.125 | acc 10.0% | len p50/p90/max 44/163/384"
+        " | time 132.8 s = rollout 71.2 + compile 42.8 + spot 11.0 + reward 0.40 + update 6.87 + other 0.50"
+        " | 99 tok/s | accept 2.31 | held-out reward 0.300 acc 6.2% (35.2 s)"
     )
     assert format_step_line(3, {}) == "step 3"
     assert format_step_line(4, {"length/p90": 50, "time/step": 4.0, "rollout/share": 0.5, "unknown": 1}) == (
-        "step 4 | len p50/p90/max -/50/- | time 4.00s | rollout 50%"
+        "step 4 | len p50/p90/max -/50/- | time 4.00 s"
     )
     assert format_step_line(5, {"reward/mean": 0.0004, "accuracy": float("nan")}) == (
         "step 5 | reward 4.00e-04 | acc nan%"
     )
+    # speculative modes exist but no chunk of this step speculated: say so instead of dropping the field
+    assert (
+        format_step_line(6, {"spec/modes": 2, "spec/verify_rounds": 0}) == "step 6 | accept - (no SD chunk)"
+    )
+    assert format_step_line(7, {"spec/modes": 0, "spec/verify_rounds": 0}) == "step 7"  # plain decoding only
+    # phases of older metrics (no breakdown) still show, after the known parts
+    assert format_step_line(8, {"time/rollout": 6.0, "time/train": 2.0}) == (
+        "step 8 | time 8.00 s = rollout 6.00 + train 2.00"
+    )
+
+
+def test_shorten_cuts_the_middle():
+    question = "Find the final answer to the following arithmetic problem: 5 + 4 - 5 ="
+    assert shorten(question, 200) == question
+    assert shorten(question, 31) == "Find the final …em: 5 + 4 - 5 ="  # 15 + "…" + 15 characters
+    assert shorten(question, 2) == "…" + question[-1]
+
+
+def test_interpreter_is_this_python_relative_inside_the_working_directory(tmp_path, monkeypatch):
+    assert os.path.samefile(interpreter(), sys.executable)
+    monkeypatch.chdir(tmp_path)  # outside the repository: the absolute path
+    assert interpreter() == os.path.abspath(sys.executable)
+    monkeypatch.chdir(pathlib.Path(sys.executable).parents[2])  # the folder holding .venv (or the prefix)
+    assert not os.path.isabs(interpreter()) and interpreter().endswith(os.path.basename(sys.executable))
+
+
+class FakeStatus:
+    """A job whose phase the test sets; the heartbeat reads it from its own thread."""
+
+    def __init__(self) -> None:
+        self.phase: str | None = None
+
+    def key(self) -> str | None:
+        return self.phase
+
+    def line(self, elapsed: float) -> str:
+        return f"{self.phase} {elapsed:.2f}"
+
+
+def test_heartbeat_prints_only_for_long_phases_at_most_once_per_interval():
+    lines: list[str] = []
+    status = FakeStatus()
+    with Heartbeat(status, interval=0.3, poll=0.02, print_fn=lines.append):
+        status.phase = "short"
+        time.sleep(0.15)  # shorter than the interval: nothing
+        status.phase, t0 = "long", time.perf_counter()
+        time.sleep(1.0)  # ~3 lines (at 0.3, 0.6, 0.9 s), never more than one per interval
+        status.phase, long_s = None, time.perf_counter() - t0  # None: nothing to report
+        time.sleep(0.4)
+    assert lines and all(x.startswith("long ") for x in lines), lines
+    assert 2 <= len(lines) <= long_s / 0.3 + 1, (lines, long_s)
+    elapsed = [float(x.split()[1]) for x in lines]
+    assert elapsed[0] >= 0.3 and all(b - a >= 0.25 for a, b in zip(elapsed, elapsed[1:], strict=False)), (
+        elapsed
+    )
+
+
+def test_heartbeat_stops_with_a_warning_when_the_status_fails(caplog):
+    class Broken(FakeStatus):
+        def key(self) -> str | None:
+            raise OSError("phase file gone")
+
+    with caplog.at_level("WARNING"), Heartbeat(Broken(), interval=0.05, poll=0.01, print_fn=print) as hb:
+        time.sleep(0.1)
+        assert not hb._thread.is_alive()
+    assert "console heartbeat stopped: OSError: phase file gone" in caplog.text
+    assert Heartbeat(FakeStatus(), enabled=False)._thread is None
 
 
 def test_console_tracker_prints_every_n_steps():
     lines = []
-    t = ConsoleTracker(every=2, print_fn=lines.append)
+    t = ConsoleTracker(every=2, print_fn=lines.append, num_steps=4)
     for step in range(4):
         t.log(step, {"reward/mean": step / 4})
     t.log_config({"a": 1})
     t.close()
-    assert lines == ["step 0 | reward 0", "step 2 | reward 0.500"]
+    assert lines == ["step 0/4 | reward 0", "step 2/4 | reward 0.500"]
 
 
 def test_multi_tracker_fans_out_and_closes_all_despite_errors(tmp_path):

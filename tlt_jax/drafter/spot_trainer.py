@@ -50,6 +50,7 @@ from tlt_jax.drafter.packing import DrafterSample, PackedBatch, eagle_inputs, pa
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.hooks import ChunkView, FinishedSequences, IdleWork, RolloutHooks, RolloutInfo
 from tlt_jax.rollout.interface import EngineLike
+from tlt_jax.utils import compile_stats
 from tlt_jax.utils.checkpoint import Checkpointer
 
 SPOT_MODES = ("off", "idle_devices", "between_chunks", "after_rollout")
@@ -305,6 +306,10 @@ class SpotTrainer(RolloutHooks):
 
     # ---- one device: updates between chunks / after the rollout ----
     def _host_steps(self, k: int) -> None:
+        with compile_stats.scope("drafter"):  # compiled inside the rollout, but the drafter's programs
+            self._train_steps(k)
+
+    def _train_steps(self, k: int) -> None:
         t0 = time.perf_counter()  # the staleness probe is the spot trainer's cost too
         self._staleness()
         for _ in range(k):
@@ -340,7 +345,8 @@ class SpotTrainer(RolloutHooks):
         if self.cfg.mode != "idle_devices" or not any(active) or all(active) or not self._budget_left():
             return None
         t0 = time.perf_counter()  # host work before the fused chunk (probe, packing) is added to the step
-        self._staleness()
+        with compile_stats.scope("drafter"):
+            self._staleness()
         d, k = len(live_per_shard), self.cfg.micro_steps
         tick = self._rollout_steps
         batches = [[self._batch(tick, i, j) for j in range(k)] for i in range(d)]

@@ -18,16 +18,23 @@ optimizer state): they are not stored (`Unsaved`), and a restore keeps the value
 its model file, the same arrays the uninterrupted run trains beside. "frozen" holds a fingerprint of them
 (per leaf: the sum and the sum of squares) that a restore checks, so a run resumed over a different model file
 stops instead of mixing two models. Checkpoints written before (every parameter stored) still restore.
+
+A resumed run restores the newest step that reads back (`restore_newest`). A finalised step whose files were
+damaged afterwards (a truncated or missing array file, missing metadata) is moved aside to
+`checkpoints/corrupt-<step>` with a warning naming it, and the run resumes from the step before.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from tlt_jax.drafter.spot_trainer import SpotTrainer
 from tlt_jax.rl.selector import selector_state
@@ -37,6 +44,8 @@ from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.utils.checkpoint import Checkpointer, Unsaved
 
 CHECKPOINT_DIR = "checkpoints"
+CORRUPT_PREFIX = "corrupt-"  # `checkpoints/corrupt-<step>`: a step that did not read back, kept to inspect
+_R = TypeVar("_R")
 
 
 def _fingerprint(x: jax.Array) -> jax.Array:
@@ -152,3 +161,60 @@ def restore_drafter(engine: RolloutEngine, spot: SpotTrainer | None, saved: Any)
         engine.set_drafter_params(spot.params)
     elif saved is not None:
         engine.set_drafter_params(saved)
+
+
+def set_aside(ckpt: Checkpointer, step: int) -> str:
+    """Move checkpoint `step`'s folder to `<dir>/corrupt-<step>` (process 0; kept, not deleted) and make every
+    process forget the step (a later save of `step` then writes it anew); returns the new path."""
+    dst = os.path.join(ckpt.directory, f"{CORRUPT_PREFIX}{step}")
+    n = 1
+    while os.path.exists(dst if n == 1 else f"{dst}-{n}"):
+        n += 1
+    dst = dst if n == 1 else f"{dst}-{n}"
+    if jax.process_index() == 0:
+        os.rename(os.path.join(ckpt.directory, str(step)), dst)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"tlt_jax_set_aside_{step}")
+    ckpt.reload()
+    return dst
+
+
+def _short(e: BaseException) -> str:
+    """An error's type and first line, without orbax's dump of the TensorStore spec."""
+    first = (str(e).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
+    return f"{type(e).__name__}: {first[:200]}"
+
+
+def restore_newest(ckpt: Checkpointer, restore: Callable[[int], _R]) -> tuple[int, _R] | None:
+    """`(step, restore(step))` for the newest checkpoint step that restores; None when there is none.
+
+    A step that fails while an older one restores is damaged (orbax finalises a step only once it is complete,
+    so this is a truncated or missing file, or missing metadata, from after the save): it is moved aside
+    (`set_aside`) with a warning naming it and the step resumed from. When no step restores, nothing is moved
+    and the newest step's error is raised: a failure every step shares (another model, another config) is the
+    run's, not the files'."""
+    failed: list[tuple[int, Exception]] = []
+    for step in reversed(ckpt.all_steps()):
+        try:
+            result = restore(step)
+        except Exception as e:  # orbax / tensorstore / JSON errors of damaged files, or a mismatch
+            logging.warning("checkpoint step %d in %s does not restore (%s)", step, ckpt.directory, _short(e))
+            failed.append((step, e))
+            continue
+        for bad, err in failed:
+            moved = set_aside(ckpt, bad)
+            logging.warning(
+                "checkpoint step %d in %s is unreadable (%s) while step %d restores: moved it to %s (kept "
+                "for inspection; delete it when done) and resuming from step %d",
+                bad,
+                ckpt.directory,
+                _short(err),
+                step,
+                moved,
+                step,
+            )
+        return step, result
+    if failed:
+        logging.error("no checkpoint in %s restores (steps %s)", ckpt.directory, [s for s, _ in failed])
+        raise failed[0][1]
+    return None

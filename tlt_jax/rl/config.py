@@ -1,7 +1,8 @@
 """Validation of the GRPO job's own config sections (rl, trainer, task, steps) on top of the shared ones.
 
-`validate(config)` raises ONE ValueError listing every problem of the whole config (shared sections via
-`config_lib.validate`'s checks, then these), each with the field and the fix.
+`validate_grpo(config)` raises ONE ValueError listing every problem of the whole config (shared sections via
+`config_lib.validate`'s checks, then these: keys the base config lacks with the nearest valid ones, values out
+of range, the task's keys and a JSONL task file's lines), each with the field and the fix.
 """
 
 from __future__ import annotations
@@ -19,6 +20,29 @@ from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.evaluation import EvalConfig
 from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions
+from tlt_jax.tasks.datasets import check_task_config, make_task
+from tlt_jax.utils.config_checks import Range, range_problems, unknown_key_problems
+
+# the allowed values of config.rl and config.rollout keys (key, predicate, the range in words)
+RL_RANGES: tuple[Range, ...] = (
+    ("prompts_per_step", lambda v: v >= 1, ">= 1"),
+    ("lr", lambda v: v > 0, "> 0 (the paper uses 1e-6)"),
+    ("warmup_steps", lambda v: v >= 0, ">= 0 (optimizer updates)"),
+    ("weight_decay", lambda v: v >= 0, ">= 0"),
+    ("grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    ("kl_coef", lambda v: v >= 0, ">= 0 (0 disables the KL term)"),
+    ("b1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("b2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("adv_eps", lambda v: v >= 0, ">= 0"),
+)
+ROLLOUT_RANGES: tuple[Range, ...] = (
+    ("chunk_steps", lambda v: v >= 1, ">= 1 (decode steps per device call)"),
+    ("min_cache_bucket", lambda v: v >= 1, ">= 1"),
+    ("prompt_bucket", lambda v: v >= 1, ">= 1"),
+    ("hidden_window", lambda v: v >= 1, ">= 1"),
+)
+# config sections whose keys are not fixed: ModelConfig fields, the task kind's constructor arguments
+OPEN_SECTIONS = ("model.random", "task")
 
 
 def rl_problems(config: Any) -> list[str]:
@@ -51,8 +75,6 @@ def rl_problems(config: Any) -> list[str]:
             f"config.rl.samples_per_prompt={rl.samples_per_prompt}: GRPO compares samples within a group, "
             "use >= 2 (the paper uses 8)."
         )
-    if rl.prompts_per_step < 1:
-        out.append(f"config.rl.prompts_per_step={rl.prompts_per_step}: must be >= 1.")
     if rl.advantage not in grpo.ADVANTAGE_METHODS:
         out.append(f"config.rl.advantage={rl.advantage!r}: use one of {sorted(grpo.ADVANTAGE_METHODS)}.")
     if rl.loss_agg not in grpo.LOSS_AGGREGATIONS:
@@ -62,13 +84,7 @@ def rl_problems(config: Any) -> list[str]:
             f"config.rl.clip_low={rl.clip_low} / clip_high={rl.clip_high}: need 0 <= clip_low < 1, "
             "clip_high >= 0."
         )
-    if rl.kl_coef < 0:
-        out.append(f"config.rl.kl_coef={rl.kl_coef}: must be >= 0 (0 disables the KL term).")
-    if rl.lr <= 0 or rl.warmup_steps < 0 or rl.grad_clip < 0 or rl.weight_decay < 0:
-        out.append(
-            f"config.rl: lr={rl.lr}, warmup_steps={rl.warmup_steps}, grad_clip={rl.grad_clip}, weight_decay="
-            f"{rl.weight_decay}: need lr > 0 and the others >= 0."
-        )
+    out += range_problems(rl, "rl", RL_RANGES) + range_problems(ro, "rollout", ROLLOUT_RANGES)
     rows = rl.prompts_per_step * rl.samples_per_prompt
     if rl.mini_batches < 1 or rows % rl.mini_batches:
         out.append(
@@ -91,6 +107,22 @@ def rl_problems(config: Any) -> list[str]:
     if tr.seq_bucket < 1:
         out.append(f"config.trainer.seq_bucket={tr.seq_bucket}: must be >= 1.")
     return out
+
+
+def task_problems(task: Any, check_paths: bool = True) -> list[str]:
+    """config.task's keys for its kind, and a JSONL task file read through (a malformed line fails here,
+    naming the line, before any model is built or anything is written)."""
+    kind = task.get("kind")
+    if not kind or (kind == "jsonl" and not task.get("path")):
+        return []  # rl_problems says what to set
+    try:
+        if check_paths and kind == "jsonl":
+            make_task(task)
+        else:
+            check_task_config(task)
+    except (OSError, ValueError) as e:
+        return [f"config.task: {e}"]
+    return []
 
 
 def spot_config_from(config: Any) -> SpotConfig:
@@ -181,7 +213,8 @@ def validate_grpo(config: Any, check_paths: bool = True) -> None:
     except ValueError as e:
         problems += [line.strip()[2:] for line in str(e).splitlines()[1:]]
     if config.job == "grpo":
-        problems += rl_problems(config)
+        problems += unknown_key_problems(config, config_lib.base_config(), OPEN_SECTIONS)
+        problems += rl_problems(config) + task_problems(config.task, check_paths)
         try:
             eval_config_from(config)
         except ValueError as e:

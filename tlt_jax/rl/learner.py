@@ -14,7 +14,9 @@ Determinism: step s uses the key fold_in(key(seed), s) and the data position sto
 run resumed from step k's checkpoint reproduces an uninterrupted run exactly (samples, metrics, weights).
 Checkpoints (rl/checkpointing.py: policy params, optimizer state, the drafter once, the spot trainer's and
 the selector's state, rng; data position and step in the meta) go out every `config.checkpoint_every` steps,
-at the end, and when SIGTERM/SIGINT arrives (PreemptionGuard).
+at the end, and when SIGTERM/SIGINT arrives (PreemptionGuard). The current phase ("<step> <phase>") is kept
+in `W/.phase` (tlt_jax/utils/phase.py) for whoever watches the process: experiments/kill_loop.py SIGKILLs
+runs at chosen phases and checks that the relaunched run ends bit-identical.
 """
 
 from __future__ import annotations
@@ -31,9 +33,22 @@ from tlt_jax import config_lib
 from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.rl import config as rl_config
 from tlt_jax.rl.advantages import step_advantages, train_batch
-from tlt_jax.rl.checkpointing import CHECKPOINT_DIR, checkpoint_state, restore_drafter, restore_state
+from tlt_jax.rl.checkpointing import (
+    CHECKPOINT_DIR,
+    checkpoint_state,
+    restore_drafter,
+    restore_newest,
+    restore_state,
+)
 from tlt_jax.rl.evaluation import held_out_eval
-from tlt_jax.rl.metrics import StepClock, engine_gap_metrics, finish_metrics, learning_metrics
+from tlt_jax.rl.metrics import (
+    LearnerStatus,
+    RolloutWatch,
+    StepClock,
+    engine_gap_metrics,
+    finish_metrics,
+    learning_metrics,
+)
 from tlt_jax.rl.outputs import log_samples, open_outputs
 from tlt_jax.rl.plan import StepPlan
 from tlt_jax.rl.reward import score_rollout
@@ -54,7 +69,10 @@ from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, make_task
 from tlt_jax.utils import compile_stats
 from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.phase import PhaseFile
 from tlt_jax.utils.preemption import PreemptionGuard
+from tlt_jax.utils.run_plots import PlotRefresher, append_timeline
+from tlt_jax.utils.tracking import Heartbeat
 
 
 class Learner:
@@ -64,6 +82,8 @@ class Learner:
         rl_config.validate_grpo(config)
         self.config, self.workdir = config, workdir
         self.is_main = jax.process_index() == 0
+        self.phases = PhaseFile(workdir if self.is_main else None)  # W/.phase: where the process is
+        self.phases.set(0, "init")
         self._compiles = compile_stats.compile_log().snapshot()
         self.plan = StepPlan.from_config(config)
         t0 = time.perf_counter()
@@ -83,6 +103,7 @@ class Learner:
             draft_vocab=self.rollout_drafter.draft_vocab,
         )
         self.monitor = RolloutMonitor(float(config.drafter.min_accept_len))
+        self.watch = RolloutWatch()  # live counters (console heartbeat) and chunk timeline (plots)
         self.spot = build_spot(spot_cfg, drafter, self.engine, self.rollout_drafter, self.is_main)
         self.selector = build_selector(config.bandit, self.engine, drafter is not None, int(config.seed))
         self.sampling = config_lib.sampling_from(config)
@@ -116,10 +137,11 @@ class Learner:
         return checkpoint_state(self.trainer, self.engine, self.spot, self.selector, self.base_key)
 
     def _restore(self) -> None:
-        latest = self.ckpt.latest_step()
-        if latest is None:
+        like = self._state()  # the newest step that reads back (a damaged one is moved aside, with a warning)
+        found = restore_newest(self.ckpt, lambda step: restore_state(self.ckpt, step, like, self.engine))
+        if found is None:
             return
-        state, meta = restore_state(self.ckpt, latest, self._state(), self.engine)
+        latest, (state, meta) = found
         self.trainer.params, self.trainer.opt_state = state["params"], state["opt_state"]
         self.base_key = state["rng"]
         load_selector_state(self.selector, state["bandit"])
@@ -135,7 +157,9 @@ class Learner:
         """Checkpoint the state after `self.step` completed steps (async; waited for at exit). The spot
         trainer's data buffer is written first (synchronously): every complete checkpoint has its buffer."""
         if self.spot is not None and self.is_main:
+            self.phases.set(self.step, "buffer_save")
             save_buffer(self.spot, self.workdir, self.step)
+        self.phases.set(self.step, "checkpoint")
         meta = {
             "step": self.step,
             "data_position": self.data_position,
@@ -154,7 +178,7 @@ class Learner:
             key=key,
             sampling=self.sampling,
             selector=self.selector,
-            watchers=[self.monitor, self.spot],
+            watchers=[self.monitor, self.watch, self.spot],  # the watch times a chunk before spot trains
             desc=f"rollout {self.step + 1}",
             progress=bool(self.config.progress_bar) and self.is_main,
         )
@@ -163,14 +187,15 @@ class Learner:
         """Run step `self.step + 1` (the phases in the module docstring); returns its metrics."""
         step, plan = self.step + 1, self.plan
         key = jax.random.fold_in(self.base_key, step)
-        clock = StepClock(self.engine)
+        clock = StepClock(self.engine, on_phase=lambda name: self.phases.set(step, name))
         with clock.phase("rollout"):
             problems, next_position = self.task.batch(self.data_position, plan.prompts)
             if self.spot is not None:  # the drafter trains against this policy's embedding and head
                 self.spot.begin_step(step)
             rollout = self._rollout(problems, jax.random.fold_in(key, 0))
-        if self.spot is not None:
-            with clock.phase("spot_after_rollout"), compile_stats.scope("drafter"):
+        if self.spot is not None:  # its training between chunks is its own part of the step's time
+            clock.carve("rollout", "spot", self.spot.stats["spot/added_seconds"], compiled_kind="drafter")
+            with clock.phase("spot_after_rollout", part="spot"), compile_stats.scope("drafter"):
                 self.spot.after_rollout()
         with clock.phase("reward"):
             scores = score_rollout(self.task, self.tokenizer, problems, rollout, plan.rows)
@@ -183,6 +208,7 @@ class Learner:
                 update = update_policy(self.trainer, batch, rollout.lengths, train_logp, plan)
             self.engine.set_params(self.trainer.compute_params())
             push_drafter(self.engine, self.spot)
+        self.phases.set(step, "metrics")
         metrics = learning_metrics(step, plan, rollout, scores, adv, update, next_position, clock)
         metrics.update(engine_gap_metrics(rollout, update, self.trainer.loss.fuse_old_logprobs))
         metrics.update(self.monitor.metrics(step))
@@ -191,6 +217,7 @@ class Learner:
         finish_metrics(metrics, rollout, clock)
         if self.is_main:
             log_samples(self.workdir, step, problems, rollout, scores, int(self.config.log_samples))
+            append_timeline(self.workdir, step, self.watch.timeline())
         self.step, self.data_position = step, next_position
         return metrics
 
@@ -200,9 +227,13 @@ class Learner:
         cfg = self.config
         every = int(cfg.checkpoint_every)
         status = "done"
+        plots = PlotRefresher(self.workdir, enabled=self.is_main)  # W/plots/run.png (tlt_jax.utils.run_plots)
+        status_now = LearnerStatus(self.workdir, self.watch, int(cfg.num_steps))
+        heartbeat = Heartbeat(status_now, enabled=self.is_main)  # a line every 10 s of a long phase
         try:
-            with PreemptionGuard() as guard:
+            with PreemptionGuard() as guard, heartbeat:
                 if self.step == 0 and self.evaluator is not None:
+                    self.phases.set(0, "eval")
                     with compile_stats.scope("eval"):
                         before = self.evaluator.run()  # the policy before any update
                     if self.trackers is not None:
@@ -210,6 +241,7 @@ class Learner:
                 while self.step < int(cfg.num_steps):
                     metrics = self.train_step()
                     if self.evaluator is not None and self.evaluator.cfg.due(self.step, int(cfg.num_steps)):
+                        self.phases.set(self.step, "eval")
                         with compile_stats.scope("eval"):
                             metrics.update(self.evaluator.run())
                     self._log_compiles(metrics)
@@ -218,12 +250,15 @@ class Learner:
                     last = self.step == int(cfg.num_steps)
                     if guard.should_stop or last or (every and self.step % every == 0):
                         self.save()
+                    plots.after_step()  # after the save: a preempted run saves first
                     if guard.should_stop and not last:
                         status = "preempted"
                         logging.warning("stopping at step %d after %s", self.step, guard.received.name)
                         break
                 if self.step >= int(cfg.num_steps) and self.ckpt.latest_step() != self.step:
                     self.save()  # e.g. resumed at the end of a run that crashed before its final save
+            self.phases.set(self.step, "plots")
+            plots.final()
         finally:
             self.close()
         return status
@@ -235,10 +270,14 @@ class Learner:
         self._compiles = now
 
     def close(self) -> None:
+        """Wait for the checkpoint writes in flight, close the outputs."""
+        self.phases.set(self.step, "close")
         self.ckpt.close()
         if self.trackers is not None:
             self.trackers.close()
             self.trackers = None
+        self.phases.set(self.step, "closed")
+        self.phases.close()
 
 
 def run_grpo(config: Any, workdir: str) -> str:

@@ -17,7 +17,7 @@ from absl import logging
 from tlt_jax.rl.reward import Scores
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem
-from tlt_jax.utils.tracking import MultiTracker, make_trackers, truncate_jsonl
+from tlt_jax.utils.tracking import MultiTracker, make_trackers, shorten, truncate_jsonl
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -39,7 +39,7 @@ def log_samples(
     workdir: str, step: int, problems: list[Problem], rollout: Rollout, scores: Scores, k: int
 ) -> None:
     """`k` of the step's responses, evenly spaced over its rows, to workdir/samples.jsonl (the first: to the
-    log)."""
+    log, question and response cut in the middle at "…" when long)."""
     rows_total = len(scores.texts)
     k = min(k, rows_total)
     if not k:
@@ -61,6 +61,6 @@ def log_samples(
         "step %d sample (reward %.2f): %r -> %r",
         step,
         scores.results[rows[0]].reward,
-        problems[int(rollout.prompt_index[rows[0]])].question[-60:],
-        scores.texts[rows[0]][:200],
+        shorten(problems[int(rollout.prompt_index[rows[0]])].question, 80),
+        shorten(scores.texts[rows[0]], 200),
     )

@@ -5,6 +5,8 @@
                    "eagle"  a learned EAGLE drafter from `drafter.path` (a warm-up workdir or its drafter/)
                    "auto"   "eagle" when `drafter.path` holds a drafter, else "ngram" (TLT's order: the
                             model-free drafter until a learned one is ready), saying how to warm one up
+    drafter.init_from       (kind eagle/auto) an EAGLE-1 drafter directory instead of `path`: our export or a
+                            published one (config.json + model.safetensors; tlt_jax.drafter.eagle_format)
 
 `resolve_drafter` turns the section into a drafter model (checked against the policy: hidden size,
 vocabulary, layer layout) and its reduced draft vocabulary. `RolloutMonitor` is a rollout hook that turns a
@@ -22,13 +24,16 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from tlt_jax.drafter.eagle_format import WEIGHTS_FILE, load_eagle_drafter
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.hooks import ChunkView, RolloutHooks, RolloutInfo
 from tlt_jax.rollout.types import ChunkRecord
+from tlt_jax.utils.tracking import interpreter
 
 KINDS = ("none", "ngram", "eagle", "auto")
-WARMUP_COMMAND = "python -m tlt_jax.main --config configs/drafter_warmup.py:tlt --workdir {path}"
+# the hint runs in the same venv as this process (`.venv/bin/python` under `make run`)
+WARMUP_COMMAND = interpreter() + " -m tlt_jax.main --config configs/drafter_warmup.py:tlt --workdir {path}"
 # the policy/drafter fields that must agree for the drafter's weights to fit the policy
 COMPAT_FIELDS = (
     "architecture",
@@ -98,6 +103,10 @@ def resolve_drafter(section: Any, policy: ModelConfig) -> ResolvedDrafter:
     kind, path = str(section.kind), str(section.get("path") or "")
     if kind not in KINDS:
         raise ValueError(f"config.drafter.kind={kind!r}: use one of {KINDS}.")
+    init_from = str(section.get("init_from") or "")
+    if init_from and kind in ("eagle", "auto"):
+        drafter, vocab = load_eagle_drafter(init_from, policy)
+        return ResolvedDrafter("eagle", drafter, vocab, path=str(pathlib.Path(init_from) / WEIGHTS_FILE))
     if kind == "auto":
         if has_drafter(path):
             kind = "eagle"
@@ -135,12 +144,11 @@ def resolve_drafter(section: Any, policy: ModelConfig) -> ResolvedDrafter:
 
 
 def announced_drafter(section: Any, policy: ModelConfig, announce: bool) -> ResolvedDrafter:
-    """`resolve_drafter`, its note (e.g. "auto" fell back to the n-gram drafter) logged and printed when
+    """`resolve_drafter`, its note (e.g. "auto" fell back to the n-gram drafter) logged once as a warning when
     `announce` (process 0): a run that drafts with another drafter than the one asked for says so up front."""
     resolved = resolve_drafter(section, policy)
     if resolved.note and announce:
         logging.warning("%s", resolved.note)
-        print(f"note: {resolved.note}", flush=True)
     return resolved
 
 

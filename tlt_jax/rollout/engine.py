@@ -372,8 +372,9 @@ class RolloutEngine:
             if len(p) + max_new > self.config.max_cache_len:
                 raise ValueError(
                     f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new} it needs "
-                    f"{len(p) + max_new} cache slots but max_cache_len={self.config.max_cache_len}. "
-                    "Shorten the prompt, lower max_new_tokens, or raise max_cache_len in the engine config."
+                    f"{len(p) + max_new} cache slots but max_cache_len={self.config.max_cache_len}. Raise "
+                    f"config.rollout.max_cache_len to >= {len(p) + max_new}, lower "
+                    "config.rollout.max_new_tokens, or shorten the prompt."
                 )
 
     def prefill(

@@ -57,8 +57,9 @@ class EngineConfig:
             raise ValueError(f"matmul_precision={self.matmul_precision!r}: use one of {MATMUL_PRECISIONS}.")
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={self.attn_impl!r}: use one of {ATTN_IMPLS} (rollout.attn_impl).")
-        if self.max_new_tokens < 1 or self.chunk_steps < 1 or self.hidden_window < 1:
-            raise ValueError("max_new_tokens, chunk_steps and hidden_window must be >= 1")
+        for name in ("max_new_tokens", "chunk_steps", "hidden_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1 (config.rollout.{name}).")
         if self.max_new_tokens >= self.max_cache_len:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} leaves no room for a prompt in max_cache_len="

@@ -130,6 +130,31 @@ class ReasoningGymTask(Task):
         )
 
 
+def _parse_line(line: str) -> tuple[dict[str, Any], str, str]:
+    """One JSONL task line -> (entry, question, reference answer); a ValueError saying what is wrong."""
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from e
+    if not isinstance(entry, dict):
+        raise ValueError(f"expected a JSON object, got {type(entry).__name__}")
+    for key in ("question", "answer"):
+        if key not in entry:
+            raise ValueError(f"missing field {key!r} (fields present: {sorted(entry)})")
+    question, answer = entry["question"], entry["answer"]
+    if not isinstance(question, str):
+        raise ValueError(f"field 'question' must be a string, got {type(question).__name__}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(f"field 'answer' must be a string or a number, got {type(answer).__name__}")
+    answer = str(answer)
+    if "####" in answer:  # GSM8K: the worked solution, then "#### 42"
+        answer = answer.rsplit("####", 1)[1]
+    answer = answer.strip()
+    if not answer:
+        raise ValueError("field 'answer' is empty (after the '####' marker, if any)")
+    return entry, question, answer
+
+
 class JsonlTask(Task):
     """GSM8K/MATH-style local JSONL: one `{"question": str, "answer": str | number}` object per line.
 
@@ -169,33 +194,14 @@ class JsonlTask(Task):
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno}"
                 try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError as e:
+                    entry, question, answer = _parse_line(line)
+                except ValueError as e:
                     raise ValueError(
-                        f"{where}: invalid JSON ({e.msg}); each line must be one JSON object"
+                        f"{path}:{lineno}: {e}. Each line must be one JSON object "
+                        '{"question": "...", "answer": "..." or a number} (blank lines are skipped): fix or '
+                        f"remove line {lineno}."
                     ) from e
-                if not isinstance(entry, dict):
-                    raise ValueError(f"{where}: expected a JSON object, got {type(entry).__name__}")
-                for key in ("question", "answer"):
-                    if key not in entry:
-                        raise ValueError(f"{where}: missing field {key!r} (fields present: {sorted(entry)})")
-                question, answer = entry["question"], entry["answer"]
-                if not isinstance(question, str):
-                    raise ValueError(
-                        f"{where}: field 'question' must be a string, got {type(question).__name__}"
-                    )
-                if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-                    raise ValueError(
-                        f"{where}: field 'answer' must be a string or a number, got {type(answer).__name__}"
-                    )
-                answer = str(answer)
-                if "####" in answer:
-                    answer = answer.rsplit("####", 1)[1]
-                answer = answer.strip()
-                if not answer:
-                    raise ValueError(f"{where}: field 'answer' is empty (after the '####' marker, if any)")
                 uid = str(entry["id"]) if "id" in entry else f"{path.name}:{lineno}"
                 problems.append(Problem(uid=uid, question=question, answer=answer, entry=entry))
         if not problems:
@@ -268,16 +274,13 @@ TASK_KINDS: dict[str, type[Task]] = {
 }
 
 
-def make_task(config: Mapping[str, Any] | Any) -> Task:
-    """Build a task from a config (ml_collections.ConfigDict or dict) with `kind` in TASK_KINDS.
-
-    The other keys are the constructor arguments of the chosen class; unknown or missing keys raise a
-    ValueError naming them.
-    """
+def check_task_config(config: Mapping[str, Any] | Any) -> tuple[type[Task], dict[str, Any]]:
+    """The task class of `config["kind"]` and its constructor arguments (the other keys), without building
+    the task; a ValueError naming an unknown kind, unknown keys or missing keys, and the valid ones."""
     cfg = dict(config.to_dict()) if hasattr(config, "to_dict") else dict(config)
     kind = cfg.pop("kind", None)
     if kind not in TASK_KINDS:
-        raise ValueError(f"unknown task kind {kind!r}: set config.kind to one of {sorted(TASK_KINDS)}")
+        raise ValueError(f"unknown task kind {kind!r}: set config.task.kind to one of {sorted(TASK_KINDS)}")
     cls = TASK_KINDS[kind]
     params = {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
     unknown = sorted(set(cfg) - set(params))
@@ -286,6 +289,13 @@ def make_task(config: Mapping[str, Any] | Any) -> Task:
     missing = sorted(k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in cfg)
     if missing:
         raise ValueError(f"task kind {kind!r} needs config keys {missing}")
+    return cls, cfg
+
+
+def make_task(config: Mapping[str, Any] | Any) -> Task:
+    """Build a task from a config (ml_collections.ConfigDict or dict) with `kind` in TASK_KINDS; the other
+    keys are the constructor arguments of its class (`check_task_config` names unknown or missing ones)."""
+    cls, cfg = check_task_config(config)
     return cls(**cfg)
 
 

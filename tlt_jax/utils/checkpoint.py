@@ -17,7 +17,8 @@ Crash safety comes from orbax: a step is written into `<step>.orbax-checkpoint-t
 only once complete, so a process killed mid-save leaves the previous step restorable; half-written temporary
 directories are ignored, and removed when the next `Checkpointer` opens the directory (synchronously, by
 `_remove_half_written_steps`: orbax's own cleanup runs in a background thread, so a directory listed right
-after opening could still hold them; it is switched off).
+after opening could still hold them; it is switched off). Retention renames a retired step into `TRASH`, gone
+after the next save, at close and at open (orbax's in-place delete, killed midway, left a "finalised" step).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from absl import logging
 
 PyTree = Any
 _LAYOUT_VERSION = 1
+TRASH = ".deleted"  # `<dir>/.deleted/<step>`: retired by retention (an atomic rename), removed soon after
 # Leaves whose path has one of these components are the target's embedding / LM head that the drafter shares.
 DEFAULT_SHARED_NAMES = ("embed", "embedding", "embed_tokens", "lm_head", "tok_embeddings")
 
@@ -232,12 +234,12 @@ def _to_json(meta: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _remove_half_written_steps(directory: str) -> None:
-    """Delete `<step>.orbax-checkpoint-tmp*` directories left by a process killed mid-save (process 0 only;
-    never a finalised `<step>` directory)."""
+    """Delete `<step>.orbax-checkpoint-tmp*` directories left by a process killed mid-save and the retired
+    steps in `TRASH` (process 0 only; never a finalised `<step>` directory)."""
     if jax.process_index() != 0 or not os.path.isdir(directory):
         return
     for name in os.listdir(directory):
-        if ".orbax-checkpoint-tmp" in name:
+        if ".orbax-checkpoint-tmp" in name or name == TRASH:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
@@ -290,6 +292,7 @@ class Checkpointer:
             # half-written `<step>.orbax-checkpoint-tmp` dirs are removed above, before opening; orbax's own
             # cleanup would do it again in a background thread, racing a caller that lists the directory
             cleanup_tmp_directories=False,
+            todelete_subdir=TRASH,
             create=True,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
@@ -315,6 +318,8 @@ class Checkpointer:
             force=force,
         )
         blocking_ms = (time.perf_counter() - t0) * 1e3
+        if jax.process_index() == 0:  # the steps the previous save retired (that save is complete now)
+            shutil.rmtree(os.path.join(self.directory, TRASH), ignore_errors=True)
         if not saved:
             logging.warning("checkpoint step %d not saved (latest is %s)", step, self._mngr.latest_step())
         return SaveInfo(step=int(step), saved=bool(saved), blocking_ms=blocking_ms)
@@ -328,6 +333,10 @@ class Checkpointer:
         """All finalised steps, oldest first."""
         self._mngr.wait_until_finished()
         return sorted(self._mngr.all_steps())
+
+    def reload(self) -> None:
+        """Re-read the steps on disk (after a step's folder was moved away: `rl.checkpointing.set_aside`)."""
+        self._mngr.reload()
 
     def restore(
         self, step: int | None = None, abstract_state: PyTree = None
@@ -389,6 +398,7 @@ class Checkpointer:
         """Wait for pending saves, release orbax's resources, and remove the followers' per-step folders
         whose checkpoint retention has deleted."""
         self._mngr.close()
+        _remove_half_written_steps(self.directory)  # and the steps retention retired
         for root in self.followers:
             prune_steps(self.directory, root)
 

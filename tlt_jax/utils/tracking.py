@@ -1,5 +1,5 @@
-"""Experiment tracking: a `Tracker` protocol with jsonl (always on), wandb and console backends, and a tqdm
-progress bar for the rollout.
+"""Experiment tracking: a `Tracker` protocol with jsonl (always on), wandb and console backends, a tqdm
+progress bar for the rollout, and the console's heartbeat (what a long job is doing while it prints nothing).
 
 The workdir holds `metrics.jsonl` (one JSON object per step) and `config.json`, so a run can be inspected
 without wandb; wandb runs offline under `workdir/wandb` unless the config or WANDB_MODE says otherwise.
@@ -12,6 +12,7 @@ import os
 import secrets
 import string
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any, Protocol, runtime_checkable
@@ -221,43 +222,73 @@ def _fmt_num(x: Any) -> str:
     return f"{x:.3f}"
 
 
-def format_step_line(step: int, metrics: Metrics) -> str:
-    """One console line for a step; fields whose metrics are absent are left out.
+def _secs(x: float) -> str:
+    """Seconds at a precision that suits them: 132.8, 6.79, 0.03."""
+    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
 
-    Reads: reward/mean, accuracy, length/{p50,p90,max}, time/<phase> (seconds; time/step is the total),
-    rollout/share (else time/rollout over the total), throughput/tok_per_s, spec/accept_len, eval/reward and
-    eval/accuracy (the held-out evaluation).
+
+# the step's time as disjoint parts that add up to time/step (tlt_jax.rl.metrics.StepClock), in console order
+TIME_PARTS = ("rollout", "compile", "spot", "reward", "logprob", "update", "other")
+
+
+def _time_field(m: dict[str, Any]) -> str | None:
+    """`time 132.8 s = rollout 71.2 + compile 42.8 + ...`: the step's total and its parts (those that round to
+    zero left out); metrics of other phase names come after the known ones."""
+    parts = {k[len("time/") :]: float(v) for k, v in m.items() if k.startswith("time/") and k != "time/step"}
+    if not parts and "time/step" not in m:
+        return None
+    total = float(m["time/step"]) if "time/step" in m else sum(parts.values())
+    order = [p for p in TIME_PARTS if p in parts] + sorted(p for p in parts if p not in TIME_PARTS)
+    shown = [f"{p} {_secs(parts[p])}" for p in order if float(_secs(parts[p])) != 0]
+    return f"time {_secs(total)} s" + (" = " + " + ".join(shown) if shown else "")
+
+
+def format_step_line(step: int, metrics: Metrics, num_steps: int | None = None) -> str:
+    """One console line for a step (`step/num_steps` when given); fields of absent metrics are left out.
+
+    Reads: reward/mean, accuracy, length/{p50,p90,max} (tokens, whole numbers), time/step and its parts
+    time/<part> (they add up to time/step), throughput/tok_per_s, spec/accept_len (`accept - (no SD chunk)`
+    when speculative modes exist, spec/modes > 0, but no chunk of the step speculated), eval/reward,
+    eval/accuracy and eval/seconds (the held-out evaluation).
     """
     m = dict(metrics)
-    parts = [f"step {step}"]
+    parts = [f"step {step}" + (f"/{num_steps}" if num_steps else "")]
     if "reward/mean" in m:
         parts.append(f"reward {_fmt_num(m['reward/mean'])}")
     if "accuracy" in m:
         parts.append(f"acc {100 * float(m['accuracy']):.1f}%")
     lens = [m.get(f"length/{k}") for k in ("p50", "p90", "max")]
     if any(v is not None for v in lens):
-        parts.append("len p50/p90/max " + "/".join("-" if v is None else _fmt_num(v) for v in lens))
-    phases = {k[len("time/") :]: float(v) for k, v in m.items() if k.startswith("time/") and k != "time/step"}
-    total = float(m["time/step"]) if "time/step" in m else sum(phases.values())
-    if phases or "time/step" in m:
-        shown = " ".join(f"{k} {v:.2f}s" for k, v in phases.items())
-        parts.append(f"time {total:.2f}s" + (f" ({shown})" if shown else ""))
-    share = m.get("rollout/share")
-    if share is None and "rollout" in phases and total > 0:
-        share = phases["rollout"] / total
-    if share is not None:
-        parts.append(f"rollout {100 * float(share):.0f}%")
+        parts.append("len p50/p90/max " + "/".join("-" if v is None else f"{float(v):.0f}" for v in lens))
+    if time_field := _time_field(m):
+        parts.append(time_field)
     if "throughput/tok_per_s" in m:
         parts.append(f"{float(m['throughput/tok_per_s']):.0f} tok/s")
     if "spec/accept_len" in m:
         parts.append(f"accept {float(m['spec/accept_len']):.2f}")
-    if float(m.get("compile/total_s", 0.0)) >= 0.5:  # trace + lower + XLA, all programs of the step
-        parts.append(f"compiled {float(m['compile/total_s']):.1f}s")
+    elif float(m.get("spec/modes", 0)) > 0:
+        parts.append("accept - (no SD chunk)")
     if "eval/reward" in m:
-        parts.append(
-            f"held-out reward {_fmt_num(m['eval/reward'])} acc {100 * float(m.get('eval/accuracy', 0)):.1f}%"
-        )
+        acc, secs = 100 * float(m.get("eval/accuracy", 0)), m.get("eval/seconds")
+        took = "" if secs is None else f" ({_secs(float(secs))} s)"
+        parts.append(f"held-out reward {_fmt_num(m['eval/reward'])} acc {acc:.1f}%{took}")
     return " | ".join(parts)
+
+
+def shorten(text: str, width: int) -> str:
+    """`text` cut in the middle to at most `width` characters ("Find the final an…: 5 + 4 - 5 ="): a prompt's
+    start says what kind of problem it is and its end what is asked."""
+    if len(text) <= width:
+        return text
+    head = max(width - 1, 0) // 2
+    return text[:head] + "…" + text[len(text) - max(width - 1 - head, 0) :]
+
+
+def interpreter() -> str:
+    """The running Python as a user would type it: relative to the working directory when inside it
+    (`.venv/bin/python`), else its absolute path (hints print commands that must run in the same venv)."""
+    exe, rel = os.path.abspath(sys.executable), os.path.relpath(sys.executable)
+    return rel if not rel.startswith("..") else exe
 
 
 def _console_print(line: str) -> None:
@@ -273,14 +304,17 @@ def _console_print(line: str) -> None:
 class ConsoleTracker:
     """Prints `format_step_line` every `every` steps (absl logging / print by default, or any `print_fn`)."""
 
-    def __init__(self, every: int = 1, print_fn: Callable[[str], None] | None = None):
+    def __init__(
+        self, every: int = 1, print_fn: Callable[[str], None] | None = None, num_steps: int | None = None
+    ):
         self.every = max(1, int(every))
+        self.num_steps = num_steps
         self._print = print_fn or _console_print
 
     def log(self, step: int, metrics: Metrics) -> None:
         """Print the step's summary line (on every `every`-th step)."""
         if step % self.every == 0:
-            self._print(format_step_line(step, metrics))
+            self._print(format_step_line(step, metrics, self.num_steps))
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Nothing: the config lives in config.json and wandb, too long for a console line."""
@@ -327,7 +361,11 @@ def make_trackers(config: Any, workdir: str | os.PathLike, resume_step: int | No
     jsonl = JsonlTracker(workdir)
     if resume_step is not None:
         jsonl.truncate_from(resume_step)
-    trackers: list[Tracker] = [jsonl, ConsoleTracker(every=int(config.get("log_every", 1) or 1))]
+    every = int(config.get("log_every", 1) or 1)
+    trackers: list[Tracker] = [
+        jsonl,
+        ConsoleTracker(every, num_steps=int(config.get("num_steps", 0)) or None),
+    ]
     trackers.append(
         WandbTracker(
             project=wb_get("project") or "tlt_jax",
@@ -400,3 +438,63 @@ class RolloutProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class HeartbeatStatus(Protocol):
+    """What a `Heartbeat` asks: `key()` names what the job is doing now (None: nothing to report; a new key
+    restarts the clock), `line(elapsed)` describes it, `elapsed` seconds after that key first appeared."""
+
+    def key(self) -> str | None: ...
+
+    def line(self, elapsed: float) -> str: ...
+
+
+def _print_around_bars(line: str) -> None:
+    """`_console_print` with any tqdm bar on stderr cleared first and redrawn after."""
+    from tqdm import tqdm
+
+    with tqdm.external_write_mode(file=sys.stderr):
+        _console_print(line)
+
+
+class Heartbeat:
+    """A daemon thread that says what a long job is doing while it is otherwise silent (compiling, a long
+    rollout or update). Every `poll` s it reads `status.key()`; once the same key has lasted `interval` s,
+    and then every `interval` s, it prints `status.line(elapsed)`: at most one line per `interval`, on a TTY
+    or in a CI log alike (no carriage-return redraws). A failing status stops it with one warning."""
+
+    def __init__(
+        self,
+        status: HeartbeatStatus,
+        interval: float = 10.0,
+        poll: float = 0.5,
+        print_fn: Callable[[str], None] | None = None,
+        enabled: bool = True,
+    ):
+        self.status, self.interval, self.poll = status, float(interval), float(poll)
+        self._print = print_fn or _print_around_bars
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True) if enabled else None
+
+    def _run(self) -> None:
+        key, since, last = None, 0.0, 0.0
+        try:
+            while not self._stop.wait(self.poll):
+                now_key, now = self.status.key(), time.perf_counter()
+                if now_key != key:
+                    key, since, last = now_key, now, now
+                elif key is not None and now - last >= self.interval:
+                    last = now
+                    self._print(self.status.line(now - since))
+        except Exception as e:  # the console's heartbeat must never take the job down
+            logging.warning("console heartbeat stopped: %s: %s", type(e).__name__, e)
+
+    def __enter__(self) -> Heartbeat:
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join()

@@ -1,0 +1,255 @@
+"""Export a workdir's drafter as an EAGLE checkpoint for SGLang / vLLM (`tlt_jax.drafter.eagle_format`).
+
+    python -m tlt_jax.export_drafter --workdir W --out DIR [--force] [--dtype bfloat16] [--full-vocab]
+
+The drafter is the newest one in W's checkpoints:
+    an RL workdir   W/checkpoints/<latest>: the spot trainer's weights, or the rollout drafter's when no
+                    spot trainer trained it ("drafter" in the checkpoint tree)
+    a warm-up       W/drafter/<step> (a finished warm-up) or W/train_state/<step> (one still training),
+                    whichever step is newer
+Its target's architecture comes from the drafter checkpoint's metadata (warm-up) or W/config.json's model
+section (a model path is opened for its config only). The reduced draft vocabulary is the warm-up's
+`drafter/draft_vocab.npy`, or for an RL run the one its rollouts drafted with (config.drafter: init_from's
+d2t, else the warm-up workdir of drafter.path). `--full-vocab` leaves it out (SGLang's Qwen2 loader refuses
+the d2t/t2d tensors).
+
+Checkpoints are opened read-only and only the drafter's leaves are restored (orbax partial restore): no
+policy or optimizer state is read, nothing in W is written or cleaned, so a running job's workdir is safe to
+export from. DIR is written atomically (`write_eagle_dir`); a non-empty DIR is replaced only with --force.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections as mlc
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from tlt_jax.drafter.draft_vocab import load_draft_vocab
+from tlt_jax.drafter.eagle_format import (
+    HF_CONFIG_FILE,
+    TLT_SECTION,
+    draft_vocab_from_maps,
+    read_eagle_dir,
+    to_eagle,
+    write_eagle_dir,
+)
+from tlt_jax.drafter.trainer import TRAIN_STATE_DIR
+from tlt_jax.drafter.warmup import DRAFTER_DIR
+from tlt_jax.models.build import model_config_from
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
+from tlt_jax.rl.speculation import drafter_dir, has_drafter
+from tlt_jax.utils.tracking import CONFIG_FILE
+
+# (folder, the checkpoint-tree prefixes that hold the drafter's params, first match wins, what it is)
+_SOURCES = (
+    (CHECKPOINT_DIR, ("spot/state/params/", "drafter/"), "RL checkpoint"),
+    (DRAFTER_DIR, ("",), "warm-up drafter"),
+    (TRAIN_STATE_DIR, ("params/",), "warm-up train state"),
+)
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSource:
+    """Where a workdir's newest drafter is: a checkpoint step and the prefix of its params' leaves."""
+
+    directory: pathlib.Path
+    step: int
+    prefix: str
+    leaves: dict[str, Any]  # saved leaf path (below `prefix`) -> {"shape", "dtype"}
+    meta: dict[str, Any]
+    kind: str
+
+    def describe(self) -> str:
+        what = {"spot/state/params/": "the spot trainer's", "drafter/": "the rollout drafter's"}.get(
+            self.prefix
+        )
+        return f"{self.directory} step {self.step} ({what or self.kind} weights)"
+
+
+def _manager(directory: pathlib.Path) -> ocp.CheckpointManager:
+    """A read-only orbax manager: never creates, cleans or deletes anything in `directory`."""
+    level = logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)  # orbax warns that a read-only manager will not save
+    try:
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False)
+        return ocp.CheckpointManager(directory, options=options)
+    finally:
+        logging.set_verbosity(level)
+
+
+def _source(directory: pathlib.Path, prefixes: Sequence[str], kind: str) -> DrafterSource | None:
+    """The latest step of `directory` and the first prefix whose leaves it stores (None: no step there;
+    a DrafterSource with prefix "" and no leaves: a step without a drafter)."""
+    if not directory.is_dir():
+        return None
+    mngr = _manager(directory)
+    try:
+        step = mngr.latest_step()
+        if step is None:
+            return None
+        small = mngr.restore(
+            step, args=ocp.args.Composite(layout=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+        )
+    finally:
+        mngr.close()
+    leaves, meta = small["layout"]["leaves"], dict(small["meta"] or {})
+    for prefix in prefixes:
+        mine = {p[len(prefix) :]: v for p, v in leaves.items() if p.startswith(prefix)}
+        if mine:
+            return DrafterSource(directory, int(step), prefix, mine, meta, kind)
+    return DrafterSource(directory, int(step), "", {}, meta, kind)
+
+
+def find_drafter(workdir: str | pathlib.Path) -> DrafterSource:
+    """The newest drafter checkpoint of `workdir` (see the module docstring), or a clear error."""
+    wd = pathlib.Path(workdir)
+    rl = _source(wd / _SOURCES[0][0], *_SOURCES[0][1:])
+    if rl is not None:
+        if not rl.leaves:
+            raise ValueError(
+                f"{rl.directory} step {rl.step} holds no EAGLE drafter: the run drafted without one "
+                "(config.drafter.kind none/ngram) and trained none (config.spot.mode=off). Export the "
+                "warm-up workdir its drafter came from instead, if any."
+            )
+        return rl
+    found = [s for s in (_source(wd / d, p, k) for d, p, k in _SOURCES[1:]) if s is not None and s.leaves]
+    if not found:
+        looked = ", ".join(d + "/<step>" for d, _, _ in _SOURCES)
+        raise FileNotFoundError(
+            f"{wd} has no drafter checkpoint (looked for {looked}): "
+            "point --workdir at a drafter warm-up or an RL run with an EAGLE drafter (kind=eagle, or a "
+            "spot trainer), after it saved a checkpoint."
+        )
+    return max(found, key=lambda s: s.step)  # a tie keeps drafter/ (listed first): the finished warm-up
+
+
+def read_drafter(src: DrafterSource) -> dict[str, Any]:
+    """The drafter's params as a nested dict of numpy arrays (nnx's trailing "value" level dropped), restored
+    alone from the checkpoint (the other leaves are never read)."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    item: dict[str, Any] = {}
+    for path, v in src.leaves.items():
+        node = item
+        *parents, last = (src.prefix + path).split("/")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=device)
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), item)
+    mngr = _manager(src.directory)
+    try:
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        state = mngr.restore(src.step, args=ocp.args.Composite(state=args))["state"]
+    finally:
+        mngr.close()
+    for k in src.prefix.split("/")[:-1]:
+        state = state[k]
+    return _plain(state)
+
+
+def _plain(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        if set(tree) == {"value"} and not isinstance(tree["value"], dict):
+            return np.asarray(tree["value"])
+        return {k: _plain(v) for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+def load_workdir_config(workdir: str | pathlib.Path) -> mlc.ConfigDict:
+    """The workdir's config.json (written by every job at its start) as a ConfigDict."""
+    path = pathlib.Path(workdir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist: --workdir must be the workdir of a drafter warm-up or an RL run "
+            "(they write config.json when they start)."
+        )
+    return mlc.ConfigDict(json.loads(path.read_text()))
+
+
+def target_config(config: mlc.ConfigDict, src: DrafterSource) -> ModelConfig:
+    """The architecture the drafter was trained for: the warm-up's checkpoint metadata, else config.model."""
+    if src.meta.get("target"):
+        return ModelConfig(**src.meta["target"])
+    m = config.model
+    if m.get("path"):
+        from tlt_jax.models.loading import load_model
+
+        return load_model(m.path, dtype=m.dtype).config
+    if m.get("arch"):
+        return model_config_from(config)
+    return ModelConfig(**{**dict(m.random), "dtype": m.dtype})
+
+
+def workdir_draft_vocab(
+    workdir: str | pathlib.Path, config: mlc.ConfigDict, src: DrafterSource, vocab_size: int
+) -> np.ndarray | None:
+    """The reduced vocabulary the drafter drafts with (see the module docstring), or None for the full one."""
+    if src.directory.name != CHECKPOINT_DIR:  # a warm-up: its own draft vocabulary, if it built one
+        return load_draft_vocab(workdir)
+    section = config.get("drafter") or {}
+    if section.get("init_from"):
+        tensors, _ = read_eagle_dir(section["init_from"])
+        return draft_vocab_from_maps(tensors, vocab_size, f"the EAGLE drafter in {section['init_from']}")
+    path = section.get("path") or ""
+    if section.get("kind") in ("eagle", "auto") and has_drafter(path):
+        return load_draft_vocab(drafter_dir(path))
+    return None
+
+
+def export_drafter(
+    workdir: str | pathlib.Path,
+    out: str | pathlib.Path,
+    force: bool = False,
+    dtype: str | None = None,
+    full_vocab: bool = False,
+) -> tuple[pathlib.Path, DrafterSource]:
+    """Export `workdir`'s newest drafter to `out` (config.json + model.safetensors); returns (out, source)."""
+    if not force and pathlib.Path(out).is_dir() and any(pathlib.Path(out).iterdir()):
+        raise FileExistsError(
+            f"--out {out} is not empty: pass --force to replace it, or choose another path."
+        )
+    config = load_workdir_config(workdir)
+    src = find_drafter(workdir)
+    target = target_config(config, src)
+    vocab = None if full_vocab else workdir_draft_vocab(workdir, config, src, target.vocab_size)
+    tensors, hf_config = to_eagle(read_drafter(src), target, vocab, dtype)
+    hf_config[TLT_SECTION]["source"] = {
+        "workdir": str(pathlib.Path(workdir).resolve()),
+        "what": src.describe(),
+    }
+    return write_eagle_dir(out, tensors, hf_config, force=force), src
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", required=True, help="a drafter warm-up or RL workdir")
+    ap.add_argument("--out", required=True, help="the export directory (config.json + model.safetensors)")
+    ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    ap.add_argument("--dtype", choices=_DTYPES, default=None, help="tensor dtype (default: as trained)")
+    ap.add_argument("--full-vocab", action="store_true", help="leave out the reduced draft vocabulary")
+    args = ap.parse_args(argv)
+    try:
+        out, src = export_drafter(args.workdir, args.out, args.force, args.dtype, args.full_vocab)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    cfg = json.loads((out / HF_CONFIG_FILE).read_text())
+    vocab = cfg.get("draft_vocab_size")
+    print(
+        f"{out}: EAGLE-1 drafter from {src.describe()}; hidden {cfg['hidden_size']}, {cfg['torch_dtype']}, "
+        f"{'draft vocabulary ' + str(vocab) if vocab else 'full vocabulary'} of {cfg['vocab_size']}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Config checks whose messages name the key, the value and the fix: unknown keys with the nearest valid ones,
+values out of range, and a workdir whose saved `config.json` differs from the command's config.
+
+Plain logic over nested dicts (a ConfigDict's `to_dict()`) and the workdir's JSON: the callers pass the
+reference config and say what is fatal (`tlt_jax.rl.config` validates GRPO configs with these; `tlt_jax.main`
+checks command-line overrides and the workdir before anything is written).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from tlt_jax.utils.tracking import CONFIG_FILE
+
+# `python -m tlt_jax.main --allow_config_change`: resume a workdir whose saved config differs
+ALLOW_CHANGE_FLAG = "allow_config_change"
+# Keys a resumed run may change: how long it runs, how often it saves, logs and evaluates, where it runs and
+# reports. Any other difference would continue one run's checkpoints with another run's settings.
+RESUMABLE_KEYS = (
+    "num_steps",
+    "train.steps",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "log_every",
+    "progress_bar",
+    "log_samples",
+    "compilation_cache_dir",
+    "multiprocess",
+    "mesh",
+    "wandb",
+    "eval.every",
+)
+# (key, predicate on its value, the allowed range in words) for `range_problems`
+Range = tuple[str, Callable[[Any], bool], str]
+
+
+def _plain(config: Any) -> dict[str, Any]:
+    """A ConfigDict / Mapping as a plain nested dict."""
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return {k: _plain(v) if isinstance(v, Mapping) else v for k, v in dict(config).items()}
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of a nested dict (an empty dict is a value)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def nearest_keys(key: str, valid: Iterable[str], n: int = 3) -> list[str]:
+    """The valid keys closest to a mistyped `key`: close spellings, the initials of its words ("learning_rate"
+    -> "lr"), and keys that contain it or that it contains."""
+    valid = sorted(set(valid))
+    initials = "".join(w[0] for w in key.split("_") if w)
+    found = difflib.get_close_matches(key, valid, n=n, cutoff=0.6)
+    found += [k for k in valid if "_" in key and k == initials]
+    found += [k for k in valid if min(len(k), len(key)) >= 3 and (k in key or key in k)]
+    return list(dict.fromkeys(found))[:n]
+
+
+def _unknown(config: Mapping[str, Any], reference: Mapping[str, Any], path: str, free: Sequence[str]) -> list:
+    out = []
+    for key, value in config.items():
+        dotted = f"{path}.{key}" if path else str(key)
+        if dotted in free:
+            continue
+        if key not in reference:
+            out.append((path, str(key), sorted(map(str, reference))))
+        elif isinstance(value, Mapping) and isinstance(reference[key], Mapping):
+            out += _unknown(value, reference[key], dotted, free)
+    return out
+
+
+def _unknown_message(path: str, key: str, valid: list[str]) -> str:
+    section = f"config.{path}" if path else "config"
+    near = nearest_keys(key, valid)
+    guess = f"did you mean {', '.join(f'{section}.{k}' for k in near)}? " if near else ""
+    return (
+        f"{section}.{key} is not a config key: {guess}Fix its name in the config file or the --config "
+        f"override ({section} has: {', '.join(valid)})."
+    )
+
+
+def unknown_key_problems(config: Any, reference: Any, free: Sequence[str] = ()) -> list[str]:
+    """One problem per key of `config` that `reference` lacks (a mistyped section once, not its keys), with
+    the nearest valid keys; the sections named in `free` ("model.random") take any keys."""
+    return [_unknown_message(*u) for u in _unknown(_plain(config), _plain(reference), "", free)]
+
+
+def override_hints(config: Any, overrides: Iterable[str]) -> list[str]:
+    """For command-line overrides ("--config.rl.lerning_rate=1") that name no key of `config`, the first
+    missing part with the nearest valid keys there."""
+    hints = []
+    for arg in overrides:
+        parts = arg.removeprefix("--").split("=", 1)[0].split(".")[1:]
+        node: Any = _plain(config) if config is not None else None
+        for i, part in enumerate(parts):
+            if not isinstance(node, Mapping):
+                break
+            if part not in node:
+                hints.append(_unknown_message(".".join(parts[:i]), part, sorted(map(str, node))))
+                break
+            node = node[part]
+    return hints
+
+
+def range_problems(section: Mapping[str, Any], name: str, ranges: Sequence[Range]) -> list[str]:
+    """`config.<name>.<key>=<value>: must be <range>.` for each key of `section` outside its range."""
+    return [
+        f"config.{name}.{key}={section[key]!r}: must be {need}."
+        for key, ok, need in ranges
+        if key in section and not ok(section[key])
+    ]
+
+
+def _resumable(key: str, resumable: Sequence[str]) -> bool:
+    return any(key == r or key.startswith(r + ".") for r in resumable)
+
+
+def config_changes(
+    saved: Mapping[str, Any], current: Any, resumable: Sequence[str] = RESUMABLE_KEYS
+) -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, current value) for each key both configs have whose values differ, except
+    the `resumable` ones. A key only one of them has (added or removed by a code change) is not compared."""
+    now = _flatten(json.loads(json.dumps(_plain(current), sort_keys=True, default=str)))
+    before = _flatten(saved)
+    return [
+        (k, before[k], now[k])
+        for k in sorted(set(before) & set(now))
+        if before[k] != now[k] and not _resumable(k, resumable)
+    ]
+
+
+def check_workdir_config(config: Any, workdir: str | os.PathLike, allow_change: bool = False) -> list[str]:
+    """The differences between `workdir/config.json` (written by the run that made the workdir) and `config`,
+    as "key: saved -> now" lines; a ValueError listing them and the ways on unless `allow_change`. A workdir
+    without config.json is new: nothing to compare."""
+    path = os.path.join(os.fspath(workdir), CONFIG_FILE)
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        try:
+            saved = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path} is not valid JSON ({e}): the workdir's record of its run is damaged; use a new "
+                "--workdir, or delete that file to resume with this command's config."
+            ) from e
+    lines = [f"config.{k}: {a!r} -> {b!r}" for k, a, b in config_changes(saved, config)]
+    if lines and not allow_change:
+        raise ValueError(
+            f"workdir {workdir} holds a run started with another config ({path}); these keys differ "
+            "(saved -> this command):\n    " + "\n    ".join(lines) + "\n  Resuming would continue that "
+            "run's checkpoints with other settings. Use a new --workdir for this config, rerun with the "
+            f"saved values, or pass --{ALLOW_CHANGE_FLAG} to resume with these anyway (free to change on a "
+            f"resume: {', '.join(RESUMABLE_KEYS)})."
+        )
+    return lines
