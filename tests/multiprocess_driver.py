@@ -9,6 +9,11 @@ XLA_FLAGS=--xla_force_host_platform_device_count=2.
       jitted sum of a data-sharded array and a psum in shard_map), what tlt_jax.sharding's host helpers
       return for arrays spanning both processes (`to_host`, `put_global`), and the arms a BEG-MAB selector
       plays when each process measures different speeds (BANDIT_SPEEDS).
+  python tests/multiprocess_driver.py spot
+      a rollout of a tiny model on the global data mesh whose rows end at different steps (EOS_IDS), with
+      the spot trainer in `idle_devices` mode: devices whose rows all ended train the drafter while the
+      others decode, one SPMD program over both processes. Prints the tokens, lengths, trained ticks and
+      drafter parameter sums. Without launch variables it runs as one process (the reference).
 """
 
 from __future__ import annotations
@@ -92,5 +97,56 @@ def collectives() -> None:
     print("RESULT " + json.dumps(report), flush=True)
 
 
+EOS_IDS = list(range(100, 120))  # ~8% of a random model's draws end a row: rows end at different steps
+PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 44]]
+
+
+def spot_rollout() -> None:
+    import os
+
+    if os.environ.get(distributed.NUM_PROCESSES):
+        distributed.initialize()
+    import jax
+    from flax import nnx
+
+    from tlt_jax import sharding as shd
+    from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer
+    from tlt_jax.models.config import tiny_config
+    from tlt_jax.models.drafter import Drafter
+    from tlt_jax.models.llama import Transformer
+    from tlt_jax.rollout.engine import RolloutEngine
+    from tlt_jax.rollout.interface import EngineConfig
+    from tlt_jax.rollout.sampling import SamplingParams
+
+    model = Transformer(tiny_config("llama"), nnx.Rngs(0))
+    cfg = EngineConfig(
+        max_new_tokens=24, max_cache_len=96, chunk_steps=2, min_cache_bucket=16, record_hidden=True
+    )
+    mesh = shd.make_mesh()  # every global device on the data axis
+    engine = RolloutEngine(model, cfg, eos_ids=EOS_IDS, mesh=mesh, drafter=Drafter(model.cfg, nnx.Rngs(1)))
+    spot_cfg = dict(micro_steps=2, rows=2, window=16, context=8, ce_tokens=16, ttt_steps=1, ttt_positions=8)
+    spot = SpotTrainer(
+        SpotConfig(mode="idle_devices", eval_samples=4, **spot_cfg), Drafter(model.cfg, nnx.Rngs(1)), engine
+    )
+    spot.begin_step(1)
+    out = engine.generate(PROMPTS, n=4, key=jax.random.key(3), sampling=SamplingParams(1.0), hooks=[spot])
+    params = jax.tree.leaves(shd.to_host_tree(spot.params))
+    report = {
+        "process_count": jax.process_count(),
+        "device_count": jax.device_count(),
+        "tokens": np.asarray(out.tokens).tolist(),
+        "lengths": np.asarray(out.lengths).tolist(),
+        "spot_steps": int(shd.to_host(spot.state.step)),
+        "metrics": {
+            k: float(v) for k, v in spot.metrics().items() if k in ("spot/steps", "spot/trained_tokens")
+        },
+        "param_sums": [float(np.asarray(p, np.float64).sum()) for p in params],
+    }
+    if jax.process_index() == 0:
+        print("RESULT " + json.dumps(report), flush=True)
+
+
 if __name__ == "__main__":
-    collectives()
+    import sys
+
+    spot_rollout() if sys.argv[1:] == ["spot"] else collectives()

@@ -268,6 +268,27 @@ def test_multiprocess_without_launch_variables_is_a_clear_config_error(tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_idle_devices_train_across_processes_as_on_one() -> None:
+    """The spot trainer's `idle_devices` mode on a global 4-device data mesh: a rollout whose rows end at
+    different steps, devices whose rows all ended training the drafter while the others decode (one SPMD
+    program spanning both processes). 2 processes x 2 devices give the tokens, lengths, tick count and drafter
+    parameters of 1 process x 4 devices (`tests/multiprocess_driver.py spot`)."""
+    cmd = [sys.executable, str(DRIVER), "spot"]
+    single = subprocess.run(cmd, env=clean_env(4), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ok([single])
+    procs = launch(cmd, 2, timeout=300)
+    ok(procs)
+    one, two = (json.loads(p.stdout.split("RESULT ", 1)[1]) for p in (single, procs[0]))
+    assert (one["process_count"], two["process_count"]) == (1, 2) and one["device_count"] == two[
+        "device_count"
+    ]
+    assert len(set(one["lengths"])) > 4, "rows should end at different steps"
+    assert one["spot_steps"] > 0, "no device was idle while another decoded"
+    assert two["tokens"] == one["tokens"] and two["lengths"] == one["lengths"]
+    assert two["spot_steps"] == one["spot_steps"] and two["metrics"] == one["metrics"]
+    np.testing.assert_allclose(two["param_sums"], one["param_sums"], rtol=RTOL, atol=ATOL)
+
+
 # ---- two processes equal one: TLT (GRPO and more) through `python -m tlt_jax.main` ----------------------
 # Metrics that depend only on the computation (as tests/test_main.py), and the TLT ones.
 DETERMINISTIC = ("reward/mean", "accuracy", "length/mean", "length/max", "loss/pg", "optim/grad_norm")
