@@ -103,6 +103,11 @@ def test_series_come_from_the_metrics(tmp_path) -> None:
     )
     append_timeline(tmp_path, 1, {"t0": [0.0], "t1": [2.0], "mode": ["3_1_4"], "running": [[4]], "left": [0]})
     assert read_timeline(tmp_path)[1]["mode"] == ["3_1_4"] and read_timeline(tmp_path / "none") == {}
+    # a kill mid-write leaves a torn last line: the next append cuts it rather than burying it mid-file
+    with open(tmp_path / "rollout_timeline.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 2, "t0": [0.')
+    append_timeline(tmp_path, 2, {"t0": [0.0], "t1": [1.0], "mode": ["plain"], "running": [[2]], "left": [0]})
+    assert sorted(read_timeline(tmp_path)) == [1, 2] and read_timeline(tmp_path)[2]["mode"] == ["plain"]
 
 
 def test_plot_run_draws_a_grpo_run_and_a_warmup(tmp_path) -> None:

@@ -41,8 +41,15 @@ _PART_COLORS = dict(zip(TIME_PARTS, _COLORS, strict=True))
 
 def append_timeline(workdir: str | os.PathLike, step: int, timeline: Mapping[str, list]) -> None:
     """Append step `step`'s rollout timeline to `<workdir>/rollout_timeline.jsonl` (a re-run step after a
-    resume appends again: readers keep the last line of a step)."""
-    with open(os.path.join(os.fspath(workdir), TIMELINE_FILE), "a", encoding="utf-8") as f:
+    resume appends again: readers keep the last line of a step). A torn last line (a kill mid-write) is cut
+    first, so it cannot end up in the middle of the file."""
+    path = os.path.join(os.fspath(workdir), TIMELINE_FILE)
+    if os.path.exists(path):
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+    with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps({"step": int(step), **timeline}) + "\n")
 
 
