@@ -64,11 +64,16 @@ TIMING = re.compile(
 # ---- the job -----------------------------------------------------------------------------------------------
 
 
-def job_env(cache_dir: str | os.PathLike | None = None, devices: int = DEVICES) -> dict[str, str]:
+def job_env(
+    cache_dir: str | os.PathLike | None = None, devices: int = DEVICES, fast_compile: bool = False
+) -> dict[str, str]:
     """The job's environment: `devices` fake CPU devices (the smoke config shards over them), no wandb, and
-    the persistent compilation cache `cache_dir` (None: the job's default), so relaunches compile nothing."""
+    the persistent compilation cache `cache_dir` (None: the job's default), so relaunches compile nothing.
+    fast_compile: LLVM at -O0 (the tests' setting, tests/conftest.py: the same programs, compiled faster)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    if fast_compile:
+        env["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
     env["WANDB_MODE"] = "disabled"
     if cache_dir is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)

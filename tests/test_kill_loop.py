@@ -27,7 +27,7 @@ STEPS = 3
 
 @pytest.mark.slow
 def test_a_run_killed_three_times_ends_as_the_uninterrupted_one(tmp_path) -> None:
-    env = job_env(ROOT / ".cache" / "jax_test_cache")
+    env = job_env(ROOT / ".cache" / "jax_test_cache", fast_compile=True)
     ref = tmp_path / "reference"
     ref.mkdir()
     assert launch(ref, STEPS, env, tmp_path / "reference.log", 0).returncode == 0

@@ -64,7 +64,7 @@ app.run(main.main, flags_parser=main.parse_flags)
 def env() -> dict[str, str]:
     """2 fake devices (sharded runs; fast orbax saves), no wandb, the tests' compilation cache (conftest.py),
     as the kill loop's jobs (tests/test_kill_loop.py)."""
-    return job_env(ROOT / ".cache" / "jax_test_cache")
+    return job_env(ROOT / ".cache" / "jax_test_cache", fast_compile=True)
 
 
 def run_main(

@@ -139,7 +139,8 @@ def clean_env(devices: int) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(("TLT_JAX_", "SLURM_", "JAX_COORDINATOR", "JAX_PROCESS", "JAX_NUM_PROCESSES"))
     }
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # LLVM at -O0, as tests/conftest.py: the same programs, compiled in about half the time
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
     env["JAX_PLATFORMS"] = "cpu"
     env["WANDB_MODE"] = "disabled"
     env["JAX_COMPILATION_CACHE_DIR"] = str(ROOT / ".cache" / "jax_test_cache")  # as tests/conftest.py
@@ -389,6 +390,7 @@ def wait_for_step(
 
 MAIN = [sys.executable, "-m", "tlt_jax.main"]
 MP = "--config.multiprocess=True"
+JAX_PEER_DIED = "JAX distributed service detected fatal errors. This most likely indicates that another task"
 HEARTBEAT_S = 10  # TLT_JAX_HEARTBEAT_TIMEOUT of the 2-process runs: how long a dead peer goes unnoticed
 
 
@@ -419,10 +421,11 @@ def peer_dies_then_resumed_on_one(workdir: pathlib.Path, args: list[str]) -> Non
     assert time.monotonic() - t0 < HEARTBEAT_S + 50
     procs[1].communicate(timeout=60)
     assert survivor.returncode != 0 and not (workdir / "checkpoints" / "2").exists()
-    assert "error: process 0 of 2: a cross-process operation failed" in survivor.stderr, survivor.stderr[
-        -3000:
-    ]
-    assert "Relaunch all 2 processes with the same command" in survivor.stderr
+    # Either a collective fails in Python first (gloo: connection reset) and tlt_jax says what to do, or the
+    # process is blocked on a device and JAX's coordination service ends it after the heartbeat timeout
+    ours = "error: process 0 of 2: a cross-process operation failed" in survivor.stderr
+    assert ours or JAX_PEER_DIED in survivor.stderr, survivor.stderr[-3000:]
+    assert not ours or "Relaunch all 2 processes with the same command" in survivor.stderr
     proc = one_process(args)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-6000:]
