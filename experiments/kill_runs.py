@@ -29,16 +29,20 @@ from experiments import harness
 ROOT = harness.ROOT
 CHECKPOINT_EVERY = 2  # configs/smoke.py
 DEVICES = 2  # fake CPU devices of the job (as tests/test_main.py's runs)
-# SD (EAGLE and n-gram arms), the spot trainer (tiny windows: a few ms per drafter step) and a fixed table
-OVERRIDES = (
-    "--config.spot.mode=between_chunks",
-    "--config.spot.threshold=1024",
+# the spot trainer's windows at smoke size: a few ms per drafter step (also tests/test_multiprocess.py's)
+TINY_SPOT = (
     "--config.spot.window=16",
     "--config.spot.context=8",
     "--config.spot.ce_tokens=16",
     "--config.spot.ttt_steps=1",
     "--config.spot.ttt_positions=8",
     "--config.spot.eval_samples=4",
+)
+# SD (EAGLE and n-gram arms), the spot trainer between chunks and a fixed table
+OVERRIDES = (
+    "--config.spot.mode=between_chunks",
+    "--config.spot.threshold=1024",
+    *TINY_SPOT,
     "--config.bandit.algorithm=fixed",
     "--config.bandit.arms=('plain','3_1_4','ngram_3_1_4')",
     "--config.bandit.bucket_bounds=(4,8)",

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 
+from experiments.kill_runs import TINY_SPOT
 from tlt_jax.utils import distributed as dist
 from tlt_jax.utils.checkpoint import Checkpointer
 from tlt_jax.utils.tracking import read_metrics
@@ -301,17 +302,12 @@ RTOL, ATOL = 1e-5, 1e-6
 # TLT on the smoke model: n-gram speculative rollouts, a spot trainer training a fresh EAGLE drafter after
 # each rollout, and the fixed selector: BEG-MAB's rewards are measured wall-clock speeds (the processes of one
 # run learn their mean and agree, test_two_processes_see_four_devices_and_agree_on_a_psum; a run on one
-# process measures others, so its choices could differ). idle_devices is not run here: the smoke model's rows
-# all run to max_new_tokens, so no device goes idle (README, "Several processes / hosts").
+# process measures others, so its choices could differ). The smoke model's rows all run to max_new_tokens,
+# so no device goes idle here: test_idle_devices_train_across_processes_as_on_one runs that mode.
 TLT = (
     "--config.spot.mode=after_rollout",
     "--config.spot.after_rollout_steps=2",
-    "--config.spot.window=16",
-    "--config.spot.context=8",
-    "--config.spot.ce_tokens=16",
-    "--config.spot.ttt_steps=1",
-    "--config.spot.ttt_positions=8",
-    "--config.spot.eval_samples=4",
+    *TINY_SPOT,
     "--config.bandit.algorithm=fixed",
     "--config.bandit.arms=('plain','3_1_4','ngram_3_1_4')",
     "--config.bandit.bucket_bounds=(4,8)",
