@@ -40,8 +40,8 @@ kernels: $(STAMP)
 
 setup: $(STAMP) $(GGUF) kernels
 
-# TLT: GRPO with speculative rollouts on a long-tail task (configs/tlt.py, 10 steps: 14.7-17.9 min on a fresh
-# clone, measured 2026-11-24 on the AVX-512 VM). Without a warmed EAGLE drafter in workdirs/drafter_tlt it
+# TLT: GRPO with speculative rollouts on a long-tail task (configs/tlt.py, 10 steps; its time on a fresh clone:
+# docs/benchmarks.md, headline row H2). Without a warmed EAGLE drafter in workdirs/drafter_tlt it
 # drafts with the n-gram drafter and trains an EAGLE drafter online; the warm-up command it prints makes one
 # (`make warmup`).
 run: setup
@@ -59,8 +59,9 @@ test: setup
 	  -m "not experiments" $(PYTEST_ARGS) tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5); failing."; exit 1; fi; exit $$rc
 
-# The experiment scripts' smoke runs (subprocesses compiling SmolLM2 programs: 348 s of test time, measured). They
-# check the scripts, not the system, so CI's `make test` leaves them out; run them before changing a script.
+# The experiment scripts' smoke runs and the quickstart notebook (subprocesses compiling SmolLM2 programs:
+# minutes). They check the scripts, not the system, so CI's `make test` leaves them out; run them before
+# changing a script or the notebook.
 test-experiments: setup
 	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_SUMMARY) -m experiments \
 	  $(PYTEST_ARGS) tests; rc=$$?; \

@@ -32,7 +32,7 @@ setup(
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require={
-        # pytest-xdist: `make test` runs two workers (compilation is single-threaded: 12.8 -> 9.5 min)
+        # pytest-xdist: `make test` runs two workers (XLA compilation is mostly single-threaded)
         # nbclient, nbformat, ipykernel: tests/test_notebook.py runs notebooks/quickstart.ipynb
         "dev": [
             "pytest>=8",

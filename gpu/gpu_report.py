@@ -12,15 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import re
 import time
 from typing import Any
 
+from experiments.harness import pyplot
 from gpu.gpu_phases import PHASE_FUNCS
-
-os.environ.setdefault("MPLBACKEND", "Agg")  # headless: the device machine has no display
 
 MAX_FILES = 8
 
@@ -73,7 +71,7 @@ def targets(results: dict[str, dict[str, Any]]) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------------- plots
 def plot_tree_attention(d: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib.pyplot as plt
+    plt = pyplot()  # Agg: the device machine has no display
 
     rows = [r for r in d.get("rows", []) if isinstance(r.get("ratio"), float) and math.isfinite(r["ratio"])]
     if not rows:
@@ -97,7 +95,7 @@ def plot_tree_attention(d: dict[str, Any], path: pathlib.Path) -> None:
 
 
 def plot_decode(d: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib.pyplot as plt
+    plt = pyplot()  # Agg: the device machine has no display
 
     if not any(isinstance(v, dict) and v.get("rows") for v in d.values()):
         raise NoData
@@ -131,7 +129,7 @@ def plot_decode(d: dict[str, Any], path: pathlib.Path) -> None:
 
 
 def plot_drafter(d: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib.pyplot as plt
+    plt = pyplot()  # Agg: the device machine has no display
 
     curve = [c for c in d.get("loss_curve", []) if c[0] is not None]
     if not curve:
@@ -153,7 +151,7 @@ def plot_drafter(d: dict[str, Any], path: pathlib.Path) -> None:
 
 
 def plot_sd(d: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib.pyplot as plt
+    plt = pyplot()  # Agg: the device machine has no display
     import numpy as np
 
     rows = [r for r in d.get("rows", []) if r.get("column", "-") != "-"]

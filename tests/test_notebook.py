@@ -92,7 +92,8 @@ def test_notebook_executes_top_to_bottom(tmp_path: pathlib.Path) -> None:
         kernel_name=name, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)])
     )
     # one CPU device, as a user runs it (tests/conftest.py fakes 8); the tests' compilation cache
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # and the kernel's own (inline) matplotlib backend, whatever an earlier test left in MPLBACKEND
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MPLBACKEND")}
     env["TLT_JAX_COMPILATION_CACHE"] = str(ROOT / ".cache" / "jax_test_cache")
     env["WANDB_MODE"] = "disabled"
     nb = nbformat.read(NOTEBOOK, as_version=4)

@@ -108,8 +108,13 @@ def test_modules_stay_small() -> None:
 
 MAX_FUNCTION_LINES = 80  # from the `def` line (decorators not counted) to the body's last line
 # parameters holding the project's main objects: typed with their class or a Protocol (the engine's clients:
-# `tlt_jax.rollout.interface.EngineLike`), never `Any`
+# `tlt_jax.rollout.interface.EngineLike`), never `Any`. The config and its sections: `mlc.ConfigDict`
+# (`| Mapping[str, object]` where plain dicts are accepted too); the tokenizer: `models.build.TextCodec`
 TYPED_PARAMS = {
+    "config",
+    "section",
+    "tokenizer",
+    "tok",
     "engine",
     "learner",
     "trainer",

@@ -29,7 +29,7 @@ from ml_collections import config_dict
 from tlt_jax import sharding as shd
 from tlt_jax.drafter.eagle_format import init_from_problems
 from tlt_jax.drafter.spot_trainer import SpotConfig
-from tlt_jax.models.build import build_model_and_tokenizer, model_problems
+from tlt_jax.models.build import TextCodec, build_model_and_tokenizer, model_problems
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
@@ -358,7 +358,7 @@ def fail(problems: list[str]) -> None:
         raise ValueError("invalid config:\n  - " + "\n  - ".join(problems))
 
 
-def rollout_problems(config: Any, check_paths: bool = True) -> list[str]:
+def rollout_problems(config: mlc.ConfigDict, check_paths: bool = True) -> list[str]:
     """Problems of the rollout, drafter and spec sections (shared by every job that samples)."""
     out = []
     ro = config.rollout
@@ -400,7 +400,7 @@ def rollout_problems(config: Any, check_paths: bool = True) -> list[str]:
     return out
 
 
-def validate(config: Any, check_paths: bool = True) -> None:
+def validate(config: mlc.ConfigDict, check_paths: bool = True) -> None:
     """Raise one ValueError listing every problem of the shared sections of `config` (with the field and
     the fix): job, model, mesh, and rollout / drafter / spec when present. A job validates its own sections
     on top (`tlt_jax.rl.config.validate_grpo` for GRPO).
@@ -426,12 +426,12 @@ def validate(config: Any, check_paths: bool = True) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def build_mesh(config: Any) -> Mesh:
+def build_mesh(config: mlc.ConfigDict) -> Mesh:
     """The (data, model) mesh of `config.mesh` over all visible devices (all hosts in a multi-process run)."""
     return shd.make_mesh(data=config.mesh.data, model=config.mesh.model, devices=jax.devices())
 
 
-def build_model(config: Any, mesh: Mesh | None = None) -> tuple[Transformer, Any]:
+def build_model(config: mlc.ConfigDict, mesh: Mesh | None = None) -> tuple[Transformer, TextCodec]:
     """`build_model_and_tokenizer`, with a random-weight architecture (`config.model.arch` and
     `init=random`) born on the devices of `mesh` (default `build_mesh(config)`) in the rollout engine's
     parameter layout: a 7B or 32B policy never passes through the host."""
@@ -439,7 +439,7 @@ def build_model(config: Any, mesh: Mesh | None = None) -> tuple[Transformer, Any
     return build_model_and_tokenizer(config, shard_fn=lambda params: shd.param_shardings(params, mesh))
 
 
-def engine_config_from(config: Any, drafter_kind: str | None = None) -> EngineConfig:
+def engine_config_from(config: mlc.ConfigDict, drafter_kind: str | None = None) -> EngineConfig:
     """`EngineConfig` from `config.rollout` (buckets, chunking, lengths, stop strings) and the speculative
     sections (`spec_config_from`)."""
     ro = config.rollout
@@ -460,7 +460,7 @@ def engine_config_from(config: Any, drafter_kind: str | None = None) -> EngineCo
     )
 
 
-def spec_config_from(config: Any, drafter_kind: str | None = None) -> SpecConfig:
+def spec_config_from(config: mlc.ConfigDict, drafter_kind: str | None = None) -> SpecConfig:
     """`SpecConfig` from `config.spec` (strategy, threshold, acceptance, n-gram settings) and the drafter kind
     (default `config.drafter.kind`; "auto" must be resolved first: `tlt_jax.rl.speculation`): SD is on for
     "ngram" and "eagle", off for "none"."""
@@ -476,16 +476,16 @@ def spec_config_from(config: Any, drafter_kind: str | None = None) -> SpecConfig
         raise ValueError(f"config.spec is invalid: {e}") from e
 
 
-def sampling_from(config: Any) -> SamplingParams:
+def sampling_from(config: mlc.ConfigDict) -> SamplingParams:
     """`SamplingParams` (temperature / top-k / top-p) from `config.rollout`."""
     ro = config.rollout
     return SamplingParams(temperature=float(ro.temperature), top_k=int(ro.top_k), top_p=float(ro.top_p))
 
 
 def build_engine(
-    config: Any,
+    config: mlc.ConfigDict,
     model: Transformer,
-    tokenizer: Any,
+    tokenizer: TextCodec,
     mesh: Mesh | None = None,
     *,
     drafter_kind: str | None = None,
@@ -511,7 +511,7 @@ def build_engine(
     )
 
 
-def to_dict(config: Any) -> dict[str, Any]:
+def to_dict(config: mlc.ConfigDict | Mapping[str, object]) -> dict[str, Any]:
     """Plain nested dict of a ConfigDict (or Mapping), for config.json and wandb."""
     if hasattr(config, "to_dict"):
         return config.to_dict()

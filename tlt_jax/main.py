@@ -13,8 +13,8 @@ import logging as logging_std
 import os
 import pathlib
 import sys
-from typing import Any
 
+import ml_collections as mlc
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -29,7 +29,7 @@ _ALLOW_CHANGE = flags.DEFINE_bool(
 )
 
 
-def write_config(config: Any, workdir: str) -> str:
+def write_config(config: mlc.ConfigDict, workdir: str) -> str:
     """Write the resolved config (after command-line overrides) to `workdir/config.json` atomically."""
     from tlt_jax import config_lib
     from tlt_jax.utils.tracking import CONFIG_FILE
@@ -81,7 +81,7 @@ def _steps_in(folder: pathlib.Path) -> str:
     return f" (steps {', '.join(map(str, steps[-4:]))})" if steps else " (none yet)"
 
 
-def _wandb_row(config: Any, wd: pathlib.Path) -> str | None:
+def _wandb_row(config: mlc.ConfigDict, wd: pathlib.Path) -> str | None:
     """Where the run's wandb data is (and how to upload an offline run), or why there is none."""
     from tlt_jax.utils.tracking import WANDB_ID_FILE, resolve_wandb_mode
 
@@ -101,7 +101,7 @@ def _wandb_row(config: Any, wd: pathlib.Path) -> str | None:
     return f"{runs[-1]} ({mode}, project {section.get('project') or 'tlt_jax'}, run id {run_id})"
 
 
-def run_summary(config: Any, workdir: str, status: str) -> str:
+def run_summary(config: mlc.ConfigDict, workdir: str, status: str) -> str:
     """The end of a job: its status, then where its outputs are (metrics, samples, checkpoints, the plot,
     wandb, the config); a line for each that exists."""
     from tlt_jax.utils.run_plots import PLOT_DIR, PLOT_FILE
@@ -127,7 +127,7 @@ def run_summary(config: Any, workdir: str, status: str) -> str:
     return "\n".join([f"job {config.job}: {status}{tail}"] + [f"  {k:<12} {v}" for k, v in rows])
 
 
-def setup_jax(config: Any) -> None:
+def setup_jax(config: mlc.ConfigDict) -> None:
     """Process-level JAX setup that must happen before any device is touched: the persistent compilation
     cache, and with `config.multiprocess` JAX's distributed runtime (tlt_jax.utils.distributed: coordinator,
     process count and id from TLT_JAX_* or SLURM's variables; a clear ValueError when none are set)."""
@@ -154,7 +154,7 @@ def setup_jax(config: Any) -> None:
         distributed.check_single_process()
 
 
-def validate_job(config: Any) -> None:
+def validate_job(config: mlc.ConfigDict) -> None:
     """The job's validation: every problem of the config in one ValueError (GRPO checks its own sections)."""
     if config.job == "grpo":
         from tlt_jax.rl import config as rl_config
@@ -166,7 +166,7 @@ def validate_job(config: Any) -> None:
         config_lib.validate(config)
 
 
-def run(config: Any, workdir: str, allow_config_change: bool = False) -> str:
+def run(config: mlc.ConfigDict, workdir: str, allow_config_change: bool = False) -> str:
     """Validate, record and run `config` in `workdir`; returns the job's status ("done" / "preempted"). A
     workdir whose config.json differs from `config` is refused unless `allow_config_change`."""
     from tlt_jax import config_lib
@@ -236,7 +236,7 @@ def main(argv: list[str]) -> None:
         logging.info("job %s: %s", _CONFIG.value.job, status)
 
 
-def _file_config(argv: list[str]) -> Any:
+def _file_config(argv: list[str]) -> mlc.ConfigDict | None:
     """The config of the `--config` file without the overrides (None when it does not load): what a
     mistyped override's nearest keys come from."""
     from tlt_jax import config_lib

@@ -47,6 +47,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+import ml_collections as mlc
 import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
@@ -420,7 +421,7 @@ def load_eagle_drafter(path: str | os.PathLike, policy: ModelConfig) -> tuple[Dr
     return build_drafter(params, policy), vocab
 
 
-def init_from_problems(section: Any, check_paths: bool = True) -> list[str]:
+def init_from_problems(section: mlc.ConfigDict, check_paths: bool = True) -> list[str]:
     """Problems of `config.drafter.init_from` (an EAGLE directory the rollout drafter starts from)."""
     src = str(section.get("init_from") or "")
     if not src:

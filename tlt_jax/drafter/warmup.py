@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections as mlc
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -51,6 +52,7 @@ from tlt_jax.drafter.packing import (
 )
 from tlt_jax.drafter.trainer import TRAIN_STATE_DIR, DrafterTrainer, TrainState, optimizer_from_config
 from tlt_jax.drafter.warmup_data import PhaseTimes, build_data, write_json
+from tlt_jax.models.build import TextCodec, build_model_and_tokenizer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
@@ -73,10 +75,8 @@ def _log(msg: str) -> None:
 # Target
 
 
-def build_target(config: Any) -> tuple[Transformer, Any]:
+def build_target(config: mlc.ConfigDict) -> tuple[Transformer, TextCodec]:
     """The target model and tokenizer from `config.model` (path, or a tiny random architecture)."""
-    from tlt_jax.models.build import build_model_and_tokenizer
-
     return build_model_and_tokenizer(config)
 
 
@@ -136,7 +136,7 @@ def load_drafter(
 # Training
 
 
-def loss_config(train_cfg: Any, samples: Sequence[DrafterSample]) -> LossConfig:
+def loss_config(train_cfg: mlc.ConfigDict, samples: Sequence[DrafterSample]) -> LossConfig:
     """The training loss from `config.train`, with its static loss-position budget sized from the data
     (`loss_token_budget`) and the CE subsample capped by that budget."""
     tc = train_cfg
@@ -157,7 +157,7 @@ def loss_config(train_cfg: Any, samples: Sequence[DrafterSample]) -> LossConfig:
 
 
 def train(
-    config: Any,
+    config: mlc.ConfigDict,
     workdir: pathlib.Path,
     target: Transformer,
     train_samples: Sequence[DrafterSample],
@@ -204,7 +204,7 @@ def train(
 class _TrainLoop:
     """`train`'s step loop: the fixed pieces of one training run (trainer, schedule, data, target weights)."""
 
-    config: Any
+    config: mlc.ConfigDict
     trainer: DrafterTrainer
     sched: Any  # the learning-rate schedule (logged)
     loss_cfg: LossConfig
@@ -268,7 +268,7 @@ class _TrainLoop:
 
 
 def _heldout_loss(
-    config: Any,
+    config: mlc.ConfigDict,
     graphdef: nnx.GraphDef,
     loss_cfg: LossConfig,
     state: TrainState,
@@ -315,7 +315,7 @@ def _fmt_eval(r: AcceptanceResult) -> str:
     return out
 
 
-def run_warmup(config: Any, workdir: str | os.PathLike) -> str:
+def run_warmup(config: mlc.ConfigDict, workdir: str | os.PathLike) -> str:
     """Run (or resume) the drafter warm-up in `workdir`; returns "done". See the module docstring: its phases
     are `train` and the helpers below, in the order this calls them."""
     wd = pathlib.Path(workdir).resolve()
@@ -375,7 +375,7 @@ def run_warmup(config: Any, workdir: str | os.PathLike) -> str:
     return "done"
 
 
-def _already_complete(config: Any, result_path: pathlib.Path) -> bool:
+def _already_complete(config: mlc.ConfigDict, result_path: pathlib.Path) -> bool:
     """Whether a finished warm-up already trained `train.steps` steps. A finished workdir asked for a longer
     schedule is extended instead: training resumes from its last state (the cosine schedule is recomputed for
     the new length: a warm restart), on the cached data plus any new prompts."""
@@ -389,7 +389,7 @@ def _already_complete(config: Any, result_path: pathlib.Path) -> bool:
     return False
 
 
-def _load_target(config: Any, times: PhaseTimes) -> tuple[Transformer, Any]:
+def _load_target(config: mlc.ConfigDict, times: PhaseTimes) -> tuple[Transformer, TextCodec]:
     """Phase 1: the target model and its tokenizer (timed as `load_target`)."""
     t0 = time.perf_counter()
     target, tokenizer = build_target(config)
@@ -402,7 +402,7 @@ def _load_target(config: Any, times: PhaseTimes) -> tuple[Transformer, Any]:
 
 
 def _draft_vocab(
-    config: Any, wd: pathlib.Path, target: Transformer, tokenizer: Any
+    config: mlc.ConfigDict, wd: pathlib.Path, target: Transformer, tokenizer: TextCodec
 ) -> tuple[pathlib.Path | None, np.ndarray | None]:
     """The drafter head's reduced vocabulary (tlt_jax.drafter.draft_vocab) when `draft_vocab_size` > 0: the
     target's most frequent generated tokens; used by the training CE (train.ce_draft_vocab), the sampled
@@ -419,7 +419,7 @@ def _draft_vocab(
 
 
 def _evaluator(
-    config: Any, target: Transformer, draft_vocab: np.ndarray | None
+    config: mlc.ConfigDict, target: Transformer, draft_vocab: np.ndarray | None
 ) -> tuple[AcceptanceEvaluator, nnx.State]:
     """The acceptance evaluator of `config.eval` and the untrained drafter's params. Its sampled acceptance
     uses the data's sampling settings (what rejection-sampled chains in rollouts get)."""
@@ -434,7 +434,7 @@ def _evaluator(
 
 
 def _eval_before(
-    config: Any,
+    config: mlc.ConfigDict,
     wd: pathlib.Path,
     evaluator: AcceptanceEvaluator,
     params0: nnx.State,
@@ -463,7 +463,7 @@ def _eval_before(
 
 
 def _eval_after_and_save(
-    config: Any,
+    config: mlc.ConfigDict,
     wd: pathlib.Path,
     evaluator: AcceptanceEvaluator,
     state: TrainState,

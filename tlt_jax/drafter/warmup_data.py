@@ -21,10 +21,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
 from tlt_jax.drafter.packing import DrafterSample, epoch_plan, first_fit, segment_causal_mask
+from tlt_jax.models.build import TextCodec
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import ProgressHook
@@ -34,7 +36,7 @@ from tlt_jax.rollout.types import Rollout
 from tlt_jax.utils.tracking import RolloutProgress
 
 
-def _plain(config: Any) -> Any:
+def _plain(config: mlc.ConfigDict | Mapping[str, object]) -> dict[str, Any]:
     """ConfigDict / Mapping -> plain nested dict (JSON-able)."""
     return config.to_dict() if hasattr(config, "to_dict") else dict(config)
 
@@ -65,7 +67,7 @@ class PhaseTimes:
 # The engine and the target forward
 
 
-def warmup_engine(config: Any, target: Transformer, tokenizer: Any) -> RolloutEngine:
+def warmup_engine(config: mlc.ConfigDict, target: Transformer, tokenizer: TextCodec) -> RolloutEngine:
     """The engine that generates the warm-up data (`config.generation`; it records the target's hidden
     states unless `generation.record_hidden=False`)."""
     gen = config.generation
@@ -217,9 +219,9 @@ def _hidden_dtype(name: str, hidden: np.ndarray) -> np.ndarray:
 def build_split(
     split: str,
     *,
-    config: Any,
+    config: mlc.ConfigDict,
     task: Any,
-    tokenizer: Any,
+    tokenizer: TextCodec,
     engine: RolloutEngine,
     hidden_fn: HiddenFn,
     start: int,
@@ -272,7 +274,9 @@ def build_split(
     return samples, totals
 
 
-def _chunk_ident(config: Any, start: int, count: int, n: int, temperature: float) -> dict[str, Any]:
+def _chunk_ident(
+    config: mlc.ConfigDict, start: int, count: int, n: int, temperature: float
+) -> dict[str, Any]:
     """What a cached chunk was generated from (task, prompt range, sampling, seed): a cached chunk is reused
     only when all of it matches."""
     return {
@@ -318,7 +322,7 @@ def _generate(
 
 
 def _chunk_samples(
-    config: Any, roll: Rollout, count: int, n: int, hidden_fn: HiddenFn
+    config: mlc.ConfigDict, roll: Rollout, count: int, n: int, hidden_fn: HiddenFn
 ) -> tuple[list[DrafterSample], float]:
     """The chunk's training samples (prompt + response tokens, target features, loss on the response), from
     the features the engine recorded while generating (every position but the newest token) or, without
@@ -343,7 +347,11 @@ def _chunk_samples(
 
 
 def build_data(
-    config: Any, target: Transformer, tokenizer: Any, data_dir: pathlib.Path, times: PhaseTimes
+    config: mlc.ConfigDict,
+    target: Transformer,
+    tokenizer: TextCodec,
+    data_dir: pathlib.Path,
+    times: PhaseTimes,
 ) -> tuple[tuple[list[DrafterSample], dict[str, float]], tuple[list[DrafterSample], dict[str, float]]]:
     """((train samples, totals), (held-out samples, totals)): `build_split` of both splits with one engine.
 

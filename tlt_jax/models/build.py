@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
+import ml_collections as mlc
 from flax import nnx
 
 from tlt_jax.kernels.small_m_linear import LINEAR_IMPLS
@@ -25,6 +25,7 @@ from tlt_jax.models import presets
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.models.random_init import NoTextTokenizer, ShardFn, random_model
+from tlt_jax.models.tokenizer import ByteTokenizer, Tokenizer
 
 DTYPES = ("float32", "bfloat16")
 INITS = ("auto", "checkpoint", "random")  # auto: checkpoint with a path, random for a tiny architecture
@@ -33,14 +34,16 @@ TEXT_JOBS = {
     "grpo": "its rewards are scored on decoded responses",
     "drafter_warmup": "its training data is generated from text prompts",
 }
+# what build_model_and_tokenizer returns: a real tokenizer, or ids and stop tokens only (random weights)
+TextCodec = Tokenizer | NoTextTokenizer
 
 
-def _linear_impl(config: Any) -> str:
+def _linear_impl(config: mlc.ConfigDict) -> str:
     """`config.model.linear_impl`; "auto" for config files written before the field existed."""
     return config.model.get("linear_impl", "auto")
 
 
-def _arch_init(config: Any) -> tuple[str, str]:
+def _arch_init(config: mlc.ConfigDict) -> tuple[str, str]:
     """(config.model.arch, config.model.init), with the defaults of config files older than the fields."""
     return config.model.get("arch", "") or "", config.model.get("init", "auto")
 
@@ -50,7 +53,7 @@ def _weights_hint(arch: str) -> str:
     return f"--config.model.path=/path/to/{name}"
 
 
-def _arch_problems(config: Any, arch: str, init: str, text_jobs: bool) -> list[str]:
+def _arch_problems(config: mlc.ConfigDict, arch: str, init: str, text_jobs: bool) -> list[str]:
     """Problems of a named architecture: weights from a path, or init=random (and then no text job)."""
     path, random = config.model.path, dict(config.model.random)
     if arch not in presets.ARCHS:
@@ -86,7 +89,7 @@ def _arch_problems(config: Any, arch: str, init: str, text_jobs: bool) -> list[s
     return out
 
 
-def model_problems(config: Any, check_paths: bool = True, *, text_jobs: bool = True) -> list[str]:
+def model_problems(config: mlc.ConfigDict, check_paths: bool = True, *, text_jobs: bool = True) -> list[str]:
     """Problems of `config.model` (its sources: path / arch / random and init; dtype, linear_impl), each
     with its fix. text_jobs: also refuse random weights of a named architecture for a `config.job` that needs
     meaningful text (validation does; the builder does not: building one to time it is fine, and every text
@@ -129,7 +132,7 @@ def model_problems(config: Any, check_paths: bool = True, *, text_jobs: bool = T
     return out
 
 
-def model_config_from(config: Any) -> ModelConfig:
+def model_config_from(config: mlc.ConfigDict) -> ModelConfig:
     """The architecture of a named preset (`config.model.arch`, the `random` overrides, dtype, linear_impl),
     without building anything: what the memory plans compile abstractly."""
     arch, _ = _arch_init(config)
@@ -140,7 +143,9 @@ def model_config_from(config: Any) -> ModelConfig:
     return presets.arch_config(arch, **overrides)
 
 
-def build_model_and_tokenizer(config: Any, shard_fn: ShardFn | None = None) -> tuple[Transformer, Any]:
+def build_model_and_tokenizer(
+    config: mlc.ConfigDict, shard_fn: ShardFn | None = None
+) -> tuple[Transformer, TextCodec]:
     """The policy model and its tokenizer from `config.model` (see the module docstring).
 
     shard_fn: the parameter layout random-weight presets are born in (`tlt_jax.config_lib.build_model`
@@ -149,7 +154,6 @@ def build_model_and_tokenizer(config: Any, shard_fn: ShardFn | None = None) -> t
     """
     from tlt_jax.models.llama import from_hf_tensors
     from tlt_jax.models.loading import load_model
-    from tlt_jax.models.tokenizer import ByteTokenizer
 
     problems = model_problems(config, check_paths=True, text_jobs=False)
     if problems:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_collections as mlc
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
@@ -45,7 +46,7 @@ ROLLOUT_RANGES: tuple[Range, ...] = (
 OPEN_SECTIONS = ("model.random", "task")
 
 
-def rl_problems(config: Any) -> list[str]:
+def rl_problems(config: mlc.ConfigDict) -> list[str]:
     """Problems of the GRPO sections: steps, task, rl, trainer, and GRPO's need for sampling."""
     out = []
     ro, rl, tr = config.rollout, config.rl, config.trainer
@@ -109,7 +110,7 @@ def rl_problems(config: Any) -> list[str]:
     return out
 
 
-def task_problems(task: Any, check_paths: bool = True) -> list[str]:
+def task_problems(task: mlc.ConfigDict, check_paths: bool = True) -> list[str]:
     """config.task's keys for its kind, and a JSONL task file read through (a malformed line fails here,
     naming the line, before any model is built or anything is written)."""
     kind = task.get("kind")
@@ -125,7 +126,7 @@ def task_problems(task: Any, check_paths: bool = True) -> list[str]:
     return []
 
 
-def spot_config_from(config: Any) -> SpotConfig:
+def spot_config_from(config: mlc.ConfigDict) -> SpotConfig:
     """`SpotConfig` from `config.spot` (mode "off" when the config has no spot section)."""
     try:
         return SpotConfig(**dict(config.get("spot", {})))
@@ -133,7 +134,7 @@ def spot_config_from(config: Any) -> SpotConfig:
         raise ValueError(f"config.spot is invalid: {e}") from e
 
 
-def eval_config_from(config: Any) -> EvalConfig:
+def eval_config_from(config: mlc.ConfigDict) -> EvalConfig:
     """`EvalConfig` from `config.eval` (off when the config has no eval section)."""
     try:
         return EvalConfig(**dict(config.get("eval", {})))
@@ -141,7 +142,7 @@ def eval_config_from(config: Any) -> EvalConfig:
         raise ValueError(f"config.eval is invalid: {e}") from e
 
 
-def loss_config_from(config: Any) -> PolicyLossConfig:
+def loss_config_from(config: mlc.ConfigDict) -> PolicyLossConfig:
     """The GRPO-family loss of `config.rl` at the rollout's temperature (old log-probs fused into the update's
     forward when `trainer.fuse_old_logprobs` and one mini-batch per step)."""
     rl, tc = config.rl, config.trainer
@@ -157,7 +158,7 @@ def loss_config_from(config: Any) -> PolicyLossConfig:
     )
 
 
-def optim_config_from(config: Any) -> OptimConfig:
+def optim_config_from(config: mlc.ConfigDict) -> OptimConfig:
     """The policy's AdamW settings from `config.rl`."""
     rl = config.rl
     return OptimConfig(
@@ -170,7 +171,7 @@ def optim_config_from(config: Any) -> OptimConfig:
     )
 
 
-def trainer_options_from(config: Any) -> TrainerOptions:
+def trainer_options_from(config: mlc.ConfigDict) -> TrainerOptions:
     """`TrainerOptions` from `config.trainer` (a reference copy when the loss has a KL term)."""
     tc = config.trainer
     return TrainerOptions(
@@ -182,7 +183,7 @@ def trainer_options_from(config: Any) -> TrainerOptions:
     )
 
 
-def policy_trainer(config: Any, model: Transformer, mesh: Mesh) -> PolicyTrainer:
+def policy_trainer(config: mlc.ConfigDict, model: Transformer, mesh: Mesh) -> PolicyTrainer:
     """The learner's `PolicyTrainer` for `model` (which it takes over) as `config` sets it up."""
     return PolicyTrainer(
         model, mesh, loss_config_from(config), optim_config_from(config), trainer_options_from(config)
@@ -190,7 +191,7 @@ def policy_trainer(config: Any, model: Transformer, mesh: Mesh) -> PolicyTrainer
 
 
 def abstract_policy_trainer(
-    config: Any, graphdef: nnx.GraphDef, params: Any, cfg: ModelConfig, mesh: Mesh | AbstractMesh
+    config: mlc.ConfigDict, graphdef: nnx.GraphDef, params: Any, cfg: ModelConfig, mesh: Mesh | AbstractMesh
 ) -> PolicyTrainer:
     """The same trainer from abstract parameters (`PolicyTrainer.abstract`: nothing materialised), for
     compiling its programs ahead of time at shapes that do not fit this machine."""
@@ -205,7 +206,7 @@ def abstract_policy_trainer(
     )
 
 
-def validate_grpo(config: Any, check_paths: bool = True) -> None:
+def validate_grpo(config: mlc.ConfigDict, check_paths: bool = True) -> None:
     """Every problem of a GRPO config (shared sections and the job's own), in one ValueError."""
     problems = []
     try:

@@ -24,7 +24,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from tlt_jax.rl.rollout import TextCodec
+from tlt_jax.models.build import TextCodec
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode
 from tlt_jax.rollout.sampling import SamplingParams

@@ -280,7 +280,7 @@ class Learner:
         self.phases.close()
 
 
-def run_grpo(config: Any, workdir: str) -> str:
+def run_grpo(config: ml_collections.ConfigDict, workdir: str) -> str:
     """Train GRPO as configured, in `workdir` (created; resumed from its latest checkpoint if present)."""
     os.makedirs(workdir, exist_ok=True)
     return Learner(config, workdir).train()

@@ -7,7 +7,7 @@ import dataclasses
 import chex
 import numpy as np
 
-from tlt_jax.rl.rollout import TextCodec
+from tlt_jax.models.build import TextCodec
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, RewardResult, Task
 

@@ -11,8 +11,7 @@ from collections.abc import Sequence
 
 import jax
 
-from tlt_jax.models.random_init import NoTextTokenizer
-from tlt_jax.models.tokenizer import Tokenizer
+from tlt_jax.models.build import TextCodec
 from tlt_jax.rollout.adaptive import AdaptivePolicy
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import ProgressHook, RolloutHooks
@@ -21,8 +20,6 @@ from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, Task
 from tlt_jax.utils import compile_stats
 from tlt_jax.utils.tracking import RolloutProgress
-
-TextCodec = Tokenizer | NoTextTokenizer  # what build_model_and_tokenizer returns
 
 
 class PromptEncoder:

@@ -21,6 +21,7 @@ import json
 import pathlib
 from typing import Any
 
+import ml_collections as mlc
 import numpy as np
 from absl import logging
 
@@ -98,7 +99,7 @@ def check_compatible(saved: dict[str, Any] | None, policy: ModelConfig, where: s
         )
 
 
-def resolve_drafter(section: Any, policy: ModelConfig) -> ResolvedDrafter:
+def resolve_drafter(section: mlc.ConfigDict, policy: ModelConfig) -> ResolvedDrafter:
     """Build the rollout drafter of the `drafter` config section for a policy with config `policy`."""
     kind, path = str(section.kind), str(section.get("path") or "")
     if kind not in KINDS:
@@ -143,7 +144,7 @@ def resolve_drafter(section: Any, policy: ModelConfig) -> ResolvedDrafter:
     return ResolvedDrafter("eagle", drafter=drafter, draft_vocab=vocab, path=str(d))
 
 
-def announced_drafter(section: Any, policy: ModelConfig, announce: bool) -> ResolvedDrafter:
+def announced_drafter(section: mlc.ConfigDict, policy: ModelConfig, announce: bool) -> ResolvedDrafter:
     """`resolve_drafter`, its note (e.g. "auto" fell back to the n-gram drafter) logged once as a warning when
     `announce` (process 0): a run that drafts with another drafter than the one asked for says so up front."""
     resolved = resolve_drafter(section, policy)

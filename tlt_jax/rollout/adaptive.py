@@ -21,7 +21,8 @@ the window. Such chunks are counted (`bandit/compiled_chunks`). The selector's s
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+
+import ml_collections as mlc
 
 from tlt_jax.rollout.beg_mab import BanditPolicy
 from tlt_jax.rollout.hooks import ChunkView, RolloutHooks, RolloutInfo
@@ -73,7 +74,7 @@ class AdaptivePolicy(RolloutHooks):
         return out
 
 
-def build_policy(section: Any, engine: EngineLike, seed: int = 0) -> AdaptivePolicy:
+def build_policy(section: mlc.ConfigDict, engine: EngineLike, seed: int = 0) -> AdaptivePolicy:
     """The `bandit` config section -> an AdaptivePolicy over arms registered in `engine`.
 
     Arms: "plain", an EAGLE strategy like "3_1_4", or "ngram_<strategy>". With `all_arms` every arm is

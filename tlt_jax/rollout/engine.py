@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from tlt_jax import sharding as shd
 from tlt_jax.kernels import small_m_linear
+from tlt_jax.models.build import TextCodec
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout import decode, scheduler, spmd
@@ -66,7 +67,7 @@ class RolloutEngine:
         eos_ids: Sequence[int],
         *,
         mesh: Mesh | None = None,
-        tokenizer: Any | None = None,
+        tokenizer: TextCodec | None = None,
         drafter: Drafter | None = None,
         draft_vocab: Sequence[int] | np.ndarray | None = None,
     ):

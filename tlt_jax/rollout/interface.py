@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from tlt_jax.kernels.tree_attention import IMPLS as ATTN_IMPLS
+from tlt_jax.models.build import TextCodec
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.hooks import IdleWork
 from tlt_jax.rollout.ngram import NgramBank
@@ -76,7 +77,7 @@ class EngineLike(Protocol):
     mesh: Mesh
     data_size: int  # devices on the mesh's data axis
     replicated: NamedSharding  # replicated over the mesh
-    tokenizer: Any  # decodes responses for stop strings (None without stop strings)
+    tokenizer: TextCodec | None  # decodes responses for stop strings (None without stop strings)
     eos_ids: jax.Array
     modes: dict[str, SpecMode]  # the registered speculative modes by name
     spec_mode: str | None  # the mode `config.spec` registered, if enabled

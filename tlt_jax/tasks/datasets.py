@@ -25,6 +25,8 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import ml_collections as mlc
+
 from tlt_jax.tasks.answers import (
     answers_match,
     check_answer_mode,
@@ -274,7 +276,7 @@ TASK_KINDS: dict[str, type[Task]] = {
 }
 
 
-def check_task_config(config: Mapping[str, Any] | Any) -> tuple[type[Task], dict[str, Any]]:
+def check_task_config(config: mlc.ConfigDict | Mapping[str, object]) -> tuple[type[Task], dict[str, Any]]:
     """The task class of `config["kind"]` and its constructor arguments (the other keys), without building
     the task; a ValueError naming an unknown kind, unknown keys or missing keys, and the valid ones."""
     cfg = dict(config.to_dict()) if hasattr(config, "to_dict") else dict(config)
@@ -292,7 +294,7 @@ def check_task_config(config: Mapping[str, Any] | Any) -> tuple[type[Task], dict
     return cls, cfg
 
 
-def make_task(config: Mapping[str, Any] | Any) -> Task:
+def make_task(config: mlc.ConfigDict | Mapping[str, object]) -> Task:
     """Build a task from a config (ml_collections.ConfigDict or dict) with `kind` in TASK_KINDS; the other
     keys are the constructor arguments of its class (`check_task_config` names unknown or missing ones)."""
     cls, cfg = check_task_config(config)

@@ -14,6 +14,8 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import ml_collections as mlc
+
 from tlt_jax.utils.tracking import CONFIG_FILE
 
 # `python -m tlt_jax.main --allow_config_change`: resume a workdir whose saved config differs
@@ -38,7 +40,7 @@ RESUMABLE_KEYS = (
 Range = tuple[str, Callable[[Any], bool], str]
 
 
-def _plain(config: Any) -> dict[str, Any]:
+def _plain(config: mlc.ConfigDict | Mapping[str, object]) -> dict[str, Any]:
     """A ConfigDict / Mapping as a plain nested dict."""
     if hasattr(config, "to_dict"):
         return config.to_dict()
@@ -90,13 +92,19 @@ def _unknown_message(path: str, key: str, valid: list[str]) -> str:
     )
 
 
-def unknown_key_problems(config: Any, reference: Any, free: Sequence[str] = ()) -> list[str]:
+def unknown_key_problems(
+    config: mlc.ConfigDict | Mapping[str, object],
+    reference: mlc.ConfigDict | Mapping[str, object],
+    free: Sequence[str] = (),
+) -> list[str]:
     """One problem per key of `config` that `reference` lacks (a mistyped section once, not its keys), with
     the nearest valid keys; the sections named in `free` ("model.random") take any keys."""
     return [_unknown_message(*u) for u in _unknown(_plain(config), _plain(reference), "", free)]
 
 
-def override_hints(config: Any, overrides: Iterable[str]) -> list[str]:
+def override_hints(
+    config: mlc.ConfigDict | Mapping[str, object] | None, overrides: Iterable[str]
+) -> list[str]:
     """For command-line overrides ("--config.rl.lerning_rate=1") that name no key of `config`, the first
     missing part with the nearest valid keys there."""
     hints = []
@@ -113,7 +121,9 @@ def override_hints(config: Any, overrides: Iterable[str]) -> list[str]:
     return hints
 
 
-def range_problems(section: Mapping[str, Any], name: str, ranges: Sequence[Range]) -> list[str]:
+def range_problems(
+    section: mlc.ConfigDict | Mapping[str, object], name: str, ranges: Sequence[Range]
+) -> list[str]:
     """`config.<name>.<key>=<value>: must be <range>.` for each key of `section` outside its range."""
     return [
         f"config.{name}.{key}={section[key]!r}: must be {need}."
@@ -127,7 +137,9 @@ def _resumable(key: str, resumable: Sequence[str]) -> bool:
 
 
 def config_changes(
-    saved: Mapping[str, Any], current: Any, resumable: Sequence[str] = RESUMABLE_KEYS
+    saved: Mapping[str, Any],
+    current: mlc.ConfigDict | Mapping[str, object],
+    resumable: Sequence[str] = RESUMABLE_KEYS,
 ) -> list[tuple[str, Any, Any]]:
     """(dotted key, saved value, current value) for each key both configs have whose values differ, except
     the `resumable` ones. A key only one of them has (added or removed by a code change) is not compared."""
@@ -140,7 +152,9 @@ def config_changes(
     ]
 
 
-def check_workdir_config(config: Any, workdir: str | os.PathLike, allow_change: bool = False) -> list[str]:
+def check_workdir_config(
+    config: mlc.ConfigDict | Mapping[str, object], workdir: str | os.PathLike, allow_change: bool = False
+) -> list[str]:
     """The differences between `workdir/config.json` (written by the run that made the workdir) and `config`,
     as "key: saved -> now" lines; a ValueError listing them and the ways on unless `allow_change`. A workdir
     without config.json is new: nothing to compare."""

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any, Protocol, runtime_checkable
 
+import ml_collections as mlc
 from absl import logging
 
 Metrics = Mapping[str, float | int]
@@ -32,12 +33,12 @@ class Tracker(Protocol):
 
     def log(self, step: int, metrics: Metrics) -> None: ...
 
-    def log_config(self, config: Mapping[str, Any]) -> None: ...
+    def log_config(self, config: mlc.ConfigDict | Mapping[str, object]) -> None: ...
 
     def close(self) -> None: ...
 
 
-def _plain_config(config: Any) -> dict[str, Any]:
+def _plain_config(config: mlc.ConfigDict | Mapping[str, object]) -> dict[str, Any]:
     """ml_collections ConfigDict / FrozenConfigDict / Mapping -> plain nested dict."""
     if hasattr(config, "to_dict"):
         return config.to_dict()
@@ -78,7 +79,7 @@ class JsonlTracker:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
-    def log_config(self, config: Mapping[str, Any]) -> None:
+    def log_config(self, config: mlc.ConfigDict | Mapping[str, object]) -> None:
         """Write the config to `workdir/config.json` (overwritten: the config of the latest (re)start)."""
         tmp = os.path.join(self.workdir, CONFIG_FILE + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
@@ -160,7 +161,7 @@ class WandbTracker:
         name: str | None,
         workdir: str | os.PathLike,
         mode: str | None = None,
-        config: Mapping[str, Any] | None = None,
+        config: mlc.ConfigDict | Mapping[str, object] | None = None,
     ):
         self.mode = resolve_wandb_mode(mode, os.environ)
         self.run: Any = None
@@ -195,7 +196,7 @@ class WandbTracker:
         if self.run is not None:
             self.run.log({k: _scalar(k, v) for k, v in metrics.items()}, step=int(step))
 
-    def log_config(self, config: Mapping[str, Any]) -> None:
+    def log_config(self, config: mlc.ConfigDict | Mapping[str, object]) -> None:
         """Merge `config` into the run's config."""
         if self.run is not None:
             self.run.config.update(_plain_config(config), allow_val_change=True)
@@ -316,7 +317,7 @@ class ConsoleTracker:
         if step % self.every == 0:
             self._print(format_step_line(step, metrics, self.num_steps))
 
-    def log_config(self, config: Mapping[str, Any]) -> None:
+    def log_config(self, config: mlc.ConfigDict | Mapping[str, object]) -> None:
         """Nothing: the config lives in config.json and wandb, too long for a console line."""
 
     def close(self) -> None:
@@ -334,7 +335,7 @@ class MultiTracker:
         for t in self.trackers:
             t.log(step, metrics)
 
-    def log_config(self, config: Mapping[str, Any]) -> None:
+    def log_config(self, config: mlc.ConfigDict | Mapping[str, object]) -> None:
         """Log the config to every tracker."""
         for t in self.trackers:
             t.log_config(config)
@@ -351,7 +352,9 @@ class MultiTracker:
             raise errors[0]
 
 
-def make_trackers(config: Any, workdir: str | os.PathLike, resume_step: int | None = None) -> MultiTracker:
+def make_trackers(
+    config: mlc.ConfigDict | Mapping[str, object], workdir: str | os.PathLike, resume_step: int | None = None
+) -> MultiTracker:
     """jsonl (always) + console + wandb (mode from `config.wandb.mode`, else $WANDB_MODE, else offline).
 
     `resume_step`: the step a restored run continues from; metrics of steps >= it are dropped from the jsonl.
