@@ -118,9 +118,14 @@ def typo_in_config_file(wd: pathlib.Path) -> object:
     return main.run(c, str(wd))
 
 
-def typo_on_command_line(wd: pathlib.Path) -> object:
+def on_command_line(*overrides: str) -> Callable[[pathlib.Path], object]:
+    """`python -m tlt_jax.main` on the smoke config with `overrides` (8 fake devices, as this process)."""
+    return lambda wd: cli(wd, *overrides)
+
+
+def cli(wd: pathlib.Path, *overrides: str) -> object:
     cmd = [sys.executable, "-m", "tlt_jax.main", "--config", str(ROOT / "configs" / "smoke.py")]
-    cmd += ["--config.rl.lerning_rate=1e-5", "--workdir", str(wd)]
+    cmd += [*overrides, "--workdir", str(wd)]
     env = {**os.environ, "WANDB_MODE": "disabled"}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -193,7 +198,7 @@ CASES = {
         (r"config\.rl\.lerning_rate is not a config key", r"did you mean config\.rl\.lr\?", r"Fix its name"),
     ),
     "unknown_key_on_command_line": Case(
-        typo_on_command_line,
+        on_command_line("--config.rl.lerning_rate=1e-5"),
         (r"unknown config key: 'lerning_rate'", r"did you mean config\.rl\.lr\?", r"config\.rl has: .*lr"),
     ),
     "negative_learning_rate": Case(run_with(**{"rl.lr": -1e-5}), (r"config\.rl\.lr=-1e-05: must be > 0",)),
@@ -254,6 +259,13 @@ CASES = {
         (
             r"config\.mesh\.model=3 does not divide the 8 devices",
             r"set config\.mesh\.model to one of \[1, 2, 4, 8\], or config\.mesh\.data explicitly",
+        ),
+    ),
+    "mesh_not_dividing_devices_on_command_line": Case(
+        on_command_line("--config.mesh.model=3"),
+        (
+            r"error: mesh: config\.mesh\.model=3 does not divide the 8 devices",
+            r"set config\.mesh\.model to one of \[1, 2, 4, 8\]",
         ),
     ),
     "multiprocess_without_coordinator": Case(

@@ -224,6 +224,11 @@ def main(argv: list[str]) -> None:
     except Exception as e:  # several processes: a peer's death shows here as a failed collective
         import jax
 
+        from tlt_jax.sharding import MeshError
+
+        if isinstance(e, MeshError):  # checked before anything is written: a config mistake
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
         hint = distributed.peer_failure_message(e, jax.process_index(), jax.process_count())
         if hint:
             print(f"error: {hint}", file=sys.stderr, flush=True)

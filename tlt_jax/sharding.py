@@ -44,20 +44,24 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
 CACHE_AXES = ("batch", "kv_heads", "seq", None)
 
 
+class MeshError(ValueError):
+    """A mesh the devices cannot form (the config's mistake: the CLI prints it without a traceback)."""
+
+
 def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, model) mesh. data=-1 takes all remaining devices."""
     devices = list(devices if devices is not None else jax.devices())
     if data == -1:
         if model < 1 or len(devices) % model:
             divisors = [d for d in range(1, len(devices) + 1) if len(devices) % d == 0]
-            raise ValueError(
+            raise MeshError(
                 f"mesh: config.mesh.model={model} does not divide the {len(devices)} devices: set "
                 f"config.mesh.model to one of {divisors}, or config.mesh.data explicitly (data x model "
                 f"<= {len(devices)} devices are used)."
             )
         data = len(devices) // model
     if data * model > len(devices):
-        raise ValueError(
+        raise MeshError(
             f"mesh data={data} x model={model} needs {data * model} devices, only {len(devices)} available. "
             "Set config.mesh.data / config.mesh.model "
             "(or XLA_FLAGS=--xla_force_host_platform_device_count=N on CPU)."
