@@ -21,7 +21,7 @@ def get_config(arg: str | None = None):
     c.trainer.fsdp = True
     if arg.runlocal:
         config_lib.shrink_for_cpu(c, "qwen2")
+        c.multiprocess = False  # the pipeline on one machine
     else:
         c.model.arch = "qwen2_5_32b"  # the checkpoint's shapes are checked; init=random: random weights
-        c.multiprocess = False
     return c

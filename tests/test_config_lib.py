@@ -138,3 +138,6 @@ def test_cluster_configs_validate_without_weights(name: str) -> None:
     assert model.cfg.architecture == "qwen2" and model.cfg.qkv_bias
     assert small.model.dtype == "float32" and small.rollout.max_new_tokens <= 64
     assert small.rl.samples_per_prompt == c.rl.samples_per_prompt  # the algorithm is unchanged
+    assert not small.multiprocess  # runlocal: one process; the 32B config is multi-host (7B: per slice)
+    if name == "qwen2_5_32b":
+        assert c.multiprocess
