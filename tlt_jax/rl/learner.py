@@ -69,10 +69,10 @@ from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, make_task
 from tlt_jax.utils import compile_stats
 from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.heartbeat import Heartbeat
 from tlt_jax.utils.phase import PhaseFile
 from tlt_jax.utils.preemption import PreemptionGuard
 from tlt_jax.utils.run_plots import PlotRefresher, append_timeline
-from tlt_jax.utils.tracking import Heartbeat
 
 
 class Learner:

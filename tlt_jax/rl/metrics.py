@@ -117,7 +117,7 @@ class RolloutWatch(RolloutHooks):
 
 
 class LearnerStatus:
-    """The console heartbeat's view of a learner (`tlt_jax.utils.tracking.Heartbeat`): the phase from the
+    """The console heartbeat's view of a learner (`tlt_jax.utils.heartbeat.Heartbeat`): the phase from the
     workdir's phase file, the rollout's live counters (`RolloutWatch`) and what compiled in the phase."""
 
     def __init__(self, workdir: str, watch: RolloutWatch, num_steps: int):

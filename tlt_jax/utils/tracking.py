@@ -12,7 +12,6 @@ import os
 import secrets
 import string
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any, Protocol, runtime_checkable
@@ -292,7 +291,7 @@ def interpreter() -> str:
     return rel if not rel.startswith("..") else exe
 
 
-def _console_print(line: str) -> None:
+def console_print(line: str) -> None:
     """absl logging under `app.run` (flags parsed); print elsewhere, where absl would hide INFO lines."""
     from absl import flags
 
@@ -310,7 +309,7 @@ class ConsoleTracker:
     ):
         self.every = max(1, int(every))
         self.num_steps = num_steps
-        self._print = print_fn or _console_print
+        self._print = print_fn or console_print
 
     def log(self, step: int, metrics: Metrics) -> None:
         """Print the step's summary line (on every `every`-th step)."""
@@ -441,63 +440,3 @@ class RolloutProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class HeartbeatStatus(Protocol):
-    """What a `Heartbeat` asks: `key()` names what the job is doing now (None: nothing to report; a new key
-    restarts the clock), `line(elapsed)` describes it, `elapsed` seconds after that key first appeared."""
-
-    def key(self) -> str | None: ...
-
-    def line(self, elapsed: float) -> str: ...
-
-
-def _print_around_bars(line: str) -> None:
-    """`_console_print` with any tqdm bar on stderr cleared first and redrawn after."""
-    from tqdm import tqdm
-
-    with tqdm.external_write_mode(file=sys.stderr):
-        _console_print(line)
-
-
-class Heartbeat:
-    """A daemon thread that says what a long job is doing while it is otherwise silent (compiling, a long
-    rollout or update). Every `poll` s it reads `status.key()`; once the same key has lasted `interval` s,
-    and then every `interval` s, it prints `status.line(elapsed)`: at most one line per `interval`, on a TTY
-    or in a CI log alike (no carriage-return redraws). A failing status stops it with one warning."""
-
-    def __init__(
-        self,
-        status: HeartbeatStatus,
-        interval: float = 10.0,
-        poll: float = 0.5,
-        print_fn: Callable[[str], None] | None = None,
-        enabled: bool = True,
-    ):
-        self.status, self.interval, self.poll = status, float(interval), float(poll)
-        self._print = print_fn or _print_around_bars
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True) if enabled else None
-
-    def _run(self) -> None:
-        key, since, last = None, 0.0, 0.0
-        try:
-            while not self._stop.wait(self.poll):
-                now_key, now = self.status.key(), time.perf_counter()
-                if now_key != key:
-                    key, since, last = now_key, now, now
-                elif key is not None and now - last >= self.interval:
-                    last = now
-                    self._print(self.status.line(now - since))
-        except Exception as e:  # the console's heartbeat must never take the job down
-            logging.warning("console heartbeat stopped: %s: %s", type(e).__name__, e)
-
-    def __enter__(self) -> Heartbeat:
-        if self._thread is not None:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join()
