@@ -7,7 +7,7 @@ Problems: sums/differences of 2-3 numbers with 1-2 digits. Reward: 1 for the rig
 Args (`configs/default.py:seed=1,steps=10`): seed, steps, runlocal (a 3-step check of the pipeline).
 """
 
-from tlt_jax import config_lib
+from tlt_jax import config_lib, config_schema
 from tlt_jax.models.loading import DEFAULT_GGUF_PATH
 
 SYSTEM_PROMPT = "You are a calculator. Reply with the result only."
@@ -16,7 +16,7 @@ INSTRUCTION = None  # the question alone; the reward reads an `Answer:` line if 
 
 def get_config(arg: str | None = None):
     arg = config_lib.parse_arg(arg, seed=0, steps=20, runlocal=False)
-    c = config_lib.base_config()
+    c = config_schema.base_config()
     c.seed = arg.seed
     c.num_steps = 3 if arg.runlocal else arg.steps
     c.checkpoint_every = 5

@@ -8,12 +8,12 @@ them, it scores text): `--config.model.init=random`, built by `config_lib.build_
 Args: as configs/qwen2_5_7b.py (dataset, steps, runlocal).
 """
 
-from tlt_jax import config_lib
+from tlt_jax import config_lib, config_schema
 
 
 def get_config(arg: str | None = None):
     arg = config_lib.parse_arg(arg, dataset="gsm_symbolic", steps=200, runlocal=False)
-    c = config_lib.paper_grpo(config_lib.base_config(), arg.dataset, arg.steps)
+    c = config_lib.paper_grpo(config_schema.base_config(), arg.dataset, arg.steps)
     c.mesh.data, c.mesh.model = -1, 1
     if arg.runlocal:
         config_lib.shrink_for_cpu(c, "qwen2")

@@ -10,12 +10,12 @@ Random weights of the same shapes (timing and memory only; GRPO refuses them, it
 `experiments/memory_plans.py` plans this config's per-device memory from abstract shapes.
 """
 
-from tlt_jax import config_lib
+from tlt_jax import config_lib, config_schema
 
 
 def get_config(arg: str | None = None):
     arg = config_lib.parse_arg(arg, dataset="gsm_symbolic", steps=200, runlocal=False)
-    c = config_lib.paper_grpo(config_lib.base_config(), arg.dataset, arg.steps)
+    c = config_lib.paper_grpo(config_schema.base_config(), arg.dataset, arg.steps)
     c.mesh.data, c.mesh.model = -1, 4
     if arg.runlocal:
         config_lib.shrink_for_cpu(c, "qwen2")

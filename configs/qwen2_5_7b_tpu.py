@@ -19,7 +19,7 @@ Several hosts: `TLT_JAX_COORDINATOR=auto` lets `jax.distributed` find the slice'
 metadata (README, "Running on a TPU VM").
 """
 
-from tlt_jax import config_lib
+from tlt_jax import config_lib, config_schema
 
 # chips JAX sees, HBM per chip (GiB), the (data, model) mesh, trainer.fsdp, hosts
 SLICES = {
@@ -38,7 +38,7 @@ def get_config(arg: str | None = None):
     if arg.slice not in SLICES:
         raise ValueError(f"slice={arg.slice!r}: unknown; known slices: {', '.join(SLICES)}.")
     s = SLICES[arg.slice]
-    c = config_lib.paper_grpo(config_lib.base_config(), arg.dataset, arg.steps)
+    c = config_lib.paper_grpo(config_schema.base_config(), arg.dataset, arg.steps)
     c.mesh.data, c.mesh.model = s["data"], s["model"]
     c.trainer.fsdp = s["fsdp"]
     c.multiprocess = s["hosts"] > 1

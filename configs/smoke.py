@@ -8,12 +8,12 @@ Args (`configs/smoke.py:steps=2,kl=0.001,spec=true`): steps, kl (coefficient of 
 and changes nothing (this config is already local).
 """
 
-from tlt_jax import config_lib
+from tlt_jax import config_lib, config_schema
 
 
 def get_config(arg: str | None = None):
     arg = config_lib.parse_arg(arg, steps=4, kl=0.0, spec=False, runlocal=False)
-    c = config_lib.base_config()
+    c = config_schema.base_config()
     c.seed = 0
     c.num_steps = arg.steps
     c.checkpoint_every = 2

@@ -43,7 +43,7 @@ Args (`configs/tlt.py:drafter=ngram,steps=10,seed=0`):
   steps, seed, quick (3 steps of 4 prompts x 4: the e2e benchmark's --quick).
 """
 
-from tlt_jax import config_lib
+from tlt_jax import config_lib, config_schema
 from tlt_jax.models.loading import DEFAULT_GGUF_PATH, REPO_ROOT
 
 # the task section, shared with the drafter warm-up (`configs/drafter_warmup.py:tlt`)
@@ -73,7 +73,7 @@ def get_config(arg: str | None = None):
         quick=False,
         runlocal=False,
     )
-    c = config_lib.base_config()
+    c = config_schema.base_config()
     c.seed = arg.seed
     c.num_steps = 3 if arg.quick or arg.runlocal else arg.steps
     c.checkpoint_every = 4

@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from experiments import harness as h
+from tlt_jax import config_schema
 from tlt_jax.drafter import warmup, warmup_data
 from tlt_jax.tasks import make_task
 
@@ -42,7 +43,7 @@ def main() -> None:
         sys.exit(f"missing {model_path}: run `make setup` (it fetches the SmolLM2 GGUF)")
     n_prompts = args.prompts or (16 if args.quick else 32)
     reps = args.reps or (1 if args.quick else 2)
-    target, tokenizer = warmup.build_target(config)
+    target, tokenizer = warmup.build_target(config_schema.parse(config))
     task = make_task(config.task)
     hidden_fn = warmup_data.make_hidden_fn(target)
     gen = config.generation
@@ -56,15 +57,16 @@ def main() -> None:
         for r in range(reps):
             for record in (True, False):
                 config.generation.record_hidden = record
+                job = config_schema.parse(config)
                 data_dir = pathlib.Path(tmp) / f"{r}_{record}"
                 data_dir.mkdir()
                 t0 = time.perf_counter()
                 samples[record], tot = warmup_data.build_split(
                     "train",
-                    config=config,
+                    job=job,
                     task=task,
                     tokenizer=tokenizer,
-                    engine=warmup_data.warmup_engine(config, target, tokenizer),
+                    engine=warmup_data.warmup_engine(job, target, tokenizer),
                     hidden_fn=hidden_fn,
                     start=0,
                     num_prompts=n_prompts,

@@ -68,11 +68,11 @@ from flax import nnx
 
 from experiments import harness as h
 from experiments.case_study_runs import Config, report, sd_share
-from tlt_jax import config_lib
 from tlt_jax.rollout.adaptive import AdaptivePolicy, build_policy
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode, ThresholdPolicy
 from tlt_jax.rollout.sampling import SamplingParams, target_probs
+from tlt_jax.rollout.selector_config import BanditSection
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks.datasets import make_task
 
@@ -81,7 +81,6 @@ def selector(
     algo: str, engine: RolloutEngine, arms: list[str], buckets: tuple[int, ...], seed: int
 ) -> AdaptivePolicy:
     """A selector hook over plain + `arms` (every arm eligible in every bucket) built by `build_policy`."""
-    section = config_lib.base_config().bandit
     tlt_bandit = h.load_config(h.TLT_CONFIG).bandit
     ladder: tuple[str, ...] = ()
     if algo == "sglang":  # plain, then the EAGLE arms shallow to deep (SGLang ladders one drafter's depth)
@@ -90,16 +89,14 @@ def selector(
         for a in eagle:
             by_depth.setdefault(engine.modes[a].tokens_per_step, a)
         ladder = ("plain", *(by_depth[k] for k in sorted(by_depth)))
-    section.update(
-        dict(
-            algorithm=algo,
-            arms=("plain", *arms),
-            bucket_bounds=buckets,
-            all_arms=True,
-            epsilon=float(tlt_bandit.epsilon),
-            window=int(tlt_bandit.window),
-            sglang_ladder=ladder,
-        )
+    section = BanditSection(
+        algorithm=algo,
+        arms=("plain", *arms),
+        bucket_bounds=buckets,
+        all_arms=True,
+        epsilon=float(tlt_bandit.epsilon),
+        window=int(tlt_bandit.window),
+        sglang_ladder=ladder,
     )
     return build_policy(section, engine, seed=seed)
 

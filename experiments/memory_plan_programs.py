@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments.program_layouts import layout_engine
-from tlt_jax import config_lib
+from tlt_jax import config_lib, config_schema
 from tlt_jax import sharding as shd
 from tlt_jax.drafter import trainer as dtr
 from tlt_jax.drafter.packing import PackedBatch
@@ -39,7 +39,7 @@ from tlt_jax.models.llama import Transformer
 from tlt_jax.models.random_init import abstract_params, bytes_per_device
 from tlt_jax.rl import trainer as rtr
 from tlt_jax.rl.batch import TrainBatch
-from tlt_jax.rl.config import abstract_policy_trainer, spot_config_from
+from tlt_jax.rl.config import abstract_policy_trainer
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.programs import ProgramCache, ProgramInfo
@@ -191,7 +191,8 @@ def compile_chunk(
 def abstract_trainer(config: Any, am: AbstractModels, mesh: Any) -> rtr.PolicyTrainer:
     """The learner's `PolicyTrainer` for the abstract target: its layouts and optimizer as the learner builds
     them, float32 masters and AdamW state as sharded `ShapeDtypeStruct`s (`PolicyTrainer.abstract`)."""
-    return abstract_policy_trainer(config, am.graphdef, am.params, am.cfg, mesh)
+    job = config_schema.parse(config, check_paths=False, check_model=False)
+    return abstract_policy_trainer(job, am.graphdef, am.params, am.cfg, mesh)
 
 
 def abstract_micro(config: Any, mesh: Mesh, prompt_len: int, response_len: int) -> tuple[TrainBatch, Any]:
@@ -250,7 +251,7 @@ def compile_update(
 def compile_drafter_step(config: Any, am: AbstractModels, mesh: Mesh) -> ProgramInfo:
     """One optimizer step of the spot trainer on one packed micro-batch (`config.spot` shapes): the drafter's
     train state replicated, the target's embedding and head as the engine holds them."""
-    spot = spot_config_from(config)
+    spot = config_schema.section(config, "spot")
     tx, loss_cfg = spot.optimizer(), spot.loss_config()
     rep = NamedSharding(mesh, P())
 
@@ -285,7 +286,7 @@ def resident(config: Any, cfg: Any, mesh: Any) -> dict[str, int]:
     masters, opt = t.params, t.opt_state
     embed = jax.tree.leaves(am.params["embed"])
     head = [] if cfg.tie_embeddings else jax.tree.leaves(am.params["lm_head"])
-    spot = spot_config_from(config)
+    spot = config_schema.section(config, "spot")
     rep = NamedSharding(mesh, P())
     dstate = jax.eval_shape(lambda p: (p, spot.optimizer().init(p)), am.dparams)
     ref = bytes_per_device(masters) * jnp.dtype(cfg.dtype).itemsize // 4

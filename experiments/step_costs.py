@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from experiments import harness as h
-from tlt_jax import config_lib
+from tlt_jax import config_lib, config_schema
 from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.rl.speculation import resolve_drafter
 from tlt_jax.rollout.engine import RolloutEngine
@@ -63,7 +63,7 @@ class Arm:
 
     def __init__(self, name: str, config: Any, model: Any, tokenizer: Any):
         self.name, self.config = name, config
-        drafter = resolve_drafter(config.drafter, model.cfg)
+        drafter = resolve_drafter(config_schema.section(config, "drafter"), model.cfg)
         if name != "none" and drafter.kind != name:
             raise SystemExit(f"arm {name}: no {name} drafter ({drafter.note})")
         mesh = config_lib.build_mesh(config)

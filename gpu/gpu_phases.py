@@ -274,7 +274,11 @@ def phase_drafter(suite: Suite, timeout: float) -> PhaseResult:
         return _drafter_result(wd, "ok", note="a drafter from an earlier call of this lease (reused)")
     cmd = [PY, "-m", "tlt_jax.main", f"--config={config}", f"--workdir={wd}"]
     if suite.dry:  # seconds, not a minute: no untrained-drafter evaluation, two steps, one checkpoint
-        cmd += ["--config.eval.before=False", "--config.train.steps=2", "--config.train.checkpoint_every=2"]
+        cmd += [
+            "--config.drafter_eval.before=False",
+            "--config.train.steps=2",
+            "--config.train.checkpoint_every=2",
+        ]
     reserve = 0.0 if suite.dry else min(120.0, 0.3 * timeout)  # to finalise a run cut short
     proc = suite.run("drafter", cmd, max(30.0, timeout - reserve), {})
     if proc.rc == 0:

@@ -27,6 +27,7 @@ import pytest
 from flax import nnx
 
 from tlt_jax import config_lib, main
+from tlt_jax.config_sections import DrafterSection
 from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
@@ -147,7 +148,7 @@ def prompt_longer_than_cache(wd: pathlib.Path) -> object:
 
 
 def drafter_from_another_model(wd: pathlib.Path) -> object:
-    section = ml_collections.ConfigDict(dict(kind="eagle", path=str(wd / "warmup"), min_accept_len=1.0))
+    section = DrafterSection(kind="eagle", path=str(wd / "warmup"), min_accept_len=1.0)
     return resolve_drafter(section, POLICY)
 
 

@@ -7,7 +7,7 @@ import pathlib
 import jax
 import pytest
 
-from tlt_jax import config_lib
+from tlt_jax import config_lib, config_schema
 from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.models.llama import Transformer
 from tlt_jax.models.tokenizer import ByteTokenizer
@@ -58,7 +58,7 @@ def test_validate_unknown_job_and_random_keys() -> None:
     c.job = "sft"
     c.model.random.unknown_field = 3  # the random dict is open (architecture fields)
     with pytest.raises(ValueError) as e:
-        config_lib.validate(c)
+        config_schema.parse(c)
     assert "config.job='sft'" in str(e.value) and "unknown keys ['unknown_field']" in str(e.value)
 
 
@@ -107,11 +107,11 @@ def test_build_model_rejects_missing_path() -> None:
 
 def test_default_config_validates_and_shrinks(smollm_gguf_path) -> None:
     c = load_config("default")
-    config_lib.validate(c)
+    config_schema.parse(c)
     assert pathlib.Path(c.model.path) == smollm_gguf_path
     assert c.task.name == "chain_sum" and c.rollout.temperature > 0
     small = load_config("default", "runlocal")
-    config_lib.validate(small)
+    config_schema.parse(small)
     assert small.num_steps < c.num_steps
     assert load_config("default", "seed=3").task.seed == 3
 
@@ -120,9 +120,9 @@ def test_default_config_validates_and_shrinks(smollm_gguf_path) -> None:
 def test_cluster_configs_validate_without_weights(name: str) -> None:
     c = load_config(name)
     with pytest.raises(ValueError, match="set exactly one of config.model.path"):
-        config_lib.validate(c)  # the model path comes from the command line
+        config_schema.parse(c)  # the model path comes from the command line
     c.model.path = "/cluster/models/Qwen2.5"
-    config_lib.validate(c, check_paths=False)
+    config_schema.parse(c, check_paths=False)
     rl, ro = c.rl, c.rollout
     # the paper's settings: 8 samples, T=0.9, low_var_kl 0.001, lr 1e-6, long responses
     assert (rl.samples_per_prompt, ro.temperature, rl.kl_coef, rl.lr) == (8, 0.9, 0.001, 1e-6)
@@ -133,7 +133,7 @@ def test_cluster_configs_validate_without_weights(name: str) -> None:
         assert config_lib.build_mesh(c).shape["model"] == c.mesh.model
     # runlocal: the same pipeline on a tiny random Qwen2-architecture model, on CPU
     small = load_config(name, "runlocal")
-    config_lib.validate(small)
+    config_schema.parse(small)
     model, _ = build_model_and_tokenizer(small)
     assert model.cfg.architecture == "qwen2" and model.cfg.qkv_bias
     assert small.model.dtype == "float32" and small.rollout.max_new_tokens <= 64

@@ -13,12 +13,16 @@ import logging as logging_std
 import os
 import pathlib
 import sys
+from typing import TYPE_CHECKING
 
 import ml_collections as mlc
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from tlt_jax.utils.config_checks import ALLOW_CHANGE_FLAG, check_workdir_config, override_hints
+
+if TYPE_CHECKING:  # the job modules import jax: main imports them after setting it up
+    from tlt_jax.config_schema import GrpoConfig, WarmupConfig
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file: configs/<name>.py[:arg].", lock_config=True
@@ -154,16 +158,16 @@ def setup_jax(config: mlc.ConfigDict) -> None:
         distributed.check_single_process()
 
 
-def validate_job(config: mlc.ConfigDict) -> None:
-    """The job's validation: every problem of the config in one ValueError (GRPO checks its own sections)."""
-    if config.job == "grpo":
+def validate_job(config: mlc.ConfigDict) -> GrpoConfig | WarmupConfig:
+    """The job's config, every section typed and checked once: every problem in one ValueError (the GRPO
+    job adds its checks across sections)."""
+    if config.get("job", "grpo") == "grpo":
         from tlt_jax.rl import config as rl_config
 
-        rl_config.validate_grpo(config)
-    else:
-        from tlt_jax import config_lib
+        return rl_config.validate_grpo(config)
+    from tlt_jax import config_schema
 
-        config_lib.validate(config)
+    return config_schema.parse(config)
 
 
 def run(config: mlc.ConfigDict, workdir: str, allow_config_change: bool = False) -> str:
@@ -171,7 +175,7 @@ def run(config: mlc.ConfigDict, workdir: str, allow_config_change: bool = False)
     workdir whose config.json differs from `config` is refused unless `allow_config_change`."""
     from tlt_jax import config_lib
 
-    validate_job(config)
+    job = validate_job(config)
     changes = check_workdir_config(config, workdir, allow_config_change)
     if changes:
         logging.warning("resuming %s with a changed config:\n  %s", workdir, "\n  ".join(changes))
@@ -184,16 +188,16 @@ def run(config: mlc.ConfigDict, workdir: str, allow_config_change: bool = False)
     if config.job == "grpo":
         from tlt_jax.rl import learner
 
-        return learner.run_grpo(config, workdir)
+        return learner.run_grpo(job, workdir)
     if config.job == "drafter_warmup":
         from tlt_jax.drafter import warmup  # written separately; imported only for this job
         from tlt_jax.utils.run_plots import refresh_plot
 
-        status = warmup.run_warmup(config, workdir)
+        status = warmup.run_warmup(job, workdir)
         if jax.process_index() == 0:  # the GRPO learner draws its own plot as it goes
             refresh_plot(workdir)
         return status
-    raise ValueError(f"config.job={config.job!r}: use one of {config_lib.JOBS}.")
+    raise ValueError(f"config.job={config.job!r}: use one of ('grpo', 'drafter_warmup').")
 
 
 def main(argv: list[str]) -> None:

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from tlt_jax import config_lib
+from tlt_jax import config_lib, config_schema
 from tlt_jax.drafter import eagle_format as ef
 from tlt_jax.drafter.loss import LossConfig
 from tlt_jax.drafter.trainer import TRAIN_STATE_DIR, DrafterTrainer
@@ -263,15 +263,15 @@ def test_init_from_starts_the_spot_trainer_and_the_run_exports_back(tmp_path) ->
     c = spot_config(str(tmp_path / "eagle"))
     policy = ModelConfig(**dict(c.model.random), dtype=c.model.dtype)
     vocab = np.arange(1, policy.vocab_size, 5)
-    assert any("holds no config.json" in p for p in config_lib.rollout_problems(c))
+    assert any("holds no config.json" in p for p in config_schema.collect(c)[1])
     drafter = random_drafter(policy, 5)
     ef.write_eagle_dir(tmp_path / "eagle", *ef.to_eagle(params_of(drafter), policy, vocab))
-    assert config_lib.rollout_problems(c) == []
+    assert config_schema.collect(c)[1] == []
     c.drafter.kind = "ngram"
-    assert any("set kind=eagle" in p for p in config_lib.rollout_problems(c))
+    assert any("set kind=eagle" in p for p in config_schema.collect(c)[1])
     c.drafter.kind = "eagle"
     with pytest.raises(ValueError, match=r"hidden_size 64 vs 32"):
-        resolve_drafter(c.drafter, policy.replace(hidden_size=32, head_dim=8))
+        resolve_drafter(config_schema.section(c, "drafter"), policy.replace(hidden_size=32, head_dim=8))
 
     learner = Learner(c, str(tmp_path / "run"))
     try:

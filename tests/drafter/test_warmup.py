@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tlt_jax import config_schema
 from tlt_jax.config_lib import load_config_file
 from tlt_jax.drafter import evaluate as ev
 from tlt_jax.drafter import packing, warmup, warmup_data
@@ -123,18 +124,19 @@ def test_recorded_features_equal_the_forward_path(tmp_path):
     from tlt_jax.tasks import make_task
 
     config = load_config("tiny")
-    target, tokenizer = warmup.build_target(config)
+    target, tokenizer = warmup.build_target(config_schema.parse(config))
     task = make_task(config.task)
     got = {}
     for record in (True, False):
         config.generation.record_hidden = record
+        job = config_schema.parse(config)
         (tmp_path / f"data_{record}").mkdir()
         got[record], _ = warmup_data.build_split(
             "train",
-            config=config,
+            job=job,
             task=task,
             tokenizer=tokenizer,
-            engine=warmup_data.warmup_engine(config, target, tokenizer),
+            engine=warmup_data.warmup_engine(job, target, tokenizer),
             hidden_fn=warmup_data.make_hidden_fn(target),
             start=0,
             num_prompts=3,
@@ -157,7 +159,7 @@ def test_recorded_features_equal_the_forward_path(tmp_path):
 def test_warmup_end_to_end_and_resume(tmp_path):
     config = load_config("tiny")
     wd = tmp_path / "wd"
-    assert warmup.run_warmup(config, wd) == "done"
+    assert warmup.run_warmup(config_schema.parse(config), wd) == "done"
 
     result = json.loads((wd / warmup.RESULT_FILE).read_text())
     assert result["complete"]
@@ -211,9 +213,9 @@ def test_warmup_end_to_end_and_resume(tmp_path):
     # a rerun of a finished workdir does nothing; after losing the final outputs it resumes: cached data,
     # no new training steps, the same trained drafter
     gen_time = json.loads((wd / warmup.PHASE_TIMES_FILE).read_text())["generate_train"]
-    assert warmup.run_warmup(config, wd) == "done"
+    assert warmup.run_warmup(config_schema.parse(config), wd) == "done"
     (wd / warmup.RESULT_FILE).unlink()
-    assert warmup.run_warmup(config, wd) == "done"
+    assert warmup.run_warmup(config_schema.parse(config), wd) == "done"
     times = json.loads((wd / warmup.PHASE_TIMES_FILE).read_text())
     assert times["generate_train"] == gen_time
     again = json.loads((wd / warmup.RESULT_FILE).read_text())
@@ -229,7 +231,7 @@ def test_warmup_end_to_end_and_resume(tmp_path):
 
     # a longer schedule for the finished workdir trains on from step 6 (no new data) and saves step 8
     config.train.steps = 8
-    assert warmup.run_warmup(config, wd) == "done"
+    assert warmup.run_warmup(config_schema.parse(config), wd) == "done"
     longer = json.loads((wd / warmup.RESULT_FILE).read_text())
     assert longer["complete"] and longer["drafter_checkpoint"]["step"] == 8
     rows3 = read_metrics(wd / "metrics.jsonl")

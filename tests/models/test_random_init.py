@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
-from tlt_jax import config_lib
+from tlt_jax import config_lib, config_schema
 from tlt_jax import sharding as shd
 from tlt_jax.models import presets
 from tlt_jax.models.build import build_model_and_tokenizer, model_problems
@@ -109,7 +109,7 @@ def test_validation_refuses_text_jobs_on_random_weights(job: str) -> None:
     c = random_7b_config()
     c.job = job
     with pytest.raises(ValueError, match=f"config.job='{job}' needs meaningful text") as e:
-        config_lib.validate(c, check_paths=False)
+        config_schema.parse(c, check_paths=False)
     assert "--config.model.path=/path/to/Qwen2.5-7B" in str(e.value)
     assert not model_problems(c, text_jobs=False)  # building it (to time it) is fine
 
@@ -174,10 +174,10 @@ def test_cluster_configs_name_their_architecture(name: str) -> None:
     c = config_lib.load_config_file(CONFIGS / f"{name}.py")
     assert c.model.arch == name and c.model.init == "auto"
     c.model.path = f"/cluster/models/{presets.HF_NAMES[name]}"
-    config_lib.validate(c, check_paths=False)
+    config_schema.parse(c, check_paths=False)
     c.model.path, c.model.init = None, "random"
     with pytest.raises(ValueError, match="needs meaningful text"):
-        config_lib.validate(c, check_paths=False)
+        config_schema.parse(c, check_paths=False)
     small = config_lib.load_config_file(CONFIGS / f"{name}.py", "runlocal")
     assert small.model.arch == "" and small.model.random
-    config_lib.validate(small)
+    config_schema.parse(small)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tlt_jax import config_lib
+from tlt_jax.rl import config as rl_config
 from tlt_jax.rl.advantages import Advantages, step_advantages, train_batch
 from tlt_jax.rl.metrics import (
     StepClock,
@@ -47,7 +48,7 @@ def rollout(lengths=(3, 1, 6, 2, 4, 4, 1, 5), finish=None) -> Rollout:
 
 def test_step_plan_from_the_smoke_config() -> None:
     c = config_lib.load_config_file(CONFIGS / "smoke.py", "kl=0.001")
-    plan = StepPlan.from_config(c)
+    plan = StepPlan.from_config(rl_config.validate_grpo(c))
     assert (plan.prompts, plan.group, plan.rows, plan.mini_rows) == (2, 8, 16, 16)
     assert plan.kl_coef == 0.001 and plan.seq_bucket == 16 and plan.max_response == 16
     assert plan.advantage == c.rl.advantage and plan.loss_agg == c.rl.loss_agg

@@ -8,12 +8,12 @@ import logging
 import pathlib
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
 from tlt_jax import config_lib
+from tlt_jax.config_sections import DrafterSection
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rl.learner import Learner
@@ -92,23 +92,21 @@ def test_grpo_steps_with_ngram_and_eagle_drafters_equal_plain(tmp_path) -> None:
 
 def test_drafter_section_errors(tmp_path) -> None:
     policy = tiny_config("llama")
-    section = ml_collections.ConfigDict(
-        dict(kind="eagle", path=str(tmp_path / "missing"), min_accept_len=1.0)
-    )
+    section = DrafterSection(kind="eagle", path=str(tmp_path / "missing"), min_accept_len=1.0)
     with pytest.raises(
         FileNotFoundError, match=r"holds no drafter checkpoint: create it with `\S*python\S* -m tlt_jax.main"
     ):
         resolve_drafter(section, policy)
     other = save_drafter(tmp_path / "wide", policy.replace(hidden_size=96, intermediate_size=160))
-    section.path = str(other)
+    section = dataclasses.replace(section, path=str(other))
     with pytest.raises(
         ValueError, match=r"does not fit the policy \(drafter vs policy: hidden_size 96 vs 64"
     ):
         resolve_drafter(section, policy)
-    section.kind, section.path = "auto", str(tmp_path / "missing")
+    section = dataclasses.replace(section, kind="auto", path=str(tmp_path / "missing"))
     auto = resolve_drafter(section, policy)
     assert auto.kind == "ngram" and "configs/drafter_warmup.py:tlt" in auto.note
-    section.path = str(save_drafter(tmp_path / "ok", policy))
+    section = dataclasses.replace(section, path=str(save_drafter(tmp_path / "ok", policy)))
     assert resolve_drafter(section, policy).kind == "eagle"
 
 

@@ -9,7 +9,6 @@ arm), rollouts under the bandit compile nothing new while it switches arms.
 from __future__ import annotations
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 
@@ -17,10 +16,10 @@ from tlt_jax.models.config import tiny_config
 from tlt_jax.rollout.adaptive import AdaptivePolicy, build_policy
 from tlt_jax.rollout.beg_mab import BanditPolicy
 from tlt_jax.rollout.engine import RolloutEngine
-from tlt_jax.rollout.hooks import FixedMode
+from tlt_jax.rollout.hooks import ChunkView, FixedMode, RolloutInfo
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.selector_config import SelectorConfig
+from tlt_jax.rollout.selector_config import BanditSection, SelectorConfig
 from tlt_jax.rollout.types import ChunkRecord
 
 PROMPTS = [[9, 9, 2], [81, 65, 35, 40, 6, 10, 3, 23], [10, 53, 36, 94]]
@@ -36,9 +35,6 @@ SECTION = dict(
     window=16,
     min_plays=3,
     fixed_table=(),
-    threshold=32,
-    min_steps_below=10,
-    sd_arm="",
     sglang_ladder=(),
 )
 
@@ -54,7 +50,7 @@ def setup(mirror):
         eos_ids=EOS,
         drafter=mirror.drafter(target, noise=0.03),
     )
-    policy = build_policy(ml_collections.ConfigDict(SECTION), engine, seed=0)
+    policy = build_policy(BanditSection(**SECTION), engine, seed=0)
     plain = engine.generate(PROMPTS, n=4, key=jax.random.key(1), sampling=SP, hooks=FixedMode("plain"))
     assert len(set(plain.lengths.tolist())) > 3, "rows should finish at different steps"
     return engine, policy, plain
@@ -88,7 +84,7 @@ def test_reward_is_the_chunk_rate_scaled_to_its_starting_rows(setup):
     assert rec.tokens_per_second == pytest.approx(10.0)
     assert rec.rate_at_start_rows == pytest.approx(10.0 * 2 / 1.5)
     engine, _, _ = setup
-    policy = build_policy(ml_collections.ConfigDict(SECTION), engine, seed=5)
+    policy = build_policy(BanditSection(**SECTION), engine, seed=5)
     out = engine.generate(PROMPTS, n=4, key=jax.random.key(2), sampling=SP, hooks=policy)
     rewards = np.asarray(policy.policy.state.rewards)
     np.testing.assert_allclose(
@@ -106,7 +102,7 @@ def test_switching_arms_compiles_nothing_after_warmup(setup):
     strategies sharing tokens_to_verify even share one program, so within a group switching is free.)"""
     engine, _, plain = setup
     table = ("3_1_4", "ngram_3_1_4", "2_1_3", "3_1_4", "plain")
-    section = ml_collections.ConfigDict(dict(SECTION, algorithm="fixed", fixed_table=table))
+    section = BanditSection(**dict(SECTION, algorithm="fixed", fixed_table=table))
     policy = build_policy(section, engine, seed=3)
     first = engine.generate(PROMPTS, n=4, key=jax.random.key(1), sampling=SP, hooks=policy)
     programs = engine.compile_count
@@ -137,3 +133,27 @@ def test_fixed_table_policy_and_arm_registration(setup):
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     for c in out.stats.chunks:
         assert c.mode == ("3_1_4" if c.running_start <= 2 else "plain"), (c.running_start, c.mode)
+
+
+def test_a_new_rollout_keeps_what_the_selector_learned():
+    """(from test_beg_mab.py: "learned statistics survive the reset") `on_start` restarts the rollout's own
+    counts (chosen arms, compiled chunks) and leaves the selector's state, which has no per-rollout part, as
+    it was: the statistics, and so the choices, carry over to the next rollout."""
+    cfg = SelectorConfig(("plain", "3_1_4"), (1, 4), algorithm="egreedy", epsilon=0.0, window=8)
+    hook = AdaptivePolicy(BanditPolicy(cfg, seed=0))
+    info = RolloutInfo(num_prompts=1, group_size=2, max_new_tokens=8, data_shards=1, modes=("3_1_4",))
+    hook.on_start(info)
+    seconds = {"plain": 0.5, "3_1_4": 0.1}  # 16 and 80 tokens/s
+    for _ in range(3):  # plain, then 3_1_4 (each arm once first), then the greedy 3_1_4
+        mode = hook.choose_mode(2, 2)
+        rec = ChunkRecord(mode, 2, 16, 4, 2, seconds[mode], compiled=True, new_tokens=8, running=(2,) * 4)
+        hook.on_chunk(ChunkView(rec, (2,), 0))
+    state = jax.tree_util.tree_map(np.asarray, hook.policy.state)
+    before = hook.policy.summary()
+    assert before["bandit/b1/plain/count"] == 1 and before["bandit/b1/3_1_4/count"] == 2
+    assert hook.metrics()["bandit/compiled_chunks"] == 3 and hook.chosen
+    hook.on_start(info)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, hook.policy.state, state)
+    assert hook.policy.summary() == pytest.approx(before, nan_ok=True)
+    assert not hook.chosen and hook.metrics()["bandit/compiled_chunks"] == 0
+    assert hook.choose_mode(2, 2) == "3_1_4"  # what it learned leads (a fresh selector would try plain)

@@ -7,8 +7,10 @@ Criterion: among the last 200 selections in each bucket, >= 80% pick the best (e
 rates over seeds 0-2 are 0.90-1.0 for beg_mab (exploring plausible arms and plain only), 0.87-0.95 for egreedy
 and 0.93-1.0 for ucb1, the binomial standard error at 200 draws is ~2.5%. After the best arm changes, the same
 selector with a window longer than the stream (no forgetting) scores ~0.01-0.05, so the re-convergence
-criterion does test the sliding window. The rules of fixed, threshold and sglang are checked step by step
-against plain-Python references.
+criterion does test the sliding window. The rules of fixed and sglang are checked step by step against
+plain-Python references. (The paper's threshold switch is no selector algorithm: it is
+`hooks.ThresholdPolicy`, tested in test_threshold_switch.py, where the tests of the former "threshold"
+algorithm moved.)
 """
 
 from __future__ import annotations
@@ -231,34 +233,6 @@ def test_bucket_index_and_fixed_table_follow_the_bounds():
     assert int(bm.bucket_index(narrow, 1000)) == 0  # above the last bound -> the last bucket
 
 
-def _threshold_reference(running_seq, threshold, min_below):
-    on, below, out = False, 0, []
-    for r in running_seq:
-        out.append("6_4_32" if on or (r <= threshold and below >= min_below) else "plain")
-        below = below + 1 if r <= threshold else 0
-        on = on or (r <= threshold and below >= min_below)
-    return out
-
-
-@pytest.mark.parametrize("min_below", [0, 1, 3])
-def test_threshold_rule_is_exact_sticky_and_reset_per_rollout(min_below):
-    cfg = _cfg(algorithm="threshold", sd_arm="6_4_32", threshold=32, min_steps_below=min_below)
-    seq = [64, 40, 32, 30, 33, 31, 30, 29, 50, 28, 60, 12, 3, 1]  # a dip below that breaks, then holds
-    state, got = bm.init(cfg), []
-    for i, r in enumerate(seq):
-        arm = int(_select(cfg, state, r, jax.random.PRNGKey(i)))
-        got.append(ARMS[arm])
-        state = _update(cfg, state, r, arm, 100.0, 1.0 if arm == 0 else 3.0)
-    want = _threshold_reference(seq, 32, min_below)
-    assert got == want and want.index("6_4_32") == {0: 2, 1: 3, 3: 8}[min_below] and want[-1] == "6_4_32"
-    assert bool(state.sd_on)
-    counts = np.asarray(state.count)
-    state = bm.reset_rollout(state)
-    assert ARMS[int(_select(cfg, state, 64, jax.random.PRNGKey(0)))] == "plain"
-    np.testing.assert_array_equal(state.count, counts)  # learned statistics survive the reset
-    assert not bool(state.sd_on) and int(state.below_steps) == 0
-
-
 SG_ARMS = ("plain", "1_1_2", "3_1_4", "7_1_8")
 
 
@@ -352,7 +326,6 @@ def test_select_and_update_compile_once_for_traced_values(algorithm):
     cfg = _cfg(
         algorithm=algorithm,
         fixed_table=("8_4_48", "6_4_32", "4_4_16", "plain"),
-        sd_arm="7_1_8",
         sglang_ladder=("plain", "7_1_8", "15_1_16", "8_4_48"),
     )
     # jit caches are shared by every jax.jit of the same function (one entry per static config): count deltas
@@ -391,13 +364,11 @@ def _play(policy: bm.BanditPolicy, steps: int, seed: int) -> list[str]:
     return chosen
 
 
-@pytest.mark.parametrize("algorithm", ["beg_mab", "sglang", "threshold"])
+@pytest.mark.parametrize("algorithm", ["beg_mab", "sglang"])
 def test_policy_checkpoint_round_trip_continues_bit_identically(algorithm, tmp_path):
     cfg = _cfg(
         algorithm=algorithm,
         fixed_table=("8_4_48", "6_4_32", "4_4_16", "plain"),
-        sd_arm="6_4_32",
-        min_steps_below=2,
         sglang_ladder=("plain", "7_1_8", "15_1_16", "8_4_48"),
         sglang_probe_interval=3,
     )
@@ -414,19 +385,18 @@ def test_policy_checkpoint_round_trip_continues_bit_identically(algorithm, tmp_p
     assert resumed.summary() == pytest.approx(policy.summary(), nan_ok=True)
 
 
-def test_policy_api_summary_new_rollout_and_no_recompiles():
-    cfg = _cfg(algorithm="threshold", sd_arm="8_4_48", threshold=4, min_steps_below=1)
+def test_policy_api_summary_and_no_recompiles():
+    """(The threshold switch's part of this test moved to test_threshold_switch.py; that the selector keeps
+    what it learned across rollouts: test_adaptive.py::test_a_new_rollout_keeps_what_the_selector_learned.)"""
+    cfg = _cfg(algorithm="fixed", fixed_table=("8_4_48", "6_4_32", "4_4_16", "plain"))
     policy = bm.BanditPolicy(cfg)
-    assert policy.select(64) == "plain"
+    assert policy.select(64) == "plain" and policy.select(1) == "8_4_48"
     for tps in (10.0, 30.0, 20.0):
         policy.observe("plain", 64, tps, 0.0)
     policy.observe("8_4_48", 1, 50.0, 3.5)
     s = policy.summary()
     assert s["bandit/b3/plain/count"] == 3 and s["bandit/b3/plain/reward"] == 20.0
     assert s["bandit/b3/plain/reward_mean"] == 20.0 and s["bandit/b0/8_4_48/accept"] == 3.5
-    assert s["bandit/sd_on"] == 1.0 and policy.select(64) == "8_4_48"  # on for the rest of the rollout
-    policy.new_rollout()
-    assert policy.select(64) == "plain" and policy.summary()["bandit/b3/plain/count"] == 3
     with pytest.raises(ValueError, match="unknown arm"):
         policy.observe("9_9_99", 1, 1.0, 1.0)
     with pytest.raises(ValueError, match="finite"):
@@ -436,8 +406,6 @@ def test_policy_api_summary_new_rollout_and_no_recompiles():
     for i in range(100):
         arm = policy.select(1 + i % 40)
         policy.observe(arm, 1 + i % 40, 1.0 + i, 1.0)
-        if i % 10 == 0:
-            policy.new_rollout()
     assert _COUNTER.count == before
     assert (bm._select_jit._cache_size(), bm._update_jit._cache_size()) == sizes
 
@@ -504,8 +472,6 @@ def test_policy_loads_a_state_replicated_over_a_mesh_onto_this_process():
         (dict(epsilon=1.5), r"SelectorConfig\.epsilon"),
         (dict(algorithm="fixed"), r"SelectorConfig\.fixed_table"),
         (dict(algorithm="fixed", fixed_table=("plain", "x", "plain", "plain")), r"SelectorConfig\.fixed"),
-        (dict(algorithm="threshold"), r"SelectorConfig\.sd_arm"),
-        (dict(algorithm="threshold", sd_arm="plain"), r"SelectorConfig\.sd_arm"),
         (dict(algorithm="sglang"), r"SelectorConfig\.sglang_ladder"),
         (dict(algorithm="sglang", sglang_ladder=("8_4_48", "7_1_8")), r"sglang_ladder.*shallow to deep"),
         (dict(algorithm="sglang", sglang_ladder=("plain",), sglang_up=0.5), r"up > down"),

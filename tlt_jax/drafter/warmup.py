@@ -1,7 +1,6 @@
 """Drafter warm-up: a first EAGLE drafter for a target model, trained on the target's own generations.
 
     python -m tlt_jax.main --config configs/drafter_warmup.py --workdir DIR
-    python -m tlt_jax.drafter.warmup --config configs/drafter_warmup.py --workdir DIR   (equivalent)
 
 Phases (each resumable; a rerun with the same workdir skips what is done, and a rerun of a finished workdir
 with a larger `train.steps` trains on from its last state, the schedule warm-restarted for the new length):
@@ -34,7 +33,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections as mlc
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -51,6 +49,7 @@ from tlt_jax.drafter.packing import (
     to_device,
 )
 from tlt_jax.drafter.trainer import TRAIN_STATE_DIR, DrafterTrainer, TrainState, optimizer_from_config
+from tlt_jax.drafter.warmup_config import WarmupConfig, WarmupTrainSection
 from tlt_jax.drafter.warmup_data import PhaseTimes, build_data, write_json
 from tlt_jax.models.build import TextCodec, build_model_and_tokenizer
 from tlt_jax.models.config import ModelConfig
@@ -75,9 +74,9 @@ def _log(msg: str) -> None:
 # Target
 
 
-def build_target(config: mlc.ConfigDict) -> tuple[Transformer, TextCodec]:
+def build_target(job: WarmupConfig) -> tuple[Transformer, TextCodec]:
     """The target model and tokenizer from `config.model` (path, or a tiny random architecture)."""
-    return build_model_and_tokenizer(config)
+    return build_model_and_tokenizer(job.raw)
 
 
 def target_weights(target: Transformer) -> tuple[jax.Array, jax.Array]:
@@ -136,7 +135,7 @@ def load_drafter(
 # Training
 
 
-def loss_config(train_cfg: mlc.ConfigDict, samples: Sequence[DrafterSample]) -> LossConfig:
+def loss_config(train_cfg: WarmupTrainSection, samples: Sequence[DrafterSample]) -> LossConfig:
     """The training loss from `config.train`, with its static loss-position budget sized from the data
     (`loss_token_budget`) and the CE subsample capped by that budget."""
     tc = train_cfg
@@ -150,14 +149,14 @@ def loss_config(train_cfg: mlc.ConfigDict, samples: Sequence[DrafterSample]) -> 
         max_loss_tokens=max_loss,
         ce_tokens=ce_tokens,
         feature_noise=float(tc.feature_noise),
-        ttt_steps=int(tc.get("ttt_steps", 0)),
-        ttt_positions=int(tc.get("ttt_positions", 64)),
-        ttt_weight=float(tc.get("ttt_weight", 1.0)),
+        ttt_steps=tc.ttt_steps,
+        ttt_positions=tc.ttt_positions,
+        ttt_weight=tc.ttt_weight,
     )
 
 
 def train(
-    config: mlc.ConfigDict,
+    job: WarmupConfig,
     workdir: pathlib.Path,
     target: Transformer,
     train_samples: Sequence[DrafterSample],
@@ -171,11 +170,11 @@ def train(
     drafter's distributions over those tokens only: the drafter head the engine runs (FR-Spec style), and a
     6x cheaper LM head in every training step.
     """
-    tc = config.train
-    tx, sched = optimizer_from_config(tc)
+    tc = job.train
+    tx, sched = optimizer_from_config(dataclasses.asdict(tc))
     loss_cfg = loss_config(tc, train_samples)
-    trainer = DrafterTrainer(tx, loss_cfg, seed=int(config.seed))
-    state = trainer.init_state(init_drafter(target, int(config.seed)))
+    trainer = DrafterTrainer(tx, loss_cfg, seed=int(job.run.seed))
+    state = trainer.init_state(init_drafter(target, int(job.run.seed)))
     ckpt = Checkpointer(workdir / TRAIN_STATE_DIR, max_to_keep=1)
     start = ckpt.latest_step() or 0
     if start:
@@ -187,16 +186,16 @@ def train(
         ckpt.close()
         return trainer.graphdef, state, stats
     embed_w, head_w = target_weights(target)
-    if draft_vocab is not None and bool(tc.get("ce_draft_vocab", False)):
+    if draft_vocab is not None and tc.ce_draft_vocab:
         head_w = head_w[jnp.asarray(draft_vocab, jnp.int32)]
     _log(
         f"training: max_loss_tokens={loss_cfg.max_loss_tokens}, ce_tokens={loss_cfg.ce_tokens} per step of "
         f"{tc.rows}x{tc.seq_len}, chain steps trained {1 + loss_cfg.ttt_steps}, CE over "
         f"{head_w.shape[0] if head_w.shape[0] != target.cfg.vocab_size else 'the full'} vocabulary"
     )
-    loop = _TrainLoop(config, trainer, sched, loss_cfg, train_samples, tracker, embed_w, head_w)
+    loop = _TrainLoop(job, trainer, sched, loss_cfg, train_samples, tracker, embed_w, head_w)
     state = loop.run(state, ckpt, start, stats)
-    stats.update(_heldout_loss(config, trainer.graphdef, loss_cfg, state, eval_samples, embed_w, head_w))
+    stats.update(_heldout_loss(job, trainer.graphdef, loss_cfg, state, eval_samples, embed_w, head_w))
     return trainer.graphdef, state, stats
 
 
@@ -204,7 +203,7 @@ def train(
 class _TrainLoop:
     """`train`'s step loop: the fixed pieces of one training run (trainer, schedule, data, target weights)."""
 
-    config: mlc.ConfigDict
+    job: WarmupConfig
     trainer: DrafterTrainer
     sched: Any  # the learning-rate schedule (logged)
     loss_cfg: LossConfig
@@ -217,9 +216,9 @@ class _TrainLoop:
         """Steps `start`..`train.steps`: pack each step's planned batch and update; log the mean metrics every
         `log_every` steps, checkpoint every `checkpoint_every` (and both at the end). Closes `ckpt`; adds the
         loss tokens and the wall seconds to `stats`."""
-        tc, samples, max_loss = self.config.train, self.samples, self.loss_cfg.max_loss_tokens
+        tc, samples, max_loss = self.job.train, self.samples, self.loss_cfg.max_loss_tokens
         steps, seq_len, rows = int(tc.steps), int(tc.seq_len), int(tc.rows)
-        plan = batch_plan(samples, seq_len, rows, int(self.config.seed), max_loss)
+        plan = batch_plan(samples, seq_len, rows, int(self.job.run.seed), max_loss)
         log_every = max(1, int(tc.log_every))
         acc: dict[str, float] = {}
         t_window = t_start = time.perf_counter()
@@ -268,7 +267,7 @@ class _TrainLoop:
 
 
 def _heldout_loss(
-    config: mlc.ConfigDict,
+    job: WarmupConfig,
     graphdef: nnx.GraphDef,
     loss_cfg: LossConfig,
     state: TrainState,
@@ -277,7 +276,7 @@ def _heldout_loss(
     head_w: jax.Array,
 ) -> dict[str, float]:
     """Held-out loss / top-1 after training: metric sums over every held-out batch, normalised once."""
-    ec = config.eval
+    ec = job.drafter_eval
     budget = loss_token_budget(samples, int(ec.seq_len), int(ec.rows), -1)
     eval_cfg = dataclasses.replace(
         loss_cfg, max_loss_tokens=budget, ce_tokens=None, feature_noise=0.0, ttt_positions=512
@@ -315,7 +314,7 @@ def _fmt_eval(r: AcceptanceResult) -> str:
     return out
 
 
-def run_warmup(config: mlc.ConfigDict, workdir: str | os.PathLike) -> str:
+def run_warmup(job: WarmupConfig, workdir: str | os.PathLike) -> str:
     """Run (or resume) the drafter warm-up in `workdir`; returns "done". See the module docstring: its phases
     are `train` and the helpers below, in the order this calls them."""
     wd = pathlib.Path(workdir).resolve()
@@ -324,31 +323,31 @@ def run_warmup(config: mlc.ConfigDict, workdir: str | os.PathLike) -> str:
     data_dir.mkdir(exist_ok=True)
     times = PhaseTimes(wd / PHASE_TIMES_FILE)
     result_path = wd / RESULT_FILE
-    if _already_complete(config, result_path):
+    if _already_complete(job, result_path):
         return "done"
     tracker = JsonlTracker(wd)
-    tracker.log_config(config)
+    tracker.log_config(job.raw)
     t_run = time.perf_counter()
-    target, tokenizer = _load_target(config, times)
+    target, tokenizer = _load_target(job, times)
     # phase 2: the training and held-out data (generated, or loaded from the cache)
     (train_samples, train_data), (eval_samples, eval_data) = build_data(
-        config, target, tokenizer, data_dir, times
+        job, target, tokenizer, data_dir, times
     )
     _log(
         f"data: {len(train_samples)} train sequences ({int(train_data['response_tokens'])} response tokens), "
         f"{len(eval_samples)} held-out ({int(eval_data['response_tokens'])})"
     )
-    vocab_path, draft_vocab = _draft_vocab(config, wd, target, tokenizer)
-    evaluator, params0 = _evaluator(config, target, draft_vocab)
-    before = _eval_before(config, wd, evaluator, params0, eval_samples, target, times, tracker)
+    vocab_path, draft_vocab = _draft_vocab(job, wd, target, tokenizer)
+    evaluator, params0 = _evaluator(job, target, draft_vocab)
+    before = _eval_before(job, wd, evaluator, params0, eval_samples, target, times, tracker)
 
     t0 = time.perf_counter()
     _, state, train_stats = train(
-        config, wd, target, train_samples, eval_samples, tracker, draft_vocab=draft_vocab
+        job, wd, target, train_samples, eval_samples, tracker, draft_vocab=draft_vocab
     )
     times.add("train", time.perf_counter() - t0)
 
-    after, info = _eval_after_and_save(config, wd, evaluator, state, eval_samples, target, times, tracker)
+    after, info = _eval_after_and_save(job, wd, evaluator, state, eval_samples, target, times, tracker)
     tracker.close()
     summary = {
         "complete": True,
@@ -365,7 +364,7 @@ def run_warmup(config: mlc.ConfigDict, workdir: str | os.PathLike) -> str:
         "this_run_seconds": time.perf_counter() - t_run,
         "drafter_checkpoint": {
             "dir": str(wd / DRAFTER_DIR),
-            "step": int(config.train.steps),
+            "step": int(job.train.steps),
             "blocking_ms": info.blocking_ms,
         },
         "draft_vocab": str(vocab_path) if vocab_path else None,
@@ -375,24 +374,24 @@ def run_warmup(config: mlc.ConfigDict, workdir: str | os.PathLike) -> str:
     return "done"
 
 
-def _already_complete(config: mlc.ConfigDict, result_path: pathlib.Path) -> bool:
+def _already_complete(job: WarmupConfig, result_path: pathlib.Path) -> bool:
     """Whether a finished warm-up already trained `train.steps` steps. A finished workdir asked for a longer
     schedule is extended instead: training resumes from its last state (the cosine schedule is recomputed for
     the new length: a warm restart), on the cached data plus any new prompts."""
     finished = json.loads(result_path.read_text()) if result_path.exists() else {}
     if finished.get("complete"):
         trained = int(finished.get("drafter_checkpoint", {}).get("step", 0))
-        if trained >= int(config.train.steps):
+        if trained >= int(job.train.steps):
             _log(f"already complete: {result_path}")
             return True
-        _log(f"extending the finished warm-up from {trained} to {int(config.train.steps)} training steps")
+        _log(f"extending the finished warm-up from {trained} to {int(job.train.steps)} training steps")
     return False
 
 
-def _load_target(config: mlc.ConfigDict, times: PhaseTimes) -> tuple[Transformer, TextCodec]:
+def _load_target(job: WarmupConfig, times: PhaseTimes) -> tuple[Transformer, TextCodec]:
     """Phase 1: the target model and its tokenizer (timed as `load_target`)."""
     t0 = time.perf_counter()
-    target, tokenizer = build_target(config)
+    target, tokenizer = build_target(job)
     times.add("load_target", time.perf_counter() - t0)
     _log(
         f"target: {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}, "
@@ -402,12 +401,12 @@ def _load_target(config: mlc.ConfigDict, times: PhaseTimes) -> tuple[Transformer
 
 
 def _draft_vocab(
-    config: mlc.ConfigDict, wd: pathlib.Path, target: Transformer, tokenizer: TextCodec
+    job: WarmupConfig, wd: pathlib.Path, target: Transformer, tokenizer: TextCodec
 ) -> tuple[pathlib.Path | None, np.ndarray | None]:
     """The drafter head's reduced vocabulary (tlt_jax.drafter.draft_vocab) when `draft_vocab_size` > 0: the
     target's most frequent generated tokens; used by the training CE (train.ce_draft_vocab), the sampled
     evaluation and rollouts. Returns (its file, its token ids), or (None, None)."""
-    vocab_size = int(config.get("draft_vocab_size", 0))
+    vocab_size = int(job.run.draft_vocab_size)
     vocab_path, draft_vocab = None, None
     if vocab_size > 0:
         vocab_path = build_from_warmup(
@@ -419,14 +418,14 @@ def _draft_vocab(
 
 
 def _evaluator(
-    config: mlc.ConfigDict, target: Transformer, draft_vocab: np.ndarray | None
+    job: WarmupConfig, target: Transformer, draft_vocab: np.ndarray | None
 ) -> tuple[AcceptanceEvaluator, nnx.State]:
-    """The acceptance evaluator of `config.eval` and the untrained drafter's params. Its sampled acceptance
-    uses the data's sampling settings (what rejection-sampled chains in rollouts get)."""
-    drafter0 = init_drafter(target, int(config.seed))
+    """The acceptance evaluator of `config.drafter_eval` and the untrained drafter's params. Its sampled
+    acceptance uses the data's sampling settings (what rejection-sampled chains in rollouts get)."""
+    drafter0 = init_drafter(target, int(job.run.seed))
     graphdef, params0 = nnx.split(drafter0, nnx.Param)
-    ec = config.eval
-    eval_sp = SamplingParams(temperature=float(ec.temperature), top_p=float(config.generation.top_p))
+    ec = job.drafter_eval
+    eval_sp = SamplingParams(temperature=float(ec.temperature), top_p=float(job.generation.top_p))
     evaluator = AcceptanceEvaluator(
         graphdef, int(ec.depth), int(ec.seq_len), int(ec.rows), sampling=eval_sp, draft_vocab=draft_vocab
     )
@@ -434,7 +433,7 @@ def _evaluator(
 
 
 def _eval_before(
-    config: mlc.ConfigDict,
+    job: WarmupConfig,
     wd: pathlib.Path,
     evaluator: AcceptanceEvaluator,
     params0: nnx.State,
@@ -447,8 +446,8 @@ def _eval_before(
     skipped, None, with `eval.before=False`)."""
     before_path = wd / EVAL_BEFORE_FILE
     before: AcceptanceResult | None = None
-    if not bool(config.eval.get("before", True)):
-        _log("before training: skipped (config.eval.before=False; an untrained drafter accepts ~nothing)")
+    if not bool(job.drafter_eval.before):
+        _log("before training: skipped (config.drafter_eval.before=False; an untrained drafter accepts ~0)")
     elif before_path.exists():
         before = AcceptanceResult(**json.loads(before_path.read_text()))
     else:
@@ -463,7 +462,7 @@ def _eval_before(
 
 
 def _eval_after_and_save(
-    config: mlc.ConfigDict,
+    job: WarmupConfig,
     wd: pathlib.Path,
     evaluator: AcceptanceEvaluator,
     state: TrainState,
@@ -477,11 +476,11 @@ def _eval_after_and_save(
     t0 = time.perf_counter()
     after = _evaluate(evaluator, state.params, eval_samples, target)
     times.add("eval_after", time.perf_counter() - t0)
-    tracker.log(int(config.train.steps), after.metrics("eval/"))
-    _log(f"after {int(config.train.steps)} steps: {_fmt_eval(after)}")
+    tracker.log(int(job.train.steps), after.metrics("eval/"))
+    _log(f"after {int(job.train.steps)} steps: {_fmt_eval(after)}")
     saver = DrafterCheckpointer(wd / DRAFTER_DIR, max_to_keep=1)
     info = saver.save(
-        int(config.train.steps),
+        int(job.train.steps),
         drafter_params_dict(state.params),
         meta={
             "target": dataclasses.asdict(target.cfg),
@@ -491,24 +490,3 @@ def _eval_after_and_save(
     )
     saver.close()
     return after, info
-
-
-def main(argv: Sequence[str]) -> None:
-    from absl import app, flags
-
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {list(argv[1:])}")
-    cfg = flags.FLAGS["config"].value
-    if cfg.get("job", "drafter_warmup") != "drafter_warmup":
-        raise app.UsageError(f"config.job={cfg.job!r}: this entry point runs only 'drafter_warmup'.")
-    run_warmup(cfg, flags.FLAGS.workdir)
-
-
-if __name__ == "__main__":
-    from absl import app, flags
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file("config", None, "configs/drafter_warmup.py[:tiny]", lock_config=True)
-    flags.DEFINE_string("workdir", None, "Output directory (resumable).")
-    flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main)

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax.drafter.packing import DrafterSample, epoch_plan, first_fit, segment_causal_mask
+from tlt_jax.drafter.warmup_config import WarmupConfig
 from tlt_jax.models.build import TextCodec
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.engine import RolloutEngine
@@ -67,17 +68,17 @@ class PhaseTimes:
 # The engine and the target forward
 
 
-def warmup_engine(config: mlc.ConfigDict, target: Transformer, tokenizer: TextCodec) -> RolloutEngine:
+def warmup_engine(job: WarmupConfig, target: Transformer, tokenizer: TextCodec) -> RolloutEngine:
     """The engine that generates the warm-up data (`config.generation`; it records the target's hidden
     states unless `generation.record_hidden=False`)."""
-    gen = config.generation
+    gen = job.generation
     return RolloutEngine(
         target,
         EngineConfig(
             max_new_tokens=int(gen.max_new_tokens),
             max_cache_len=int(gen.max_cache_len),
             chunk_steps=int(gen.chunk_steps),
-            record_hidden=bool(gen.get("record_hidden", True)),
+            record_hidden=bool(gen.record_hidden),
         ),
         eos_ids=list(tokenizer.eos_token_ids),
         tokenizer=tokenizer,
@@ -213,13 +214,13 @@ def _hidden_dtype(name: str, hidden: np.ndarray) -> np.ndarray:
         return hidden.astype(np.float32)  # would overflow float16: keep full precision
     if name == "float32":
         return hidden.astype(np.float32)
-    raise ValueError(f"config.forward.hidden_dtype={name!r}: use 'float16' or 'float32'")
+    raise ValueError(f"job.forward.hidden_dtype={name!r}: use 'float16' or 'float32'")
 
 
 def build_split(
     split: str,
     *,
-    config: mlc.ConfigDict,
+    job: WarmupConfig,
     task: Any,
     tokenizer: TextCodec,
     engine: RolloutEngine,
@@ -233,17 +234,17 @@ def build_split(
 ) -> tuple[list[DrafterSample], dict[str, float]]:
     """Generate (or load cached) samples of one split: `num_prompts` task prompts from stream position
     `start`, `n` responses each, in engine batches of `generation.batch_prompts` prompts."""
-    gen = config.generation
+    gen = job.generation
     bp = int(gen.batch_prompts)
     sampling = SamplingParams(temperature=float(temperature), top_p=float(gen.top_p) if temperature else 1.0)
-    key = jax.random.fold_in(jax.random.key(int(config.seed)), 0 if split == "train" else 1)
+    key = jax.random.fold_in(jax.random.key(int(job.run.seed)), 0 if split == "train" else 1)
     samples: list[DrafterSample] = []
     totals = {"generate_s": 0.0, "forward_s": 0.0, "response_tokens": 0.0, "sequences": 0.0, "hit_cap": 0.0}
     num_chunks = -(-num_prompts // bp)
     for c in range(num_chunks):
         path = _chunk_path(data_dir, split, c)
         count = min(bp, num_prompts - c * bp)
-        ident = _chunk_ident(config, start + c * bp, count, n, temperature)
+        ident = _chunk_ident(job, start + c * bp, count, n, temperature)
         if path.exists():
             chunk, meta = _load_cached(path, ident, data_dir)
         else:
@@ -251,7 +252,7 @@ def build_split(
             prompts = [tokenizer.encode_chat(task.messages(p)) for p in problems]
             desc = f"{split} {c + 1}/{num_chunks}"
             roll, t_gen = _generate(engine, prompts, n, jax.random.fold_in(key, c), sampling, desc)
-            chunk, t_fwd = _chunk_samples(config, roll, count, n, hidden_fn)
+            chunk, t_fwd = _chunk_samples(job, roll, count, n, hidden_fn)
             meta = {
                 **ident,
                 "generate_s": t_gen,
@@ -274,19 +275,17 @@ def build_split(
     return samples, totals
 
 
-def _chunk_ident(
-    config: mlc.ConfigDict, start: int, count: int, n: int, temperature: float
-) -> dict[str, Any]:
+def _chunk_ident(job: WarmupConfig, start: int, count: int, n: int, temperature: float) -> dict[str, Any]:
     """What a cached chunk was generated from (task, prompt range, sampling, seed): a cached chunk is reused
     only when all of it matches."""
     return {
-        "task": json.dumps(_plain(config.task), sort_keys=True),
+        "task": json.dumps(dict(job.task), sort_keys=True),
         "start": start,
         "count": count,
         "n": n,
         "temperature": float(temperature),
-        "max_new_tokens": int(config.generation.max_new_tokens),
-        "seed": int(config.seed),
+        "max_new_tokens": int(job.generation.max_new_tokens),
+        "seed": int(job.run.seed),
     }
 
 
@@ -322,7 +321,7 @@ def _generate(
 
 
 def _chunk_samples(
-    config: mlc.ConfigDict, roll: Rollout, count: int, n: int, hidden_fn: HiddenFn
+    job: WarmupConfig, roll: Rollout, count: int, n: int, hidden_fn: HiddenFn
 ) -> tuple[list[DrafterSample], float]:
     """The chunk's training samples (prompt + response tokens, target features, loss on the response), from
     the features the engine recorded while generating (every position but the newest token) or, without
@@ -330,11 +329,11 @@ def _chunk_samples(
     groups = [list(roll.prompt_tokens[i * n]) for i in range(count)]
     resp = [[roll.response(i * n + k) for k in range(n)] for i in range(count)]
     t0 = time.perf_counter()
-    seq_len = int(config.forward.seq_len)
+    seq_len = int(job.forward.seq_len)
     if roll.hidden is not None:  # recorded while generating: every position but the newest token
         hidden = [[roll.features(g * n + k)[:seq_len] for k in range(n)] for g in range(count)]
     else:
-        hidden = target_hidden_states(hidden_fn, groups, resp, int(config.forward.rows), seq_len)
+        hidden = target_hidden_states(hidden_fn, groups, resp, int(job.forward.rows), seq_len)
     t_fwd = time.perf_counter() - t0
     chunk = []
     for g in range(count):
@@ -342,12 +341,12 @@ def _chunk_samples(
             h = hidden[g][k]
             seq = np.asarray(groups[g] + resp[g][k], np.int32)[: len(h)]
             m = np.arange(len(h)) >= len(groups[g])
-            chunk.append(DrafterSample(seq, _hidden_dtype(config.forward.hidden_dtype, h), m))
+            chunk.append(DrafterSample(seq, _hidden_dtype(job.forward.hidden_dtype, h), m))
     return chunk, t_fwd
 
 
 def build_data(
-    config: mlc.ConfigDict,
+    job: WarmupConfig,
     target: Transformer,
     tokenizer: TextCodec,
     data_dir: pathlib.Path,
@@ -358,12 +357,12 @@ def build_data(
     Held-out prompts are the last `eval.num_prompts` of the task's order (never trained on)."""
     from tlt_jax.tasks import make_task
 
-    gen = config.generation
-    task = make_task(config.task)
-    engine = warmup_engine(config, target, tokenizer)
+    gen = job.generation
+    task = make_task(job.task)
+    engine = warmup_engine(job, target, tokenizer)
     hidden_fn = make_hidden_fn(target)
     common = dict(
-        config=config,
+        job=job,
         task=task,
         tokenizer=tokenizer,
         engine=engine,
@@ -371,11 +370,11 @@ def build_data(
         data_dir=data_dir,
         times=times,
     )
-    n_train, n_eval = int(gen.num_prompts), int(config.eval.num_prompts)
+    n_train, n_eval = int(gen.num_prompts), int(job.drafter_eval.num_prompts)
     if n_train + n_eval > len(task):
         raise ValueError(
             f"{n_train} training + {n_eval} held-out prompts exceed the task's {len(task)} problems: raise "
-            "config.task.size (held-out prompts are the last ones of the task's order, never trained on)."
+            "job.task.size (held-out prompts are the last ones of the task's order, never trained on)."
         )
     # training data first: the held-out batch (often smaller) then reuses the engine programs compiled for
     # the smaller batch buckets that compaction visits
@@ -386,8 +385,8 @@ def build_data(
         "eval",
         start=len(task) - n_eval,
         num_prompts=n_eval,
-        n=int(config.eval.n),
-        temperature=float(config.eval.temperature),
+        n=int(job.drafter_eval.n),
+        temperature=float(job.drafter_eval.temperature),
         **common,
     )
     del engine

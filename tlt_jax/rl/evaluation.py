@@ -16,14 +16,14 @@ the adaptive engine's rewards nor the drafter's data; its time is reported as `e
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
 import jax
-import ml_collections
 import numpy as np
 
+from tlt_jax.config_schema import GrpoConfig
+from tlt_jax.config_sections import EvalConfig
 from tlt_jax.models.build import TextCodec
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode
@@ -31,28 +31,6 @@ from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.tasks import Problem, Task
 
 EVAL_KEY_SALT = 0x5EED  # folded into the run's seed: the eval keys never coincide with a training step's
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    """every: evaluate before training and after every `every` steps (and after the last); 0 turns it off.
-    prompts x samples: the held-out rows (keep their product at the training step's rows to reuse its
-    compiled programs)."""
-
-    every: int = 0
-    prompts: int = 16
-    samples: int = 2
-
-    def __post_init__(self) -> None:
-        if self.every < 0 or self.prompts < 1 or self.samples < 1:
-            raise ValueError(
-                f"every={self.every}, prompts={self.prompts}, samples={self.samples}: need "
-                "every >= 0 (0 = off), prompts >= 1 and samples >= 1."
-            )
-
-    def due(self, step: int, num_steps: int) -> bool:
-        """Whether to evaluate after `step` completed steps (0: before training)."""
-        return self.every > 0 and (step % self.every == 0 or step == num_steps)
 
 
 class HeldOutEval:
@@ -107,18 +85,24 @@ class HeldOutEval:
 
 
 def held_out_eval(
-    config: ml_collections.ConfigDict,
-    cfg: EvalConfig,
+    job: GrpoConfig,
     task: Task,
     encode: Callable[[Problem], list[int]],
     tokenizer: TextCodec,
     engine: RolloutEngine,
     sampling: SamplingParams,
 ) -> HeldOutEval | None:
-    """The GRPO run's held-out eval (`cfg`: its `config.eval`), None when off (`every` = 0)."""
-    if not cfg.every:
+    """The GRPO run's held-out eval (`job.eval`), None when off (`every` = 0)."""
+    if not job.eval.every:
         return None
-    train_positions = int(config.num_steps) * int(config.rl.prompts_per_step)
+    train_positions = job.run.num_steps * job.rl.prompts_per_step
     return HeldOutEval(
-        cfg, task, encode, tokenizer, engine, sampling, seed=int(config.seed), train_positions=train_positions
+        job.eval,
+        task,
+        encode,
+        tokenizer,
+        engine,
+        sampling,
+        seed=job.run.seed,
+        train_positions=train_positions,
     )

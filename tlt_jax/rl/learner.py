@@ -30,6 +30,7 @@ import ml_collections
 from absl import logging
 
 from tlt_jax import config_lib
+from tlt_jax.config_schema import GrpoConfig
 from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.rl import config as rl_config
 from tlt_jax.rl.advantages import step_advantages, train_batch
@@ -78,58 +79,55 @@ from tlt_jax.utils.run_plots import PlotRefresher, append_timeline
 class Learner:
     """Builds everything from a config, restores the workdir's latest checkpoint if any, and runs steps."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-        rl_config.validate_grpo(config)
-        self.config, self.workdir = config, workdir
+    def __init__(self, config: ml_collections.ConfigDict | GrpoConfig, workdir: str):
+        job = config if isinstance(config, GrpoConfig) else rl_config.validate_grpo(config)
+        self.job, self.config, self.workdir = job, job.raw, workdir
         self.is_main = jax.process_index() == 0
         self.phases = PhaseFile(workdir if self.is_main else None)  # W/.phase: where the process is
         self.phases.set(0, "init")
         self._compiles = compile_stats.compile_log().snapshot()
-        self.plan = StepPlan.from_config(config)
+        self.plan = StepPlan.from_config(job)
         t0 = time.perf_counter()
-        model, self.tokenizer = build_model_and_tokenizer(config)
-        self.mesh = config_lib.build_mesh(config)
+        model, self.tokenizer = build_model_and_tokenizer(job.raw)
+        self.mesh = config_lib.build_mesh(job.raw)
         # what drafts for the rollouts (config.drafter): none / n-gram / a warmed EAGLE drafter
-        self.rollout_drafter = announced_drafter(config.drafter, model.cfg, self.is_main)
-        spot_cfg = rl_config.spot_config_from(config)
-        drafter = engine_drafter(self.rollout_drafter, spot_cfg, model.cfg, int(config.seed))
-        self.engine = config_lib.build_engine(
-            config,
+        self.rollout_drafter = announced_drafter(job.drafter, model.cfg, self.is_main)
+        drafter = engine_drafter(self.rollout_drafter, job.spot, model.cfg, job.run.seed)
+        self.engine = config_lib.engine_for(
+            job.engine_config(self.rollout_drafter.kind),
             model,
             self.tokenizer,
             self.mesh,
-            drafter_kind=self.rollout_drafter.kind,
             drafter=drafter,
             draft_vocab=self.rollout_drafter.draft_vocab,
         )
-        self.monitor = RolloutMonitor(float(config.drafter.min_accept_len))
+        self.monitor = RolloutMonitor(job.drafter.min_accept_len)
         self.watch = RolloutWatch()  # live counters (console heartbeat) and chunk timeline (plots)
-        self.spot = build_spot(spot_cfg, drafter, self.engine, self.rollout_drafter, self.is_main)
-        self.selector = build_selector(config.bandit, self.engine, drafter is not None, int(config.seed))
-        self.sampling = config_lib.sampling_from(config)
-        self.trainer = rl_config.policy_trainer(config, model, self.mesh)
+        self.spot = build_spot(job.spot, drafter, self.engine, self.rollout_drafter, self.is_main)
+        self.selector = build_selector(job.bandit, self.engine, drafter is not None, job.run.seed)
+        self.sampling = job.rollout.sampling()
+        self.trainer = rl_config.policy_trainer(job, model, self.mesh)
         del model  # the trainer owns (and donates) its buffers now
         self.engine.set_params(self.trainer.compute_params())
-        self.task = make_task(config.task)
+        self.task = make_task(job.task)
         self.encode = PromptEncoder(self.task, self.tokenizer)
         self.evaluator = held_out_eval(
-            config,
-            rl_config.eval_config_from(config),
+            job,
             self.task,
             self.encode,
             self.tokenizer,
             self.engine,
             self.sampling,
         )
-        self.base_key = jax.random.key(int(config.seed))
+        self.base_key = jax.random.key(job.run.seed)
         self.step, self.data_position = 0, 0
         self.ckpt = Checkpointer(
             os.path.join(workdir, CHECKPOINT_DIR),
-            max_to_keep=int(config.keep_checkpoints),
+            max_to_keep=job.run.keep_checkpoints,
             followers=(buffer_root(workdir),) if self.spot is not None else (),
         )
         self._restore()
-        self.trackers = open_outputs(config, workdir, self.step, self.is_main)
+        self.trackers = open_outputs(job.raw, workdir, self.step, self.is_main)
         logging.info("learner ready in %.1fs (start at step %d)", time.perf_counter() - t0, self.step + 1)
 
     # ---- checkpoints --------------------------------------------------------------------------------------
@@ -163,7 +161,7 @@ class Learner:
         meta = {
             "step": self.step,
             "data_position": self.data_position,
-            "num_steps": int(self.config.num_steps),
+            "num_steps": self.job.run.num_steps,
         }
         info = self.ckpt.save(self.step, self._state(), meta)
         logging.info("checkpoint step %d queued (blocked %.0f ms)", self.step, info.blocking_ms)
@@ -180,7 +178,7 @@ class Learner:
             selector=self.selector,
             watchers=[self.monitor, self.watch, self.spot],  # the watch times a chunk before spot trains
             desc=f"rollout {self.step + 1}",
-            progress=bool(self.config.progress_bar) and self.is_main,
+            progress=self.job.run.progress_bar and self.is_main,
         )
 
     def train_step(self) -> dict[str, float]:
@@ -216,7 +214,7 @@ class Learner:
         metrics.update(selector_metrics(self.selector))
         finish_metrics(metrics, rollout, clock)
         if self.is_main:
-            log_samples(self.workdir, step, problems, rollout, scores, int(self.config.log_samples))
+            log_samples(self.workdir, step, problems, rollout, scores, self.job.run.log_samples)
             append_timeline(self.workdir, step, self.watch.timeline())
         self.step, self.data_position = step, next_position
         return metrics
@@ -224,11 +222,11 @@ class Learner:
     # ---- the loop -----------------------------------------------------------------------------------------
     def train(self) -> str:
         """Run until `config.num_steps` (or a SIGTERM/SIGINT). Returns "done" or "preempted"."""
-        cfg = self.config
-        every = int(cfg.checkpoint_every)
+        run = self.job.run
+        every, num_steps = run.checkpoint_every, run.num_steps
         status = "done"
         plots = PlotRefresher(self.workdir, enabled=self.is_main)  # W/plots/run.png (tlt_jax.utils.run_plots)
-        status_now = LearnerStatus(self.workdir, self.watch, int(cfg.num_steps))
+        status_now = LearnerStatus(self.workdir, self.watch, num_steps)
         heartbeat = Heartbeat(status_now, enabled=self.is_main)  # a line every 10 s of a long phase
         try:
             with PreemptionGuard() as guard, heartbeat:
@@ -238,16 +236,16 @@ class Learner:
                         before = self.evaluator.run()  # the policy before any update
                     if self.trackers is not None:
                         self.trackers.log(0, before)
-                while self.step < int(cfg.num_steps):
+                while self.step < num_steps:
                     metrics = self.train_step()
-                    if self.evaluator is not None and self.evaluator.cfg.due(self.step, int(cfg.num_steps)):
+                    if self.evaluator is not None and self.evaluator.cfg.due(self.step, num_steps):
                         self.phases.set(self.step, "eval")
                         with compile_stats.scope("eval"):
                             metrics.update(self.evaluator.run())
                     self._log_compiles(metrics)
                     if self.trackers is not None:
                         self.trackers.log(self.step, metrics)
-                    last = self.step == int(cfg.num_steps)
+                    last = self.step == num_steps
                     if guard.should_stop or last or (every and self.step % every == 0):
                         self.save()
                     plots.after_step()  # after the save: a preempted run saves first
@@ -255,7 +253,7 @@ class Learner:
                         status = "preempted"
                         logging.warning("stopping at step %d after %s", self.step, guard.received.name)
                         break
-                if self.step >= int(cfg.num_steps) and self.ckpt.latest_step() != self.step:
+                if self.step >= num_steps and self.ckpt.latest_step() != self.step:
                     self.save()  # e.g. resumed at the end of a run that crashed before its final save
             self.phases.set(self.step, "plots")
             plots.final()
@@ -280,7 +278,7 @@ class Learner:
         self.phases.close()
 
 
-def run_grpo(config: ml_collections.ConfigDict, workdir: str) -> str:
+def run_grpo(config: ml_collections.ConfigDict | GrpoConfig, workdir: str) -> str:
     """Train GRPO as configured, in `workdir` (created; resumed from its latest checkpoint if present)."""
     os.makedirs(workdir, exist_ok=True)
     return Learner(config, workdir).train()

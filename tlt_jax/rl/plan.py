@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_collections
-
-from tlt_jax.rl.config import optim_config_from
+from tlt_jax.config_schema import GrpoConfig
+from tlt_jax.rl.config import optim_config
 from tlt_jax.rl.trainer import OptimConfig
 
 
@@ -39,19 +38,19 @@ class StepPlan:
         return self.rows // self.mini_batches
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> StepPlan:
-        """The plan of a validated GRPO config (`tlt_jax.rl.config.validate_grpo`)."""
-        rl = config.rl
+    def from_config(cls, job: GrpoConfig) -> StepPlan:
+        """The plan of a GRPO config (`tlt_jax.rl.config.validate_grpo`)."""
+        rl = job.rl
         return cls(
-            prompts=int(rl.prompts_per_step),
-            group=int(rl.samples_per_prompt),
-            mini_batches=int(rl.mini_batches),
+            prompts=rl.prompts_per_step,
+            group=rl.samples_per_prompt,
+            mini_batches=rl.mini_batches,
             advantage=rl.advantage,
-            adv_eps=float(rl.adv_eps),
-            dynamic_sampling=bool(rl.dynamic_sampling),
-            kl_coef=float(rl.kl_coef),
+            adv_eps=rl.adv_eps,
+            dynamic_sampling=rl.dynamic_sampling,
+            kl_coef=rl.kl_coef,
             loss_agg=rl.loss_agg,
-            seq_bucket=int(config.trainer.seq_bucket),
-            max_response=int(config.rollout.max_new_tokens),
-            optim=optim_config_from(config),
+            seq_bucket=job.trainer.seq_bucket,
+            max_response=job.rollout.max_new_tokens,
+            optim=optim_config(job),
         )

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_collections
-
 from tlt_jax.rollout.adaptive import AdaptivePolicy, build_policy
 from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.selector_config import BanditSection
 
 
 def build_selector(
-    section: ml_collections.ConfigDict, engine: RolloutEngine, has_eagle_drafter: bool, seed: int
+    section: BanditSection, engine: RolloutEngine, has_eagle_drafter: bool, seed: int
 ) -> AdaptivePolicy | None:
     """The selector over the section's arms, registered as `engine` modes (None when `algorithm` is "off").
     EAGLE arms need the engine to hold an EAGLE drafter (a warmed one, or one the spot trainer trains)."""

@@ -21,10 +21,10 @@ import json
 import pathlib
 from typing import Any
 
-import ml_collections as mlc
 import numpy as np
 from absl import logging
 
+from tlt_jax.config_sections import DrafterSection
 from tlt_jax.drafter.eagle_format import WEIGHTS_FILE, load_eagle_drafter
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
@@ -32,7 +32,6 @@ from tlt_jax.rollout.hooks import ChunkView, RolloutHooks, RolloutInfo
 from tlt_jax.rollout.types import ChunkRecord
 from tlt_jax.utils.tracking import interpreter
 
-KINDS = ("none", "ngram", "eagle", "auto")
 # the hint runs in the same venv as this process (`.venv/bin/python` under `make run`)
 WARMUP_COMMAND = interpreter() + " -m tlt_jax.main --config configs/drafter_warmup.py:tlt --workdir {path}"
 # the policy/drafter fields that must agree for the drafter's weights to fit the policy
@@ -99,12 +98,10 @@ def check_compatible(saved: dict[str, Any] | None, policy: ModelConfig, where: s
         )
 
 
-def resolve_drafter(section: mlc.ConfigDict, policy: ModelConfig) -> ResolvedDrafter:
+def resolve_drafter(section: DrafterSection, policy: ModelConfig) -> ResolvedDrafter:
     """Build the rollout drafter of the `drafter` config section for a policy with config `policy`."""
-    kind, path = str(section.kind), str(section.get("path") or "")
-    if kind not in KINDS:
-        raise ValueError(f"config.drafter.kind={kind!r}: use one of {KINDS}.")
-    init_from = str(section.get("init_from") or "")
+    kind, path = section.kind, section.path
+    init_from = section.init_from
     if init_from and kind in ("eagle", "auto"):
         drafter, vocab = load_eagle_drafter(init_from, policy)
         return ResolvedDrafter("eagle", drafter, vocab, path=str(pathlib.Path(init_from) / WEIGHTS_FILE))
@@ -144,7 +141,7 @@ def resolve_drafter(section: mlc.ConfigDict, policy: ModelConfig) -> ResolvedDra
     return ResolvedDrafter("eagle", drafter=drafter, draft_vocab=vocab, path=str(d))
 
 
-def announced_drafter(section: mlc.ConfigDict, policy: ModelConfig, announce: bool) -> ResolvedDrafter:
+def announced_drafter(section: DrafterSection, policy: ModelConfig, announce: bool) -> ResolvedDrafter:
     """`resolve_drafter`, its note (e.g. "auto" fell back to the n-gram drafter) logged once as a warning when
     `announce` (process 0): a run that drafts with another drafter than the one asked for says so up front."""
     resolved = resolve_drafter(section, policy)

@@ -15,19 +15,25 @@ the window. Such chunks are counted (`bandit/compiled_chunks`). The selector's s
 (the learner owns it and checkpoints `state_dict()`).
 
 `build_policy(section, engine)` registers the section's arms as engine modes ("3_1_4" = an EAGLE strategy,
-"ngram_4_1_5" = the n-gram drafter, "plain") and returns the policy.
+"ngram_4_1_5" = the n-gram drafter, "plain") and returns the policy. Without a selector
+(`config.bandit.algorithm=off`) the engine applies the paper's threshold switch (`SpecConfig.threshold` /
+`min_steps_below`, `hooks.ThresholdPolicy`) instead.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-import ml_collections as mlc
-
 from tlt_jax.rollout.beg_mab import BanditPolicy
 from tlt_jax.rollout.hooks import ChunkView, RolloutHooks, RolloutInfo
 from tlt_jax.rollout.interface import EngineLike
-from tlt_jax.rollout.selector_config import MAX_RUNNING, PLAIN, SelectorConfig, all_arms_eligibility
+from tlt_jax.rollout.selector_config import (
+    MAX_RUNNING,
+    PLAIN,
+    BanditSection,
+    SelectorConfig,
+    all_arms_eligibility,
+)
 
 
 class AdaptivePolicy(RolloutHooks):
@@ -40,8 +46,8 @@ class AdaptivePolicy(RolloutHooks):
         self.compiled_chunks = 0
 
     def on_start(self, info: RolloutInfo) -> None:
+        """A new rollout: this rollout's counts restart; the selector keeps what it learned."""
         del info
-        self.policy.new_rollout()
         self.chosen.clear()
         self.compiled_chunks = 0
 
@@ -74,7 +80,7 @@ class AdaptivePolicy(RolloutHooks):
         return out
 
 
-def build_policy(section: mlc.ConfigDict, engine: EngineLike, seed: int = 0) -> AdaptivePolicy:
+def build_policy(section: BanditSection, engine: EngineLike, seed: int = 0) -> AdaptivePolicy:
     """The `bandit` config section -> an AdaptivePolicy over arms registered in `engine`.
 
     Arms: "plain", an EAGLE strategy like "3_1_4", or "ngram_<strategy>". With `all_arms` every arm is
@@ -94,7 +100,7 @@ def build_policy(section: mlc.ConfigDict, engine: EngineLike, seed: int = 0) -> 
     bounds = tuple(int(b) for b in section.bucket_bounds)
     if bounds[-1] != MAX_RUNNING:
         bounds = (*bounds, MAX_RUNNING)
-    eligible = all_arms_eligibility(len(bounds), len(arms)) if section.get("all_arms", True) else None
+    eligible = all_arms_eligibility(len(bounds), len(arms)) if section.all_arms else None
     cfg = SelectorConfig(
         arms=tuple(arms),
         tokens_to_verify=tv,
@@ -102,14 +108,11 @@ def build_policy(section: mlc.ConfigDict, engine: EngineLike, seed: int = 0) -> 
         bucket_bounds=bounds,
         algorithm=str(section.algorithm),
         eligible=eligible,
-        bucket_targets=tuple(section.get("bucket_targets", ())) or (48, 32, 16, 8)[: len(bounds)],
+        bucket_targets=tuple(section.bucket_targets) or (48, 32, 16, 8)[: len(bounds)],
         epsilon=float(section.epsilon),
         window=int(section.window),
         min_plays=int(section.min_plays),
         fixed_table=tuple(section.fixed_table) or None,
-        threshold=int(section.threshold),
-        min_steps_below=int(section.min_steps_below),
-        sd_arm=str(section.sd_arm) or None,
         sglang_ladder=tuple(section.sglang_ladder) or None,
     )
     return AdaptivePolicy(BanditPolicy(cfg, seed=seed))

@@ -6,12 +6,15 @@ counts to buckets, gives each bucket the strategies whose tokens_to_verify suit 
 epsilon-greedy on the MEDIAN reward (tokens emitted per second of a chunk) over a sliding window. Beyond the
 paper, "plain" (no speculation, tokens_to_verify = 1) is an arm in every bucket, so the selector learns where
 SD pays on this hardware instead of trusting a constant threshold. Baselines share the same state and API:
-"egreedy", "ucb1", "fixed" (vLLM-style table), "sglang" (EMA + hysteresis on a depth ladder) and
-"threshold" (the paper's switch); their rules are in `selector_policies.py`.
+"egreedy" (mean reward), "ucb1" (sliding-window UCB), "fixed" (vLLM-style arm per bucket) and "sglang"
+(EMA + hysteresis on a depth ladder); their rules are in `selector_policies.py`. The paper's own baseline,
+the threshold switch, is not a selector: it is `SpecConfig.threshold` / `min_steps_below`
+(`hooks.ThresholdPolicy`), which the engine applies when no selector chooses (`config.bandit.algorithm=off`).
 
 Pure and jit-compatible with the config static: `init(cfg)`, `select(cfg, state, running, key) -> arm`,
-`update(cfg, state, running, arm, reward, accept_length)`, `reset_rollout(state)`; `BanditPolicy` wraps them
-for the host loop (arm names in, arm names out, checkpointable state dict, metrics).
+`update(cfg, state, running, arm, reward, accept_length)`; `BanditPolicy` wraps them for the host loop (arm
+names in, arm names out, checkpointable state dict, metrics). The state has no per-rollout part: what it
+learned carries over from one rollout to the next.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from tlt_jax.rollout.selector_config import MAX_RUNNING, SelectorConfig, Selecto
 
 
 def init(cfg: SelectorConfig) -> SelectorState:
-    """A fresh state: empty windows, zero counts, sglang at its start rung, threshold off."""
+    """A fresh state: empty windows, zero counts, sglang at its start rung."""
     b, a, w = cfg.num_buckets, cfg.num_arms, cfg.window
     start = cfg.ladder_start if cfg.sglang_ladder else (0,) * b
     return SelectorState(
@@ -44,8 +47,6 @@ def init(cfg: SelectorConfig) -> SelectorState:
         ema=jnp.full((b,), jnp.nan, jnp.float32),
         rung=jnp.asarray(start, jnp.int32),
         since_move=jnp.zeros((b,), jnp.int32),
-        below_steps=jnp.zeros((), jnp.int32),
-        sd_on=jnp.zeros((), bool),
     )
 
 
@@ -55,10 +56,10 @@ def check_state(cfg: SelectorConfig, state: SelectorState) -> None:
     chex.assert_shape([state.rewards, state.accepts, state.stamps], (b, a, w))
     chex.assert_shape([state.head, state.count], (b, a))
     chex.assert_shape([state.bucket_steps, state.ema, state.rung, state.since_move], (b,))
-    chex.assert_shape([state.below_steps, state.sd_on], ())
     chex.assert_type([state.rewards, state.accepts, state.ema], jnp.float32)
-    chex.assert_type([state.stamps, state.head, state.count, state.bucket_steps, state.rung], jnp.int32)
-    chex.assert_type([state.since_move, state.below_steps, state.sd_on], [jnp.int32, jnp.int32, bool])
+    chex.assert_type(
+        [state.stamps, state.head, state.count, state.bucket_steps, state.rung, state.since_move], jnp.int32
+    )
 
 
 def bucket_index(cfg: SelectorConfig, running: jax.Array | int) -> jax.Array:
@@ -82,8 +83,6 @@ def select(cfg: SelectorConfig, state: SelectorState, running: jax.Array | int, 
     b = bucket_index(cfg, running)
     if cfg.algorithm == "fixed":
         return jnp.asarray([cfg.arm_index(a) for a in cfg.fixed_table], jnp.int32)[b]
-    if cfg.algorithm == "threshold":
-        return policies.threshold_arm(cfg, state, running)
     if cfg.algorithm == "sglang":
         return jnp.asarray(cfg.ladder_index, jnp.int32)[state.rung[b]]
     return policies.bandit_arm(cfg, state, b, key)
@@ -99,7 +98,7 @@ def update(
 ) -> SelectorState:
     """Record a finished chunk: `arm` ran at `running` rows, emitted `reward` tokens/s and `accept_length`
     tokens per row per verify round (ignored for plain arms). Every algorithm records the windows (so all
-    report the same metrics); sglang also moves its ladder, threshold counts its steps below."""
+    report the same metrics); sglang also moves its ladder."""
     check_state(cfg, state)
     running = _scalar(running, jnp.int32)
     arm = _scalar(arm, jnp.int32)
@@ -123,14 +122,7 @@ def update(
             rung=new.rung.at[b].set(rung),
             since_move=new.since_move.at[b].set(since),
         )
-    below_steps, sd_on = policies.threshold_step(cfg, state, running)
-    return new.replace(below_steps=below_steps, sd_on=sd_on)
-
-
-def reset_rollout(state: SelectorState) -> SelectorState:
-    """Start a new rollout: clear the per-rollout parts (the threshold rule's counter and switch) and keep
-    what was learned (windows, counts, sglang EMA and rungs)."""
-    return state.replace(below_steps=jnp.zeros_like(state.below_steps), sd_on=jnp.zeros_like(state.sd_on))
+    return new
 
 
 def _select_and_split(
@@ -143,15 +135,14 @@ def _select_and_split(
 # One jitted program per config (the static argument is the cache key): no recompiles across calls.
 _select_jit = jax.jit(_select_and_split, static_argnums=0)
 _update_jit = jax.jit(update, static_argnums=0)
-_reset_jit = jax.jit(reset_rollout)
 
 
 class BanditPolicy:
     """Host-side selector for the rollout loop: arm names in and out, state and PRNG key held here.
 
     Per chunk: `arm = policy.select(running)`, run it, then `policy.observe(arm, running, tokens_per_second,
-    accept_length)`; `new_rollout()` before each rollout. The learner keeps one policy across RL steps and
-    checkpoints `state_dict()` (the key included, so a resumed run continues bit-identically).
+    accept_length)`. The learner keeps one policy across rollouts and RL steps and checkpoints `state_dict()`
+    (the key included, so a resumed run continues bit-identically).
     """
 
     def __init__(self, cfg: SelectorConfig, seed: int = 0):
@@ -189,10 +180,6 @@ class BanditPolicy:
             np.float32(accept_length),
         )
 
-    def new_rollout(self) -> None:
-        """Clear the per-rollout parts of the state (see `reset_rollout`)."""
-        self.state = _reset_jit(self.state)
-
     def state_dict(self) -> dict[str, Any]:
         """The checkpointable pytree of arrays: the selector state and the PRNG key."""
         return {"state": flax.serialization.to_state_dict(self.state), "key": self.key}
@@ -211,7 +198,7 @@ class BanditPolicy:
     def summary(self) -> dict[str, float]:
         """Metrics: per bucket and eligible arm the chunks played ("count"), and over the arm's window the
         median reward ("reward", what BEG-MAB ranks by), mean reward and mean accept length (when non-empty);
-        sglang adds each bucket's rung and EMA, threshold whether SD is on."""
+        sglang adds each bucket's rung and EMA."""
         s = shd.to_host_tree(self.state)
         out: dict[str, float] = {}
         for b in range(self.cfg.num_buckets):
@@ -229,6 +216,4 @@ class BanditPolicy:
                 out[f"bandit/b{b}/rung"] = float(s.rung[b])
                 if not np.isnan(s.ema[b]):
                     out[f"bandit/b{b}/ema_accept"] = float(s.ema[b]) + 1.0
-        if self.cfg.algorithm == "threshold":
-            out["bandit/sd_on"] = float(s.sd_on)
         return out

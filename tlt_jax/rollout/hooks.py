@@ -2,7 +2,9 @@
 
 One protocol (`RolloutHooks`, every method optional) for everything that plugs into the host scheduler:
 - `choose_mode(running, batch_bucket)` before each chunk: "plain" or a registered speculative mode (None: no
-  opinion; the engine then applies `SpecConfig`'s threshold switch). The BEG-MAB bandit lives here.
+  opinion). A strategy selector chooses here (`adaptive.AdaptivePolicy`: BEG-MAB and its baselines); the
+  chunks no hook chose get the paper's threshold switch, `ThresholdPolicy` built from `SpecConfig.threshold`
+  / `min_steps_below` (the one implementation of that switch; the scheduler appends it last).
 - `on_chunk(view)` after each chunk: the chunk's record (mode, seconds, tokens, accept counts, whether it
   compiled) and which rows and which data-axis devices are still live (a device with no live row is idle:
   the spot trainer's opportunity).
@@ -162,9 +164,16 @@ class HookList(RolloutHooks):
 
 
 class ThresholdPolicy(RolloutHooks):
-    """The paper's switch: plain decoding until at most `threshold` rows have been running for
-    `min_steps_below` consecutive decode steps, then `mode` for the rest of the rollout (reset per
-    rollout)."""
+    """The paper's threshold switch, the one implementation of it: plain decoding until at most `threshold`
+    rows have been running for `min_steps_below` consecutive decode steps, then `mode` for the rest of the
+    rollout, even if the running count rose again (reset per rollout by `on_start`).
+
+    Steps are counted per decode step (`ChunkRecord.running`), a step above `threshold` restarting the count;
+    the switch turns on at a chunk boundary: after a chunk that ended with the count reached, or before a
+    chunk at <= `threshold` rows with the count reached (with `min_steps_below` = 0: the first such chunk).
+    The scheduler adds one, built from `SpecConfig`, after the caller's hooks: it decides the chunks that no
+    strategy selector chose (`config.bandit.algorithm=off`: all of them).
+    """
 
     def __init__(self, mode: str, threshold: int, min_steps_below: int = 0):
         self.mode, self.threshold, self.min_steps_below = mode, threshold, min_steps_below
@@ -183,6 +192,8 @@ class ThresholdPolicy(RolloutHooks):
     def on_chunk(self, view: ChunkView) -> None:
         for r in view.record.running:
             self.steps_below = self.steps_below + 1 if r <= self.threshold else 0
+        if self.steps_below and self.steps_below >= self.min_steps_below:
+            self.on = True
 
 
 class FixedMode(RolloutHooks):

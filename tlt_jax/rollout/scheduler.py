@@ -2,9 +2,10 @@
 
 Per iteration: harvest the rows that finished (streamed to `on_finished`), compact the live rows into the
 smallest batch bucket WITHIN each data-axis shard (rows never move between devices, so a device whose rows
-have all finished becomes idle: `ChunkView.idle_shards`), ask the hooks for the chunk's mode (default: the
-`SpecConfig` threshold switch), grow the cache bucket just enough, run the chunk (which exits early once
-compaction would pay), record its timeline and report it (`on_chunk`).
+have all finished becomes idle: `ChunkView.idle_shards`), ask the hooks for the chunk's mode (the caller's,
+e.g. a strategy selector, first; the chunks none of them chose: the paper's threshold switch, the one built
+from `SpecConfig`, `hooks.ThresholdPolicy`), grow the cache bucket just enough, run the chunk (which exits
+early once compaction would pay), record its timeline and report it (`on_chunk`).
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def generate(
 def _rollout_hooks(
     engine: EngineLike, hooks: RolloutHooks | Iterable[RolloutHooks | None] | None
 ) -> HookList:
-    """The caller's hooks, then (when `config.spec` registered a mode) the SpecConfig threshold switch, which
-    chooses the mode of the chunks no earlier hook chose."""
+    """The caller's hooks, then (when `config.spec` registered a mode) the one threshold switch,
+    `ThresholdPolicy(SpecConfig.threshold, min_steps_below)`: it chooses the mode of the chunks no earlier
+    hook (e.g. a strategy selector) chose, so without a selector it decides every chunk."""
     default = None
     if engine.spec_mode is not None:
         s = engine.config.spec

@@ -11,7 +11,9 @@ import itertools
 import jax
 from flax import struct
 
-ALGORITHMS = ("beg_mab", "egreedy", "ucb1", "fixed", "sglang", "threshold")
+from tlt_jax.utils.config_checks import Section
+
+ALGORITHMS = ("beg_mab", "egreedy", "ucb1", "fixed", "sglang")
 PLAIN = "plain"
 MAX_RUNNING = 2**31 - 1
 PAPER_BUCKET_BOUNDS = (1, 4, 20, MAX_RUNNING)  # bs 1 | 2-4 | 5-20 | >= 21
@@ -56,9 +58,10 @@ class SelectorConfig:
       spread, where UCB1's own sqrt(2) (for rewards spread over [0, 1]) would mostly explore.
     min_plays: beg_mab ranks an arm by its median only with this many rewards in the window (3: the median
       of three chunks outvotes one slowed by another process).
-    fixed_table: arm name per bucket. threshold / min_steps_below / sd_arm: the paper's switch, counted in
-      updates (chunks). sglang_*: the ladder (arm names shallow to deep, optionally starting with "plain"),
-      EMA rate, up/down fractions, plain floor, updates between moves, probe interval on plain, start rung.
+    fixed_table: arm name per bucket. sglang_*: the ladder (arm names shallow to deep, optionally starting
+      with "plain"), EMA rate, up/down fractions, plain floor, updates between moves, probe interval on plain,
+      start rung. (The paper's threshold switch is no selector algorithm: it is `SpecConfig.threshold` /
+      `min_steps_below`, the engine's default when no selector chooses; see `hooks.ThresholdPolicy`.)
     """
 
     arms: tuple[str, ...]
@@ -73,9 +76,6 @@ class SelectorConfig:
     ucb_c: float = 0.15
     min_plays: int = 3
     fixed_table: tuple[str, ...] | None = None
-    threshold: int = 32
-    min_steps_below: int = 10
-    sd_arm: str | None = None
     sglang_ladder: tuple[str, ...] | None = None
     sglang_alpha: float = 0.2
     sglang_up: float = 0.8
@@ -97,6 +97,13 @@ class SelectorConfig:
         bounds = self.bucket_bounds
         if not bounds or any(b < 1 for b in bounds) or any(x >= y for x, y in itertools.pairwise(bounds)):
             _fail("bucket_bounds", f"got {bounds}", "give increasing ints >= 1, e.g. (1, 4, 20, 2**31 - 1)")
+        if self.algorithm == "threshold":
+            _fail(
+                "algorithm",
+                "'threshold' is not a selector algorithm",
+                "the threshold switch is SpecConfig.threshold / min_steps_below "
+                "(config.spec.threshold with config.bandit.algorithm=off)",
+            )
         if self.algorithm not in ALGORITHMS:
             _fail("algorithm", f"unknown {self.algorithm!r}", f"use one of {ALGORITHMS}")
         if self.eligible is None:
@@ -127,11 +134,6 @@ class SelectorConfig:
             table = self.fixed_table or ()
             if len(table) != self.num_buckets or any(a not in self.arms for a in table):
                 _fail("fixed_table", f"got {self.fixed_table}", "give one arm name (from `arms`) per bucket")
-        if self.threshold < 0 or self.min_steps_below < 0:
-            _fail("threshold/min_steps_below", "negative", "use counts >= 0")
-        if self.algorithm == "threshold":
-            if self.sd_arm not in self.arms or self.sd_arm == PLAIN or PLAIN not in self.arms:
-                _fail("sd_arm", f"got {self.sd_arm!r}", "name a speculative arm, and include 'plain' in arms")
         if self.algorithm == "sglang" or self.sglang_ladder is not None:
             self._check_sglang()
 
@@ -222,7 +224,8 @@ class SelectorState:
 
     The windows are per (bucket, arm) ring buffers of the last W rewards / accept lengths (NaN = empty);
     `stamps` holds the bucket's update count when each entry was written (-1 empty), so UCB1 can restrict to
-    the bucket's last W plays. `below_steps` / `sd_on` are the threshold rule's per-rollout part.
+    the bucket's last W plays. Nothing in it is per rollout: it lives across rollouts (the learner
+    checkpoints it).
     """
 
     rewards: jax.Array  # f32[B, A, W]
@@ -234,5 +237,31 @@ class SelectorState:
     ema: jax.Array  # f32[B] sglang: EMA of accepted drafts per round (NaN = no observation yet)
     rung: jax.Array  # i32[B] sglang: current ladder rung
     since_move: jax.Array  # i32[B] sglang: updates since the last move
-    below_steps: jax.Array  # i32[] threshold: consecutive updates with running <= threshold
-    sd_on: jax.Array  # bool[] threshold: switched on for the rest of the rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class BanditSection(Section):
+    """`config.bandit`, the adaptive engine (tlt_jax.rollout.adaptive): a selector picks each chunk's mode
+    among `arms` ("plain", EAGLE strategies "3_1_4", n-gram "ngram_4_1_5") per running-batch bucket. "off":
+    no selector; the SpecConfig threshold switch (`config.spec.threshold`) decides."""
+
+    algorithm: str = "off"  # off | beg_mab | egreedy | ucb1 | fixed | sglang
+    arms: tuple[str, ...] = ("plain", "3_1_4")
+    bucket_bounds: tuple[int, ...] = (1, 2, 4, 8)  # inclusive upper bounds of the running-row buckets
+    all_arms: bool = True  # every arm in every bucket (False: BEG-MAB's grouping by tokens_to_verify)
+    bucket_targets: tuple[int, ...] = ()
+    epsilon: float = 0.1
+    window: int = 64  # beg_mab / ucb1: the bucket's last 64 chunks
+    min_plays: int = 3  # beg_mab: chunks an arm needs in the window before its median is trusted
+    fixed_table: tuple[str, ...] = ()
+    sglang_ladder: tuple[str, ...] = ()
+
+    def problems(self) -> list[str]:
+        if self.algorithm == "threshold":
+            return [
+                "config.bandit.algorithm='threshold': the threshold switch is config.spec.threshold / "
+                "min_steps_below with config.bandit.algorithm=off."
+            ]
+        if self.algorithm not in ("off", *ALGORITHMS):
+            return [f"config.bandit.algorithm={self.algorithm!r}: use one of {('off', *ALGORITHMS)}."]
+        return []

@@ -4,8 +4,9 @@ Each rule is a pure jnp function of the static config, the selector state and th
 traced int32 scalar), so `beg_mab.select` / `beg_mab.update` stay one small jitted program per config:
 - `bandit_arm`: BEG-MAB (median of trusted arms, plausible-only exploration; `_beg_mab_arm`), epsilon-greedy
   (mean) and sliding-window UCB1 over a bucket's eligible arms;
-- `sglang_step`: mainline SGLang's per-bucket EMA of accepted drafts with hysteresis on a depth ladder;
-- `threshold_arm` / `threshold_step`: the paper's fixed switch (plain until few rows run, then SD for good).
+- `sglang_step`: mainline SGLang's per-bucket EMA of accepted drafts with hysteresis on a depth ladder.
+(The "fixed" table needs no rule of its own: `beg_mab.select` indexes it. The paper's threshold switch is not
+a selector rule: it is `hooks.ThresholdPolicy`, from `SpecConfig.threshold` / `min_steps_below`.)
 """
 
 from __future__ import annotations
@@ -154,19 +155,3 @@ def sglang_step(
     since = jnp.where(go_dn | go_up, 0, since).astype(jnp.int32)
     ema = jnp.where(go_up & on_plain, jnp.nan, ema).astype(jnp.float32)
     return ema, new_r, since
-
-
-def threshold_arm(cfg: SelectorConfig, state: SelectorState, running: jax.Array) -> jax.Array:
-    """The paper's switch: `sd_arm` once on (or at once when min_steps_below = 0 and running <= threshold)."""
-    now = (running <= cfg.threshold) & (state.below_steps >= cfg.min_steps_below)
-    return jnp.where(state.sd_on | now, cfg.arm_index(cfg.sd_arm), cfg.arm_index("plain")).astype(jnp.int32)
-
-
-def threshold_step(
-    cfg: SelectorConfig, state: SelectorState, running: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """(below_steps, sd_on) after an update: count consecutive updates with running <= threshold; switch on
-    (for the rest of the rollout) when that count reaches `min_steps_below`."""
-    below = running <= cfg.threshold
-    below_steps = jnp.where(below, state.below_steps + 1, 0).astype(jnp.int32)
-    return below_steps, state.sd_on | (below & (below_steps >= cfg.min_steps_below))

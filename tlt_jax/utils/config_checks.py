@@ -8,6 +8,7 @@ checks command-line overrides and the workdir before anything is written).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import ml_collections as mlc
+from ml_collections import config_dict
 
 from tlt_jax.utils.tracking import CONFIG_FILE
 
@@ -179,3 +181,71 @@ def check_workdir_config(
             f"resume: {', '.join(RESUMABLE_KEYS)})."
         )
     return lines
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Typed sections: a config section as a frozen dataclass (tlt_jax.config_schema registers them)
+# ----------------------------------------------------------------------------------------------------------
+
+# field metadata for a default of None that the ConfigDict should type: `field(default=None, metadata=STR)`
+STR: Mapping[str, type] = {"placeholder": str}
+
+
+class SectionError(ValueError):
+    """A section's problems, each naming `config.<section>.<key>`, the value and the fix."""
+
+    def __init__(self, problems: Sequence[str]):
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
+class Section:
+    """Base of a config section's dataclass: the fields are the section's keys, their defaults THE defaults
+    (`section_defaults` makes the base config's section from them) and `problems()` the section's own checks,
+    run once when the section is built (an invalid section is never an object)."""
+
+    def problems(self) -> list[str]:
+        return []
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, list):  # ConfigDict sequences: the sections hash
+                object.__setattr__(self, f.name, tuple(value))
+            elif isinstance(value, mlc.ConfigDict):
+                object.__setattr__(self, f.name, value.to_dict())
+        problems = self.problems()
+        if problems:
+            raise SectionError(problems)
+
+
+def section_defaults(cls: type, drop: Sequence[str] = ()) -> mlc.ConfigDict:
+    """The ConfigDict of a section dataclass's defaults (a None default with `metadata=STR` is a typed
+    placeholder, a dict default an open sub-section); `drop`: fields another section decides."""
+    out = mlc.ConfigDict()
+    for f in dataclasses.fields(cls):
+        if f.name in drop:
+            continue
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        else:
+            value = f.default_factory()  # type: ignore[misc]
+        if value is None and "placeholder" in f.metadata:
+            value = config_dict.placeholder(f.metadata["placeholder"])
+        elif isinstance(value, dict):
+            value = mlc.ConfigDict(value)
+        out[f.name] = value
+    return out
+
+
+def build_section(cls: type, section: mlc.ConfigDict | Mapping[str, object], name: str, **fixed: Any) -> Any:
+    """`cls(**section, **fixed)`; a wrong value is a ValueError naming `config.<name>` (keys the class lacks
+    are left out: `unknown_key_problems` names them with the nearest valid ones)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    fields = {k: v for k, v in _plain(section).items() if k in known and k not in fixed}
+    try:
+        return cls(**fields, **fixed)
+    except SectionError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise SectionError([f"config.{name} is invalid: {e}"]) from e

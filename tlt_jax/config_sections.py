@@ -1,0 +1,302 @@
+"""The config sections of the GRPO job and those it shares with the warm-up (model, mesh), each a
+frozen dataclass: its fields are the section's keys, their defaults THE defaults, `problems()` its checks
+(run when it is built). `tlt_jax.config_schema` registers them with the warm-up's sections and parses
+configs into them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import ClassVar
+
+from tlt_jax.models.build import DTYPES
+from tlt_jax.rollout.interface import EngineConfig
+from tlt_jax.rollout.programs import MATMUL_PRECISIONS
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.strategy import SpecConfig
+from tlt_jax.utils.config_checks import STR, Section
+
+JOBS = ("grpo", "drafter_warmup")
+DRAFTER_KINDS = ("none", "ngram", "eagle", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSection(Section):
+    """The GRPO job's top-level keys: what runs, for how long, how often it saves and reports."""
+
+    job: str = "grpo"
+    seed: int = 0
+    multiprocess: bool = False  # jax.distributed.initialize() before anything touches a device
+    num_steps: int = 10
+    checkpoint_every: int = 5  # save every k steps (and always at the end / on SIGTERM); 0: only then
+    keep_checkpoints: int = 2
+    log_every: int = 1  # console summary line every k steps (metrics.jsonl gets every step)
+    progress_bar: bool = True  # tqdm rollout bar (shown only on a TTY)
+    log_samples: int = 2  # responses per step written to workdir/samples.jsonl (the first to the console)
+    # persistent XLA compilation cache: "auto" = $TLT_JAX_COMPILATION_CACHE, else ~/.cache/tlt_jax/xla (shared
+    # by the runs on a machine: a rerun of a config compiles nothing); a folder; or "" (off)
+    compilation_cache_dir: str = "auto"
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.job not in JOBS:
+            out.append(f"config.job={self.job!r}: use one of {JOBS}.")
+        if self.num_steps < 1:
+            out.append(f"config.num_steps={self.num_steps}: must be >= 1.")
+        if self.checkpoint_every < 0:
+            out.append(
+                f"config.checkpoint_every={self.checkpoint_every}: must be >= 0 (0 = only at the end)."
+            )
+        if self.keep_checkpoints < 1:
+            out.append(f"config.keep_checkpoints={self.keep_checkpoints}: must be >= 1.")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection(Section):
+    """`config.model`: what to load (a checkpoint, a tiny random architecture or a named one), in which dtype,
+    with which projection kernels. Checked by `models.build.model_problems` (it knows the sources)."""
+
+    path: str | None = dataclasses.field(default=None, metadata=STR)  # a .gguf file or a HF model directory
+    random: Mapping[str, object] = dataclasses.field(default_factory=dict)  # OR ModelConfig fields
+    # OR a named architecture (tlt_jax.models.presets): with `path` it checks the checkpoint's shapes; with
+    # init="random" it is built with random weights born sharded, and no tokenizer (timing and memory only)
+    arch: str = ""
+    init: str = "auto"  # "auto" | "checkpoint" (weights from `path`) | "random"
+    dtype: str = "float32"  # "bfloat16" on GPUs (this CPU has no bf16 instructions: use float32)
+    linear_impl: str = "auto"  # projections: "auto" (CPU small-M kernel on one CPU device, else XLA) | ...
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection(Section):
+    """`config.mesh`: the (data, model) device mesh; data=-1 takes all remaining devices."""
+
+    data: int = -1
+    model: int = 1
+
+    def problems(self) -> list[str]:
+        if self.model < 1 or (self.data < 1 and self.data != -1):
+            return [
+                f"config.mesh data={self.data}, model={self.model}: need model >= 1 and data >= 1 (or -1 for "
+                "all remaining devices)."
+            ]
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection(Section):
+    """`config.rollout`: the engine (lengths, buckets, chunking, kernels, stop strings, recorded hidden
+    states) and the sampling; `engine_config` and `sampling` are the typed objects it becomes."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    max_cache_len: int = 1024
+    chunk_steps: int = 16
+    min_cache_bucket: int = 64
+    prompt_bucket: int = 16
+    compact: bool = True
+    attn_impl: str = "auto"  # Pallas on GPU, Mosaic on TPU, the CPU FFI kernel on one CPU device, else jnp
+    # dots in the rollout programs: "auto" = full float32 for float32 models whatever the process default
+    # (lossless coupled verification on GPUs, whose default is TF32), the process default for bfloat16
+    matmul_precision: str = "auto"
+    stop_strings: tuple[str, ...] = ()
+    # the target's hidden states of the prompt and the first `hidden_window` response tokens of every sequence
+    # (drafter training data; recorded whenever the spot trainer runs)
+    record_hidden: bool = False
+    hidden_window: int = 512
+
+    def problems(self) -> list[str]:
+        out = []
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            out.append(
+                f"config.rollout.top_p={self.top_p} / top_k={self.top_k}: need 0 < top_p <= 1, top_k >= 0."
+            )
+        if self.max_new_tokens < 1 or self.max_cache_len <= self.max_new_tokens:
+            out.append(
+                f"config.rollout.max_new_tokens={self.max_new_tokens} / max_cache_len={self.max_cache_len}: "
+                "need max_new_tokens >= 1 and max_cache_len > max_new_tokens + the longest prompt."
+            )
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            out.append(
+                f"config.rollout.matmul_precision={self.matmul_precision!r}: use one of {MATMUL_PRECISIONS} "
+                "(auto: full float32 dots for float32 models, the process default for bfloat16)."
+            )
+        for key, need in (("chunk_steps", " (decode steps per device call)"), ("min_cache_bucket", ""),
+                          ("prompt_bucket", ""), ("hidden_window", "")):  # fmt: skip
+            if getattr(self, key) < 1:
+                out.append(f"config.rollout.{key}={getattr(self, key)!r}: must be >= 1{need}.")
+        return out
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def engine_config(self, spec: SpecConfig, record_hidden: bool = False) -> EngineConfig:
+        """The engine's settings with `spec`; hidden states recorded when asked here or by the section."""
+        return EngineConfig(
+            max_new_tokens=self.max_new_tokens,
+            max_cache_len=self.max_cache_len,
+            chunk_steps=self.chunk_steps,
+            min_cache_bucket=self.min_cache_bucket,
+            prompt_bucket=self.prompt_bucket,
+            compact=self.compact,
+            attn_impl=self.attn_impl,
+            matmul_precision=self.matmul_precision,
+            stop_strings=tuple(self.stop_strings),
+            spec=spec,
+            record_hidden=self.record_hidden or record_hidden,
+            hidden_window=self.hidden_window,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSection(Section):
+    """`config.drafter`, what drafts for speculative rollouts (tlt_jax.rl.speculation): "none" (plain),
+    "ngram" (model-free, TLT-Base), "eagle" (a warmed drafter: `path`, a warm-up workdir, or `init_from`, an
+    EAGLE export), "auto" (eagle when `path` holds one, else ngram). min_accept_len: the alarm's floor."""
+
+    kind: str = "none"
+    path: str = ""
+    init_from: str = ""
+    min_accept_len: float = 1.05
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.kind not in DRAFTER_KINDS:
+            out.append(f"config.drafter.kind={self.kind!r}: use one of {DRAFTER_KINDS}.")
+        if self.kind == "eagle" and not self.path and not self.init_from:
+            out.append(
+                "config.drafter.kind=eagle needs config.drafter.path: a drafter warm-up workdir (create one "
+                "with `python -m tlt_jax.main --config configs/drafter_warmup.py:tlt --workdir DIR`)."
+            )
+        if self.min_accept_len < 0:
+            out.append(f"config.drafter.min_accept_len={self.min_accept_len}: must be >= 0 (0 disables it).")
+        return out
+
+    def path_problems(self) -> list[str]:
+        """The filesystem's half: the drafter directories exist."""
+        out = []
+        if self.kind == "eagle" and self.path and not os.path.exists(self.path):
+            out.append(
+                f"config.drafter.path={self.path!r} does not exist: create it with `python -m tlt_jax.main "
+                f"--config configs/drafter_warmup.py:tlt --workdir {self.path}`, or use drafter.kind=ngram."
+            )
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(Section):
+    """`config.eval`, the held-out evaluation (tlt_jax.rl.evaluation): the same problems and sampling keys
+    before training and every `every` steps (and after the last), a paired measure of learning; 0 = off.
+    prompts x samples: the held-out rows (keep their product at the step's rows to reuse its programs)."""
+
+    every: int = 0
+    prompts: int = 16
+    samples: int = 2
+
+    def problems(self) -> list[str]:
+        if self.every < 0 or self.prompts < 1 or self.samples < 1:
+            return [
+                f"config.eval every={self.every}, prompts={self.prompts}, samples={self.samples}: need "
+                "every >= 0 (0 = off), prompts >= 1 and samples >= 1."
+            ]
+        return []
+
+    def due(self, step: int, num_steps: int) -> bool:
+        """Whether to evaluate after `step` completed steps (0: before training)."""
+        return self.every > 0 and (step % self.every == 0 or step == num_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSection(Section):
+    """`config.rl`: the GRPO algorithm (group size, advantages, loss aggregation, clipping, KL) and the
+    optimizer (AdamW, warm-up, clipping). The names of advantages and aggregations are checked by the GRPO
+    job (`rl.config`, which owns them)."""
+
+    RANGES: ClassVar[tuple[tuple[str, float, str], ...]] = (  # key, lower bound, the range in words
+        ("prompts_per_step", 1, ">= 1"),
+        ("warmup_steps", 0, ">= 0 (optimizer updates)"),
+        ("weight_decay", 0, ">= 0"),
+        ("grad_clip", 0, ">= 0 (0 disables clipping)"),
+        ("kl_coef", 0, ">= 0 (0 disables the KL term)"),
+        ("adv_eps", 0, ">= 0"),
+    )
+
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8  # GRPO group size
+    advantage: str = "grpo"  # grpo | drgrpo (tlt_jax.rl.grpo.ADVANTAGE_METHODS)
+    adv_eps: float = 1e-6
+    loss_agg: str = "seq_mean_token_mean"  # token_mean (DAPO) | seq_mean_token_mean | seq_mean_token_sum_norm
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # DAPO clip-higher: 0.28
+    dynamic_sampling: bool = False  # DAPO: groups with equal rewards are masked out of the loss
+    kl_coef: float = 0.0  # low_var_kl to the frozen initial policy; 0 skips the reference forward
+    mini_batches: int = 1  # optimizer updates per RL step (PPO mini-batches over the step's samples)
+    lr: float = 1e-6
+    warmup_steps: int = 0  # linear warm-up in optimizer updates
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+
+    def problems(self) -> list[str]:
+        out = [
+            f"config.rl.{key}={getattr(self, key)!r}: must be {need}."
+            for key, low, need in self.RANGES
+            if getattr(self, key) < low
+        ]
+        if self.lr <= 0:
+            out.append(f"config.rl.lr={self.lr!r}: must be > 0 (the paper uses 1e-6).")
+        out += [
+            f"config.rl.{k}={getattr(self, k)!r}: must be in [0, 1)."
+            for k in ("b1", "b2")
+            if not 0 <= getattr(self, k) < 1
+        ]
+        if self.clip_low < 0 or self.clip_high < 0 or self.clip_low >= 1:
+            out.append(
+                f"config.rl.clip_low={self.clip_low} / clip_high={self.clip_high}: need 0 <= clip_low < 1, "
+                "clip_high >= 0."
+            )
+        if self.samples_per_prompt < 2:
+            out.append(
+                f"config.rl.samples_per_prompt={self.samples_per_prompt}: GRPO compares samples within a "
+                "group, use >= 2 (the paper uses 8)."
+            )
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSection(Section):
+    """`config.trainer`: shapes and batching of the learner's forward and backward, and what it trains."""
+
+    micro_batch_size: int = 8  # rows per forward/backward (gradient accumulation over micro-batches)
+    seq_bucket: int = 32  # prompt/response lengths are padded to multiples of this (fewer compiles)
+    fuse_old_logprobs: bool = True  # with one mini-batch, take old log-probs from the update's forward
+    logits_chunk: int = 0  # compute response logits in chunks of this many positions (0: at once)
+    master_dtype: str = "float32"  # optimizer/master weights (the model computes in model.dtype)
+    fsdp: bool = False  # also shard the trainer's params/optimizer state over the data axis (ZeRO-3-like)
+    train_layers: int = 0  # 0: train every parameter; K: only the top K decoder layers + final norm
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.master_dtype not in DTYPES:
+            out.append(f"config.trainer.master_dtype={self.master_dtype!r}: use one of {DTYPES}.")
+        if self.train_layers < 0:
+            out.append(f"config.trainer.train_layers={self.train_layers}: must be >= 0 (0 = all parameters).")
+        if self.logits_chunk < 0:
+            out.append(f"config.trainer.logits_chunk={self.logits_chunk}: must be >= 0 (0 = no chunking).")
+        if self.seq_bucket < 1:
+            out.append(f"config.trainer.seq_bucket={self.seq_bucket}: must be >= 1.")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbSection(Section):
+    """`config.wandb`: mode None = $WANDB_MODE, else offline."""
+
+    mode: str | None = dataclasses.field(default=None, metadata=STR)
+    project: str = "tlt_jax"
+    name: str | None = dataclasses.field(default=None, metadata=STR)
