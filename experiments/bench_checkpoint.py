@@ -46,7 +46,8 @@ from experiments import harness as h
 from tlt_jax.drafter.loss import LossConfig
 from tlt_jax.drafter.trainer import DrafterTrainer, optimizer_from_config
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.utils.checkpoint import Checkpointer, DrafterCheckpointer
+from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.drafter_checkpoint import DrafterCheckpointer
 
 MODES = ("full_sync", "async", "selective_async")
 

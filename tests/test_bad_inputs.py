@@ -34,7 +34,8 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR, CORRUPT_PREFIX, restore_newest
 from tlt_jax.rl.speculation import resolve_drafter
 from tlt_jax.utils import distributed
-from tlt_jax.utils.checkpoint import Checkpointer, DrafterCheckpointer
+from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.drafter_checkpoint import DrafterCheckpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = (2, 4)  # the earlier run's checkpoints

@@ -78,7 +78,9 @@ def test_the_warmup_rejects_its_old_eval_section_by_name() -> None:
     c = config_lib.load_config_file(CONFIGS / "drafter_warmup.py", "tiny")
     assert config_schema.parse(c).drafter_eval.before is True
     c.eval = c.drafter_eval.to_dict()
-    with pytest.raises(ValueError, match=r"config.eval is not a config key: did you mean config.drafter_eval"):
+    with pytest.raises(
+        ValueError, match=r"config.eval is not a config key: did you mean config.drafter_eval"
+    ):
         config_schema.parse(c)
 
 

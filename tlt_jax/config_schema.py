@@ -112,8 +112,7 @@ def base_config(job: str = "grpo") -> mlc.ConfigDict:
     if job not in JOB_SCHEMA:
         raise ValueError(f"config.job={job!r}: use one of {JOBS}.")
     run, names = JOB_SCHEMA[job]
-    c = section_defaults(run)
-    c.job = job
+    c = section_defaults(run)  # its `job` default is the job's name
     for name in names:
         if name == "task":
             c.task = mlc.ConfigDict(DEFAULT_TASK[job])
@@ -167,13 +166,13 @@ def fail(problems: list[str]) -> None:
         raise ValueError("invalid config:\n  - " + "\n  - ".join(problems))
 
 
-def section(config: mlc.ConfigDict, name: str, **fixed: object) -> object:
-    """One section of `config` as its typed object (defaults where the config lacks the section)."""
+def section(config: mlc.ConfigDict, name: str) -> object:
+    """One section of `config` as its typed object (defaults where the config lacks the section); `spec`
+    with SD on or off as `config.drafter.kind` says."""
     if name == "spec":
         kind = config.get("drafter", {}).get("kind", "none")
-        fixed = {"enabled": False, "drafter": "ngram", **fixed}
-        return spec_for_kind(build_section(SpecConfig, config.get("spec", {}), "spec", **fixed), kind)
-    return build_section(SECTIONS[name], config.get(name, {}), name, **fixed)
+        return spec_for_kind(build_section(SpecConfig, config.get("spec", {}), "spec"), kind)
+    return build_section(SECTIONS[name], config.get(name, {}), name)
 
 
 def collect(

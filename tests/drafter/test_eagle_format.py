@@ -26,7 +26,8 @@ from tlt_jax.export_drafter import main as export_main
 from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
-from tlt_jax.utils.checkpoint import Checkpointer, DrafterCheckpointer
+from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.drafter_checkpoint import DrafterCheckpointer
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 VOCAB = np.array([0, 3, 4, 17, 40, 41, 99, 127])  # a reduced draft vocabulary of tiny_config's 128 tokens

@@ -18,7 +18,8 @@ from tlt_jax.drafter.trainer import DrafterTrainer, optimizer_from_config
 from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
-from tlt_jax.utils.checkpoint import Checkpointer, DrafterCheckpointer
+from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.drafter_checkpoint import DrafterCheckpointer
 from tlt_jax.utils.tracking import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import FixedMode
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.utils.checkpoint import DrafterCheckpointer
+from tlt_jax.utils.drafter_checkpoint import DrafterCheckpointer
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 

@@ -21,12 +21,12 @@ from jax.sharding import PartitionSpec as P
 from tlt_jax.utils.checkpoint import (
     TRASH,
     Checkpointer,
-    DrafterCheckpointer,
     SaveInfo,
     Unsaved,
     item_bytes,
     path_str,
 )
+from tlt_jax.utils.drafter_checkpoint import DrafterCheckpointer
 from tlt_jax.utils.preemption import PreemptionGuard
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

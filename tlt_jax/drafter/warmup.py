@@ -56,7 +56,8 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.utils.checkpoint import Checkpointer, DrafterCheckpointer, SaveInfo
+from tlt_jax.utils.checkpoint import Checkpointer, SaveInfo
+from tlt_jax.utils.drafter_checkpoint import DrafterCheckpointer
 from tlt_jax.utils.tracking import JsonlTracker
 
 DRAFTER_DIR = "drafter"
@@ -173,8 +174,8 @@ def train(
     tc = job.train
     tx, sched = optimizer_from_config(dataclasses.asdict(tc))
     loss_cfg = loss_config(tc, train_samples)
-    trainer = DrafterTrainer(tx, loss_cfg, seed=int(job.run.seed))
-    state = trainer.init_state(init_drafter(target, int(job.run.seed)))
+    trainer = DrafterTrainer(tx, loss_cfg, seed=job.run.seed)
+    state = trainer.init_state(init_drafter(target, job.run.seed))
     ckpt = Checkpointer(workdir / TRAIN_STATE_DIR, max_to_keep=1)
     start = ckpt.latest_step() or 0
     if start:
@@ -364,7 +365,7 @@ def run_warmup(job: WarmupConfig, workdir: str | os.PathLike) -> str:
         "this_run_seconds": time.perf_counter() - t_run,
         "drafter_checkpoint": {
             "dir": str(wd / DRAFTER_DIR),
-            "step": int(job.train.steps),
+            "step": job.train.steps,
             "blocking_ms": info.blocking_ms,
         },
         "draft_vocab": str(vocab_path) if vocab_path else None,
@@ -381,10 +382,10 @@ def _already_complete(job: WarmupConfig, result_path: pathlib.Path) -> bool:
     finished = json.loads(result_path.read_text()) if result_path.exists() else {}
     if finished.get("complete"):
         trained = int(finished.get("drafter_checkpoint", {}).get("step", 0))
-        if trained >= int(job.train.steps):
+        if trained >= job.train.steps:
             _log(f"already complete: {result_path}")
             return True
-        _log(f"extending the finished warm-up from {trained} to {int(job.train.steps)} training steps")
+        _log(f"extending the finished warm-up from {trained} to {job.train.steps} training steps")
     return False
 
 
@@ -406,7 +407,7 @@ def _draft_vocab(
     """The drafter head's reduced vocabulary (tlt_jax.drafter.draft_vocab) when `draft_vocab_size` > 0: the
     target's most frequent generated tokens; used by the training CE (train.ce_draft_vocab), the sampled
     evaluation and rollouts. Returns (its file, its token ids), or (None, None)."""
-    vocab_size = int(job.run.draft_vocab_size)
+    vocab_size = job.run.draft_vocab_size
     vocab_path, draft_vocab = None, None
     if vocab_size > 0:
         vocab_path = build_from_warmup(
@@ -422,10 +423,10 @@ def _evaluator(
 ) -> tuple[AcceptanceEvaluator, nnx.State]:
     """The acceptance evaluator of `config.drafter_eval` and the untrained drafter's params. Its sampled
     acceptance uses the data's sampling settings (what rejection-sampled chains in rollouts get)."""
-    drafter0 = init_drafter(target, int(job.run.seed))
+    drafter0 = init_drafter(target, job.run.seed)
     graphdef, params0 = nnx.split(drafter0, nnx.Param)
     ec = job.drafter_eval
-    eval_sp = SamplingParams(temperature=float(ec.temperature), top_p=float(job.generation.top_p))
+    eval_sp = SamplingParams(temperature=float(ec.temperature), top_p=job.generation.top_p)
     evaluator = AcceptanceEvaluator(
         graphdef, int(ec.depth), int(ec.seq_len), int(ec.rows), sampling=eval_sp, draft_vocab=draft_vocab
     )
@@ -446,7 +447,7 @@ def _eval_before(
     skipped, None, with `eval.before=False`)."""
     before_path = wd / EVAL_BEFORE_FILE
     before: AcceptanceResult | None = None
-    if not bool(job.drafter_eval.before):
+    if not job.drafter_eval.before:
         _log("before training: skipped (config.drafter_eval.before=False; an untrained drafter accepts ~0)")
     elif before_path.exists():
         before = AcceptanceResult(**json.loads(before_path.read_text()))
@@ -476,11 +477,11 @@ def _eval_after_and_save(
     t0 = time.perf_counter()
     after = _evaluate(evaluator, state.params, eval_samples, target)
     times.add("eval_after", time.perf_counter() - t0)
-    tracker.log(int(job.train.steps), after.metrics("eval/"))
-    _log(f"after {int(job.train.steps)} steps: {_fmt_eval(after)}")
+    tracker.log(job.train.steps, after.metrics("eval/"))
+    _log(f"after {job.train.steps} steps: {_fmt_eval(after)}")
     saver = DrafterCheckpointer(wd / DRAFTER_DIR, max_to_keep=1)
     info = saver.save(
-        int(job.train.steps),
+        job.train.steps,
         drafter_params_dict(state.params),
         meta={
             "target": dataclasses.asdict(target.cfg),

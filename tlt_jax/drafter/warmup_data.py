@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
@@ -35,11 +34,6 @@ from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.utils.tracking import RolloutProgress
-
-
-def _plain(config: mlc.ConfigDict | Mapping[str, object]) -> dict[str, Any]:
-    """ConfigDict / Mapping -> plain nested dict (JSON-able)."""
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
 
 
 def _log(msg: str) -> None:
@@ -75,10 +69,10 @@ def warmup_engine(job: WarmupConfig, target: Transformer, tokenizer: TextCodec) 
     return RolloutEngine(
         target,
         EngineConfig(
-            max_new_tokens=int(gen.max_new_tokens),
-            max_cache_len=int(gen.max_cache_len),
-            chunk_steps=int(gen.chunk_steps),
-            record_hidden=bool(gen.record_hidden),
+            max_new_tokens=gen.max_new_tokens,
+            max_cache_len=gen.max_cache_len,
+            chunk_steps=gen.chunk_steps,
+            record_hidden=gen.record_hidden,
         ),
         eos_ids=list(tokenizer.eos_token_ids),
         tokenizer=tokenizer,
@@ -235,9 +229,9 @@ def build_split(
     """Generate (or load cached) samples of one split: `num_prompts` task prompts from stream position
     `start`, `n` responses each, in engine batches of `generation.batch_prompts` prompts."""
     gen = job.generation
-    bp = int(gen.batch_prompts)
+    bp = gen.batch_prompts
     sampling = SamplingParams(temperature=float(temperature), top_p=float(gen.top_p) if temperature else 1.0)
-    key = jax.random.fold_in(jax.random.key(int(job.run.seed)), 0 if split == "train" else 1)
+    key = jax.random.fold_in(jax.random.key(job.run.seed), 0 if split == "train" else 1)
     samples: list[DrafterSample] = []
     totals = {"generate_s": 0.0, "forward_s": 0.0, "response_tokens": 0.0, "sequences": 0.0, "hit_cap": 0.0}
     num_chunks = -(-num_prompts // bp)
@@ -284,8 +278,8 @@ def _chunk_ident(job: WarmupConfig, start: int, count: int, n: int, temperature:
         "count": count,
         "n": n,
         "temperature": float(temperature),
-        "max_new_tokens": int(job.generation.max_new_tokens),
-        "seed": int(job.run.seed),
+        "max_new_tokens": job.generation.max_new_tokens,
+        "seed": job.run.seed,
     }
 
 
@@ -329,11 +323,11 @@ def _chunk_samples(
     groups = [list(roll.prompt_tokens[i * n]) for i in range(count)]
     resp = [[roll.response(i * n + k) for k in range(n)] for i in range(count)]
     t0 = time.perf_counter()
-    seq_len = int(job.forward.seq_len)
+    seq_len = job.forward.seq_len
     if roll.hidden is not None:  # recorded while generating: every position but the newest token
         hidden = [[roll.features(g * n + k)[:seq_len] for k in range(n)] for g in range(count)]
     else:
-        hidden = target_hidden_states(hidden_fn, groups, resp, int(job.forward.rows), seq_len)
+        hidden = target_hidden_states(hidden_fn, groups, resp, job.forward.rows, seq_len)
     t_fwd = time.perf_counter() - t0
     chunk = []
     for g in range(count):
@@ -370,7 +364,7 @@ def build_data(
         data_dir=data_dir,
         times=times,
     )
-    n_train, n_eval = int(gen.num_prompts), int(job.drafter_eval.num_prompts)
+    n_train, n_eval = gen.num_prompts, job.drafter_eval.num_prompts
     if n_train + n_eval > len(task):
         raise ValueError(
             f"{n_train} training + {n_eval} held-out prompts exceed the task's {len(task)} problems: raise "
@@ -379,14 +373,14 @@ def build_data(
     # training data first: the held-out batch (often smaller) then reuses the engine programs compiled for
     # the smaller batch buckets that compaction visits
     train_samples, train_data = build_split(
-        "train", start=0, num_prompts=n_train, n=int(gen.n), temperature=float(gen.temperature), **common
+        "train", start=0, num_prompts=n_train, n=gen.n, temperature=float(gen.temperature), **common
     )
     eval_samples, eval_data = build_split(
         "eval",
         start=len(task) - n_eval,
         num_prompts=n_eval,
-        n=int(job.drafter_eval.n),
-        temperature=float(job.drafter_eval.temperature),
+        n=job.drafter_eval.n,
+        temperature=job.drafter_eval.temperature,
         **common,
     )
     del engine

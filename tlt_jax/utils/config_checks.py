@@ -238,13 +238,13 @@ def section_defaults(cls: type, drop: Sequence[str] = ()) -> mlc.ConfigDict:
     return out
 
 
-def build_section(cls: type, section: mlc.ConfigDict | Mapping[str, object], name: str, **fixed: Any) -> Any:
-    """`cls(**section, **fixed)`; a wrong value is a ValueError naming `config.<name>` (keys the class lacks
+def build_section(cls: type, section: mlc.ConfigDict | Mapping[str, object], name: str) -> Any:
+    """`cls(**section)`; a wrong value is a ValueError naming `config.<name>` (keys the class lacks
     are left out: `unknown_key_problems` names them with the nearest valid ones)."""
     known = {f.name for f in dataclasses.fields(cls)}
-    fields = {k: v for k, v in _plain(section).items() if k in known and k not in fixed}
+    fields = {k: v for k, v in _plain(section).items() if k in known}
     try:
-        return cls(**fields, **fixed)
+        return cls(**fields)
     except SectionError:
         raise
     except (TypeError, ValueError) as e:
