@@ -20,7 +20,6 @@ import dataclasses
 import importlib.util
 import os
 import pathlib
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -270,10 +269,3 @@ def engine_for(
         drafter=drafter,
         draft_vocab=draft_vocab,
     )
-
-
-def to_dict(config: mlc.ConfigDict | Mapping[str, object]) -> dict[str, Any]:
-    """Plain nested dict of a ConfigDict (or Mapping), for config.json and wandb."""
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    return {k: to_dict(v) if isinstance(v, Mapping) else v for k, v in dict(config).items()}

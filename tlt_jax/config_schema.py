@@ -55,6 +55,7 @@ from tlt_jax.utils.config_checks import (
     section_defaults,
     unknown_key_problems,
 )
+from tlt_jax.utils.plain import plain_dict
 
 SPEC_FROM_DRAFTER = ("enabled", "drafter")  # SpecConfig fields that config.drafter.kind decides
 OPEN_SECTIONS = ("model.random", "task")  # sections whose keys are not fixed
@@ -193,7 +194,7 @@ def collect(
             if name == "run":
                 built[name] = build_section(run_cls, top, "")
             elif name == "task":
-                built[name] = dict(config.get("task", {}))
+                built[name] = plain_dict(config.get("task", {}))  # open: any nesting, plain data
             else:
                 built[name] = section(config, name)
         except SectionError as e:

@@ -20,6 +20,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from tlt_jax.utils.config_checks import ALLOW_CHANGE_FLAG, check_workdir_config, override_hints
+from tlt_jax.utils.plain import plain_dict
 
 if TYPE_CHECKING:  # the job modules import jax: main imports them after setting it up
     from tlt_jax.config_schema import GrpoConfig, WarmupConfig
@@ -35,13 +36,12 @@ _ALLOW_CHANGE = flags.DEFINE_bool(
 
 def write_config(config: mlc.ConfigDict, workdir: str) -> str:
     """Write the resolved config (after command-line overrides) to `workdir/config.json` atomically."""
-    from tlt_jax import config_lib
     from tlt_jax.utils.tracking import CONFIG_FILE
 
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, CONFIG_FILE)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(config_lib.to_dict(config), f, indent=2, sort_keys=True, default=str)
+        json.dump(plain_dict(config), f, indent=2, sort_keys=True, default=str)
     os.replace(path + ".tmp", path)
     return path
 

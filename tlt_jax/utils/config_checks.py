@@ -18,6 +18,7 @@ from typing import Any
 import ml_collections as mlc
 from ml_collections import config_dict
 
+from tlt_jax.utils.plain import plain_dict
 from tlt_jax.utils.tracking import CONFIG_FILE
 
 # `python -m tlt_jax.main --allow_config_change`: resume a workdir whose saved config differs
@@ -40,13 +41,6 @@ RESUMABLE_KEYS = (
 )
 # (key, predicate on its value, the allowed range in words) for `range_problems`
 Range = tuple[str, Callable[[Any], bool], str]
-
-
-def _plain(config: mlc.ConfigDict | Mapping[str, object]) -> dict[str, Any]:
-    """A ConfigDict / Mapping as a plain nested dict."""
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    return {k: _plain(v) if isinstance(v, Mapping) else v for k, v in dict(config).items()}
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -101,7 +95,7 @@ def unknown_key_problems(
 ) -> list[str]:
     """One problem per key of `config` that `reference` lacks (a mistyped section once, not its keys), with
     the nearest valid keys; the sections named in `free` ("model.random") take any keys."""
-    return [_unknown_message(*u) for u in _unknown(_plain(config), _plain(reference), "", free)]
+    return [_unknown_message(*u) for u in _unknown(plain_dict(config), plain_dict(reference), "", free)]
 
 
 def override_hints(
@@ -112,7 +106,7 @@ def override_hints(
     hints = []
     for arg in overrides:
         parts = arg.removeprefix("--").split("=", 1)[0].split(".")[1:]
-        node: Any = _plain(config) if config is not None else None
+        node: Any = plain_dict(config) if config is not None else None
         for i, part in enumerate(parts):
             if not isinstance(node, Mapping):
                 break
@@ -145,7 +139,7 @@ def config_changes(
 ) -> list[tuple[str, Any, Any]]:
     """(dotted key, saved value, current value) for each key both configs have whose values differ, except
     the `resumable` ones. A key only one of them has (added or removed by a code change) is not compared."""
-    now = _flatten(json.loads(json.dumps(_plain(current), sort_keys=True, default=str)))
+    now = _flatten(json.loads(json.dumps(plain_dict(current), sort_keys=True, default=str)))
     before = _flatten(saved)
     return [
         (k, before[k], now[k])
@@ -212,8 +206,8 @@ class Section:
             value = getattr(self, f.name)
             if isinstance(value, list):  # ConfigDict sequences: the sections hash
                 object.__setattr__(self, f.name, tuple(value))
-            elif isinstance(value, mlc.ConfigDict):
-                object.__setattr__(self, f.name, value.to_dict())
+            elif isinstance(value, (mlc.ConfigDict, Mapping)):  # nested sub-sections: plain dicts
+                object.__setattr__(self, f.name, plain_dict(value))
         problems = self.problems()
         if problems:
             raise SectionError(problems)
@@ -242,7 +236,7 @@ def build_section(cls: type, section: mlc.ConfigDict | Mapping[str, object], nam
     """`cls(**section)`; a wrong value is a ValueError naming `config.<name>` (keys the class lacks
     are left out: `unknown_key_problems` names them with the nearest valid ones)."""
     known = {f.name for f in dataclasses.fields(cls)}
-    fields = {k: v for k, v in _plain(section).items() if k in known}
+    fields = {k: v for k, v in plain_dict(section).items() if k in known}
     try:
         return cls(**fields)
     except SectionError:

@@ -19,6 +19,8 @@ from typing import IO, Any, Protocol, runtime_checkable
 import ml_collections as mlc
 from absl import logging
 
+from tlt_jax.utils.plain import plain_dict
+
 Metrics = Mapping[str, float | int]
 WANDB_MODES = ("online", "offline", "disabled", "shared")
 METRICS_FILE = "metrics.jsonl"
@@ -35,13 +37,6 @@ class Tracker(Protocol):
     def log_config(self, config: mlc.ConfigDict | Mapping[str, object]) -> None: ...
 
     def close(self) -> None: ...
-
-
-def _plain_config(config: mlc.ConfigDict | Mapping[str, object]) -> dict[str, Any]:
-    """ml_collections ConfigDict / FrozenConfigDict / Mapping -> plain nested dict."""
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    return {k: _plain_config(v) if isinstance(v, Mapping) else v for k, v in dict(config).items()}
 
 
 def _scalar(name: str, value: Any) -> float | int | bool | str:
@@ -82,7 +77,7 @@ class JsonlTracker:
         """Write the config to `workdir/config.json` (overwritten: the config of the latest (re)start)."""
         tmp = os.path.join(self.workdir, CONFIG_FILE + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(_plain_config(config), f, indent=2, sort_keys=True, default=str)
+            json.dump(plain_dict(config), f, indent=2, sort_keys=True, default=str)
         os.replace(tmp, os.path.join(self.workdir, CONFIG_FILE))
 
     def truncate_from(self, step: int) -> int:
@@ -186,7 +181,7 @@ class WandbTracker:
             resume="allow",
             dir=workdir,  # wandb writes into `<dir>/wandb/`
             mode=self.mode,
-            config=_plain_config(config) if config is not None else None,
+            config=plain_dict(config) if config is not None else None,
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True, disable_git=True),
         )
 
@@ -198,7 +193,7 @@ class WandbTracker:
     def log_config(self, config: mlc.ConfigDict | Mapping[str, object]) -> None:
         """Merge `config` into the run's config."""
         if self.run is not None:
-            self.run.config.update(_plain_config(config), allow_val_change=True)
+            self.run.config.update(plain_dict(config), allow_val_change=True)
 
     def close(self) -> None:
         """Finish the run (idempotent)."""

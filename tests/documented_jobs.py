@@ -1,0 +1,120 @@
+"""The jobs README.md and the Makefile run, each at smoke size: its own config file, argument and sections
+(task, drafter, spec, spot, bandit, loss, mesh), with only the model, the sizes and the step counts shrunk.
+
+`shrink(config)` is the one place that says what "smoke size" changes; everything it leaves alone is what
+the documented command runs. `JOBS` lists the commands (`tests/test_documented_jobs.py` runs them through
+`tlt_jax.main.run`, the function the command line calls after parsing its flags).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import ml_collections as mlc
+
+from tlt_jax import config_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A documented command: `python -m tlt_jax.main --config <config> <overrides> --workdir W`."""
+
+    name: str
+    config: str  # "configs/x.py:arg"
+    overrides: tuple[tuple[str, object], ...] = ()  # dotted key -> value, as --config.<key>=<value>
+    warmed_drafter: bool = False  # drafter.path points at the smoke warm-up's workdir
+
+    def load(self) -> mlc.ConfigDict:
+        path, _, arg = self.config.partition(":")
+        c = config_lib.load_config_file(ROOT / path, arg or None)
+        for key, value in self.overrides:
+            *parents, leaf = key.split(".")
+            node = c
+            for p in parents:
+                node = node[p]
+            node[leaf] = value
+        return c
+
+
+# The warm-up first: the GRPO jobs with drafter=auto/eagle read its workdir, as `make warmup` then `make run`.
+WARMUP = Job("make warmup", "configs/drafter_warmup.py:tlt")
+JOBS = (
+    Job("make run", "configs/tlt.py", warmed_drafter=True),
+    Job("tlt drafter=none (plain baseline)", "configs/tlt.py:drafter=none"),
+    Job("tlt eagle arm", "configs/tlt.py:drafter=eagle,spot=off,bandit=off", warmed_drafter=True),
+    Job("tlt ngram, quick (e2e arm)", "configs/tlt.py:drafter=ngram,quick"),
+    Job("tlt idle-device spot", "configs/tlt.py:spot=idle_devices", (("mesh.data", 2),)),
+    Job("default", "configs/default.py"),
+    Job("smoke", "configs/smoke.py"),
+    Job("qwen2.5-0.5b runlocal", "configs/qwen2_5_0_5b.py:runlocal"),
+    Job("qwen2.5-7b runlocal", "configs/qwen2_5_7b.py:runlocal"),
+    Job("qwen2.5-32b runlocal", "configs/qwen2_5_32b.py:runlocal"),
+    Job("qwen2.5-7b tpu runlocal", "configs/qwen2_5_7b_tpu.py:runlocal"),
+)
+
+
+def _architecture(c: mlc.ConfigDict) -> str:
+    random = c.model.get("random") or {}
+    return str(random.get("architecture", "llama"))
+
+
+def shrink(c: mlc.ConfigDict, warmup_dir: pathlib.Path | None = None) -> mlc.ConfigDict:
+    """Smoke size for either job: a tiny random model of the config's architecture (byte tokenizer), one
+    step (or a few drafter steps), 2 prompts x 2 samples, 8 new tokens; what the job does is unchanged."""
+    c.model.path = None
+    c.model.arch = None
+    c.model.init = "auto"
+    c.model.dtype = "float32"
+    c.model.random = config_lib.tiny_random_model(_architecture(c))
+    c.compilation_cache_dir = str(ROOT / ".cache" / "jax_test_cache")
+    if c.job == "drafter_warmup":
+        return _shrink_warmup(c)
+    c.num_steps = 1
+    c.checkpoint_every = 1
+    c.wandb.mode = "disabled"
+    c.rollout.max_new_tokens = 8
+    c.rollout.max_cache_len = 1024  # byte-tokenized chat prompts are a few hundred tokens
+    c.rollout.min_cache_bucket = 64
+    c.rollout.chunk_steps = 4
+    c.rl.prompts_per_step = 2
+    c.rl.samples_per_prompt = 2
+    c.rl.mini_batches = 1
+    c.eval.prompts = min(c.eval.prompts, 2)
+    c.eval.samples = 1
+    c.eval.every = min(c.eval.every, 1)
+    c.trainer.micro_batch_size = 2
+    c.trainer.seq_bucket = 16
+    c.trainer.logits_chunk = 0
+    c.trainer.train_layers = min(c.trainer.train_layers, 1)
+    c.spot.max_steps_per_rollout = min(c.spot.max_steps_per_rollout, 2)
+    c.spot.after_rollout_steps = min(c.spot.after_rollout_steps, 2)
+    c.spot.window, c.spot.context, c.spot.ce_tokens = 64, 32, 32
+    if warmup_dir is not None:
+        c.drafter.path = str(warmup_dir)
+    return c
+
+
+def _shrink_warmup(c: mlc.ConfigDict) -> mlc.ConfigDict:
+    c.generation.num_prompts = 4
+    c.generation.n = 2
+    c.generation.batch_prompts = 2
+    c.generation.max_new_tokens = 8
+    c.generation.max_cache_len = 1024
+    c.generation.chunk_steps = 4
+    c.forward.rows = 2
+    c.forward.seq_len = 512
+    c.train.steps = 2
+    c.train.warmup = 1
+    c.train.rows = 2
+    c.train.seq_len = 512
+    c.train.log_every = 1
+    c.train.ce_tokens = 64
+    c.train.checkpoint_every = 2
+    c.drafter_eval.num_prompts = 2
+    c.drafter_eval.n = 1
+    c.drafter_eval.rows = 2
+    c.drafter_eval.seq_len = 512
+    return c
