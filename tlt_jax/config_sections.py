@@ -20,6 +20,7 @@ from tlt_jax.utils.config_checks import STR, Section
 
 JOBS = ("grpo", "drafter_warmup")
 DRAFTER_KINDS = ("none", "ngram", "eagle", "auto")
+LR_SCHEDULES = ("constant", "cosine", "linear")  # after the warm-up (tlt_jax.rl.schedules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,9 +213,9 @@ class EvalConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class RLSection(Section):
-    """`config.rl`: the GRPO algorithm (group size, advantages, loss aggregation, clipping, KL) and the
-    optimizer (AdamW, warm-up, clipping). The names of advantages and aggregations are checked by the GRPO
-    job (`rl.config`, which owns them)."""
+    """`config.rl`: the GRPO algorithm (group size, advantages, loss aggregation, clipping, KL, overlong
+    shaping) and the optimizer (AdamW, warm-up and schedule, clipping). The names of advantages and
+    aggregations are checked by the GRPO job (`rl.config`, which owns them)."""
 
     RANGES: ClassVar[tuple[tuple[str, float, str], ...]] = (  # key, lower bound, the range in words
         ("prompts_per_step", 1, ">= 1"),
@@ -223,6 +224,9 @@ class RLSection(Section):
         ("grad_clip", 0, ">= 0 (0 disables clipping)"),
         ("kl_coef", 0, ">= 0 (0 disables the KL term)"),
         ("adv_eps", 0, ">= 0"),
+        ("decay_steps", 0, ">= 0 (0 = the run's optimizer updates)"),
+        ("overlong_buffer", 0, ">= 0 (0 = no overlong shaping)"),
+        ("overlong_penalty", 0, ">= 0"),
     )
 
     prompts_per_step: int = 8
@@ -241,6 +245,15 @@ class RLSection(Section):
     b1: float = 0.9
     b2: float = 0.999
     grad_clip: float = 1.0  # global-norm clip; 0 disables
+    # after the warm-up: constant | cosine | linear decay to lr * min_lr_ratio at update decay_steps
+    # (0: the run's updates, num_steps * mini_batches); see tlt_jax.rl.schedules
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    decay_steps: int = 0
+    # DAPO's soft overlong punishment over the last `overlong_buffer` tokens before rollout.max_new_tokens,
+    # down to -overlong_penalty at the cap (tlt_jax.rl.reward.OverlongShaping); 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def problems(self) -> list[str]:
         out = [
@@ -248,6 +261,10 @@ class RLSection(Section):
             for key, low, need in self.RANGES
             if getattr(self, key) < low
         ]
+        if self.lr_schedule not in LR_SCHEDULES:
+            out.append(f"config.rl.lr_schedule={self.lr_schedule!r}: use one of {LR_SCHEDULES}.")
+        if not 0 <= self.min_lr_ratio <= 1:
+            out.append(f"config.rl.min_lr_ratio={self.min_lr_ratio!r}: must be in [0, 1].")
         if self.lr <= 0:
             out.append(f"config.rl.lr={self.lr!r}: must be > 0 (the paper uses 1e-6).")
         out += [

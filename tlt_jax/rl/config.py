@@ -19,6 +19,8 @@ from tlt_jax.config_schema import GrpoConfig
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
+from tlt_jax.rl.reward import overlong_problems
+from tlt_jax.rl.schedules import decay_updates, schedule_problems
 from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions
 from tlt_jax.tasks.datasets import check_task_config, make_task
 
@@ -61,6 +63,10 @@ def rl_problems(config: mlc.ConfigDict) -> list[str]:
             f"samples_per_prompt={n} (micro-batches hold whole groups) that divides the mini-batch of {mini} "
             f"rows (prompts_per_step * samples_per_prompt / mini_batches); valid: {options}."
         )
+    out += overlong_problems(rl.overlong_buffer, ro.max_new_tokens)
+    out += schedule_problems(
+        rl.lr_schedule, rl.warmup_steps, rl.decay_steps, config.num_steps * rl.mini_batches
+    )
     if config.spot.mode == "idle_devices" and config.mesh.data == 1:
         out.append(
             "config.spot.mode=idle_devices needs a data axis of >= 2 devices (config.mesh.data; on "
@@ -111,6 +117,9 @@ def optim_config(job: GrpoConfig) -> OptimConfig:
         b1=rl.b1,
         b2=rl.b2,
         grad_clip=rl.grad_clip,
+        schedule=rl.lr_schedule,
+        decay_steps=decay_updates(rl.decay_steps, job.run.num_steps, rl.mini_batches),
+        min_lr_ratio=rl.min_lr_ratio,
     )
 
 

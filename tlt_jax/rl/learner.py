@@ -196,7 +196,7 @@ class Learner:
             with clock.phase("spot_after_rollout", part="spot"), compile_stats.scope("drafter"):
                 self.spot.after_rollout()
         with clock.phase("reward"):
-            scores = score_rollout(self.task, self.tokenizer, problems, rollout, plan.rows)
+            scores = score_rollout(self.task, self.tokenizer, problems, rollout, plan.rows, plan.overlong)
             adv = step_advantages(scores.rewards, plan)
             batch = train_batch(rollout, adv, plan)
         with compile_stats.scope("update"), clock.phase("logprob"):

@@ -19,7 +19,7 @@ import numpy as np
 from tlt_jax.rl.advantages import Advantages
 from tlt_jax.rl.plan import StepPlan
 from tlt_jax.rl.reward import Scores
-from tlt_jax.rl.trainer import lr_schedule
+from tlt_jax.rl.schedules import lr_schedule
 from tlt_jax.rl.update import UpdateResult
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import ChunkView, RolloutHooks, RolloutInfo
@@ -187,6 +187,7 @@ def learning_metrics(
         {
             "reward/mean": float(scores.rewards.mean()),
             "reward/std": float(scores.rewards.std()),
+            **scores.overlong_metrics(),
             "accuracy": scores.accuracy,
             "format": scores.format_rate,
             **length_metrics(rollout.lengths),

@@ -10,6 +10,7 @@ import dataclasses
 
 from tlt_jax.config_schema import GrpoConfig
 from tlt_jax.rl.config import optim_config
+from tlt_jax.rl.reward import OverlongShaping
 from tlt_jax.rl.trainer import OptimConfig
 
 
@@ -28,6 +29,7 @@ class StepPlan:
     seq_bucket: int = 16  # trainer columns are rounded up to multiples of this
     max_response: int | None = None  # the rollout's max_new_tokens (the widest response column count)
     optim: OptimConfig = OptimConfig()  # the policy optimizer's settings (its schedule: the optim/lr metric)
+    overlong: OverlongShaping = OverlongShaping()  # DAPO's overlong reward shaping (off by default)
 
     @property
     def rows(self) -> int:
@@ -53,4 +55,5 @@ class StepPlan:
             seq_bucket=job.trainer.seq_bucket,
             max_response=job.rollout.max_new_tokens,
             optim=optim_config(job),
+            overlong=OverlongShaping(rl.overlong_buffer, rl.overlong_penalty, job.rollout.max_new_tokens),
         )

@@ -40,6 +40,7 @@ from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer, causal_mask
 from tlt_jax.rl import grpo
 from tlt_jax.rl.batch import TrainBatch, split_micro
+from tlt_jax.rl.schedules import lr_schedule
 
 
 @flax.struct.dataclass
@@ -122,6 +123,9 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.999
     grad_clip: float = 1.0
+    schedule: str = "constant"  # after the warm-up: constant | cosine | linear (tlt_jax.rl.schedules)
+    decay_steps: int = 0  # the update at which a decay reaches lr * min_lr_ratio
+    min_lr_ratio: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,13 +138,6 @@ class TrainerOptions:
     master_dtype: str = "float32"
     fsdp: bool = False
     train_layers: int = 0
-
-
-def lr_schedule(oc: OptimConfig) -> optax.Schedule:
-    """Linear warm-up from lr / (warmup + 1) to lr over `warmup_steps` updates, then constant."""
-    if oc.warmup_steps <= 0:
-        return optax.constant_schedule(oc.lr)
-    return lambda count: oc.lr * jnp.minimum(1.0, (count + 1.0) / (oc.warmup_steps + 1.0))
 
 
 def policy_optimizer(oc: OptimConfig, trainable: Any = None) -> optax.GradientTransformation:
