@@ -73,7 +73,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 bench: setup
-	$(PY) -m experiments.bench_decode --quick
+	$(PY) -m experiments.bench.bench_decode --quick
 
 clean:
 	rm -rf $(VENV) $(CACHE) .pytest_cache tlt_jax/kernels/cpu/build

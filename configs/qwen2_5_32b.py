@@ -7,7 +7,7 @@ state are also sharded over the data axis (trainer.fsdp): 32B x 12 bytes does no
 Args: as configs/qwen2_5_7b.py (dataset, steps, runlocal).
 Random weights of the same shapes (timing and memory only; GRPO refuses them, it scores text):
 `--config.model.init=random`, built on the devices by `config_lib.build_model(config)`;
-`experiments/memory_plans.py` plans this config's per-device memory from abstract shapes.
+`experiments/models/memory_plans.py` plans this config's per-device memory from abstract shapes.
 """
 
 from tlt_jax import config_lib, config_schema

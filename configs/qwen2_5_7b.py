@@ -7,7 +7,7 @@ Args: dataset=gsm_symbolic (a reasoning-gym dataset) or dataset=jsonl (then --co
 steps=N; runlocal (the same algorithm on a tiny random Qwen2-architecture model on CPU: a pipeline check).
 Random weights of the same shapes (timing and memory only; GRPO refuses them, it scores text):
 `--config.model.init=random`, built on the devices by `config_lib.build_model(config)`;
-`experiments/memory_plans.py` plans this config's per-device memory from abstract shapes.
+`experiments/models/memory_plans.py` plans this config's per-device memory from abstract shapes.
 """
 
 from tlt_jax import config_lib, config_schema

@@ -5,9 +5,9 @@
 
 The task: easy reasoning-gym chain_sum (2-3 terms, 1-2 digits) asked with the default step-by-step system
 prompt and instruction, so most answers are short and a few ramble on: measured on 16 x 4 samples at T = 0.9
-with a 384-token cap (experiments/task_lengths.py): p50 60, p90 337 tokens, 8% at the cap, 6% correct, 20%
-with an `Answer:` line somewhere. gsm_symbolic gives a similar tail (p50 190, p90 384, 16% at the cap) but ~0
-reward for this model, so nothing to learn in 10 steps. Reward: the verifier's score of the `Answer:` value
+with a 384-token cap (experiments/paper/task_lengths.py): p50 60, p90 337 tokens, 8% at the cap, 6% correct,
+20% with an `Answer:` line somewhere. gsm_symbolic gives a similar tail (p50 190, p90 384, 16% at the cap) but
+~0 reward for this model, so nothing to learn in 10 steps. Reward: the verifier's score of the `Answer:` value
 (or the last number) plus 0.5 when the response ENDS with its `Answer:` line (R1-style format reward). What 10
 steps can teach a 135M model is the format; correctness does not move measurably in 10 x 32 samples. Measured
 at lr 1e-4 (docs/benchmarks.md, "A reward that rises"): with a 0.2 bonus for an `Answer:` line anywhere, the

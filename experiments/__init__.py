@@ -1,2 +1,4 @@
-"""The experiment scripts: benchmarks and studies of tlt_jax, each run from the repository root as
-`python -m experiments.<name>` (its `--help` says what it measures; `harness.py` holds what they share)."""
+"""The experiment scripts, by kind: `paper/` (reproductions of paper results), `bench/` (micro-benchmarks),
+`models/` (models and projections), `checks/` (properties checked on this machine) and `lib/` (what they
+share). Each runs from the repository root as `python -m experiments.<group>.<name>`; its `--help` says what
+it measures, and experiments/README.md maps the paper's tables and figures to the scripts."""

@@ -56,7 +56,7 @@ def phase_identity(suite: Suite, timeout: float) -> PhaseResult:
     x 128 tokens at T 0.9, plain vs SD with the same keys (EAGLE chain, tree, n-gram): the fraction of
     sequences identical token for token, first divergences, and a plain rerun as the control. The EAGLE
     drafter is this lease's warmed one when the drafter phase has made one, else an untrained one."""
-    script = EXP / "sd_identity.py"
+    script = EXP / "checks" / "sd_identity.py"
     missing = [f for f in IDENTITY_FLAGS if f not in script_flags(script, suite.child_env("flags", {}))]
     if missing:
         return PhaseResult("identity", "failed", error=f"{script.name} no longer takes {missing}")
@@ -101,7 +101,7 @@ def phase_verify_cost(suite: Suite, timeout: float) -> PhaseResult:
     accept, commit) beside the whole round and a plain step, at TV 4, 16 and 64, with this lease's drafter
     (else an untrained one: the phases' cost hardly depends on what it drafts). Every RESULT key is kept;
     `round_*` keys become the breakdown table. Runs only once the script has --breakdown."""
-    script = EXP / "bench_verify_cost.py"
+    script = EXP / "bench" / "bench_verify_cost.py"
     flags = script_flags(script, suite.child_env("flags", {})) if script.exists() else set()
     if "--breakdown" not in flags:
         return _skip("verify_cost", f"{script.name} has no --breakdown flag (yet): no round breakdown to run")
@@ -129,7 +129,7 @@ def phase_compile(suite: Suite, timeout: float) -> PhaseResult:
     empty cache, then rerun on that cache, each in its own process (RESULT compile_first_s, compile_rerun_s
     and the rest, all kept). The script keeps its own cache under --out; the lease's cache (other phases'
     programs) is unset for it, so its first run cannot be a cache hit."""
-    script = EXP / "compile_time.py"
+    script = EXP / "bench" / "compile_time.py"
     if not script.exists():
         return _skip("compile", f"{script.name} does not exist (yet)")
     flags = script_flags(script, suite.child_env("flags", {}))
@@ -165,7 +165,7 @@ def phase_sd(suite: Suite, timeout: float) -> PhaseResult:
     """bench_sd.py with the warmed drafter: batch x tokens_to_verify (Table 4's shape), batch 1 first (the
     headline, 2 timed pairs), one process per batch so a slow or failing cell keeps the others. Without a
     drafter, batch 1 runs with an untrained one: only its n-gram column (model-free) means anything."""
-    script = EXP / "bench_sd.py"
+    script = EXP / "bench" / "bench_sd.py"
     missing = [f for f in SD_FLAGS if f not in script_flags(script, suite.child_env("flags", {}))]
     if missing:
         return PhaseResult("sd", "failed", error=f"bench_sd.py no longer takes {missing}")
@@ -196,10 +196,10 @@ def phase_sd(suite: Suite, timeout: float) -> PhaseResult:
 
 
 def phase_e2e(suite: Suite, timeout: float) -> PhaseResult:
-    """experiments/e2e_speedup.py --quick (GRPO steps, drafter none / ngram / eagle), if the script exists:
-    2 steps per arm (step 1 compiles and is not timed), with this lease's drafter when it takes a path, into
-    a fresh folder of the state dir; its PNG is copied to --out as e2e.png."""
-    script = EXP / "e2e_speedup.py"
+    """experiments/paper/e2e_speedup.py --quick (GRPO steps, drafter none / ngram / eagle), if the script
+    exists: 2 steps per arm (step 1 compiles and is not timed), with this lease's drafter when it takes a
+    path, into a fresh folder of the state dir; its PNG is copied to --out as e2e.png."""
+    script = EXP / "paper" / "e2e_speedup.py"
     if not script.exists():
         return PhaseResult("e2e", "skipped", details={"note": f"{script.name} does not exist (yet)"})
     flags = script_flags(script, suite.child_env("flags", {}))

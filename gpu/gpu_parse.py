@@ -103,15 +103,17 @@ def parse_sd_rows(text: str) -> list[dict[str, Any]]:
 
 
 def script_module(path: pathlib.Path) -> str | None:
-    """`experiments.<name>` for a script of the experiments package (they run as modules), else None."""
+    """`experiments.<group>.<name>` for a script of the experiments package (they run as modules), else
+    None."""
     path = pathlib.Path(path)
-    inside = path.suffix == ".py" and path.parent.resolve() == EXPERIMENTS
-    return f"experiments.{path.stem}" if inside and path.stem not in ("__init__", "harness") else None
+    inside = path.suffix == ".py" and path.parent.parent.resolve() == EXPERIMENTS
+    script = inside and path.parent.name != "lib" and path.stem != "__init__"
+    return f"experiments.{path.parent.name}.{path.stem}" if script else None
 
 
 def script_cmd(path: pathlib.Path) -> list[str]:
     """The command that runs a script (from the repository root, as the suite runs everything): `python -m
-    experiments.<name>` for the experiments package's, else `python <path>` (a test's stand-in)."""
+    experiments.<group>.<name>` for the experiments package's, else `python <path>` (a test's stand-in)."""
     module = script_module(path)
     return [sys.executable, "-m", module] if module else [sys.executable, str(path)]
 

@@ -136,7 +136,7 @@ def phase_tree_attention(suite: Suite, timeout: float) -> PhaseResult:
         args = "--quick --models tiny --seq 64 --tokens 16 --tune-max-evals 2 --tune-shapes 1".split()
     else:  # the tuning adds decode shapes (T=1)
         args = "--tokens 8,16,32,48,64 --batches 1,8,32 --seq 1024".split()
-    cmd = [*script_cmd(EXP / "bench_tree_attention.py"), *args, "--tune"]
+    cmd = [*script_cmd(EXP / "bench" / "bench_tree_attention.py"), *args, "--tune"]
     cmd += ["--json", str(js), "--tuned-out", str(tuned), "--budget-s", f"{max(10.0, timeout - 40):.0f}"]
     proc = suite.run("tree_attention", cmd, timeout, {})
     if not js.exists():
@@ -238,7 +238,7 @@ def phase_decode(suite: Suite, timeout: float) -> PhaseResult:
             continue
         for impl in ("auto", "reference"):
             js.unlink(missing_ok=True)
-            cmd = [*script_cmd(EXP / "bench_decode.py"), *base.split()]
+            cmd = [*script_cmd(EXP / "bench" / "bench_decode.py"), *base.split()]
             cmd += ["--dtype", dt, "--attn-impl", impl, "--json", str(js)] + ([] if has_hf else ["--no-hf"])
             proc = suite.run(f"decode_{dt}", cmd, max(30.0, suite.phase_left() - reserve), {})
             if proc.rc == 0 or proc.timed_out or suite.phase_left() < 60:

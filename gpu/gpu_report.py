@@ -17,7 +17,7 @@ import re
 import time
 from typing import Any
 
-from experiments.harness import pyplot
+from experiments.lib.harness import pyplot
 from gpu.gpu_phases import PHASE_FUNCS
 
 MAX_FILES = 8

@@ -5,17 +5,18 @@ budget, and leaves JSON + PNG results under --out ($OUT on the device machine) a
 Phases (docs/gpu.md says what each measures and the targets they are judged by):
   env             versions, device, memory bandwidth (device copy) and bf16 matmul rate, Pallas backends
   kernel_tests    tests/kernels/test_tree_attention.py with the kernel compiled by Triton (not interpreted)
-  tree_attention  experiments/bench_tree_attention.py --tune: block sizes (split-K included) tuned, kernel vs
-                  jnp reference
+  tree_attention  experiments/bench/bench_tree_attention.py --tune: block sizes (split-K included) tuned,
+                  kernel vs jnp reference
   rollout_tests   the engine's speculative == plain / cache tests (tests/rollout) on the GPU
   model           the SmolLM2 GGUF reassembled from the stashed bundle parts (sha256 checked)
-  decode          experiments/bench_decode.py, bfloat16 then float32, vs HF's dynamic-cache and fast paths
-  identity        experiments/sd_identity.py: SD rollouts identical to plain ones (bfloat16, float32)
-  compile         experiments/compile_time.py --quick: compile time, first run vs rerun (if it exists)
-  verify_cost     experiments/bench_verify_cost.py --quick --breakdown: a verify round's phases (if supported)
+  decode          experiments/bench/bench_decode.py, bfloat16 then float32, vs HF's dynamic-cache, fast paths
+  identity        experiments/checks/sd_identity.py: SD rollouts identical to plain ones (bfloat16, float32)
+  compile         experiments/bench/compile_time.py --quick: compile time, first run vs rerun (if it exists)
+  verify_cost     experiments/bench/bench_verify_cost.py --quick --breakdown: a verify round's phases (if
+                  supported)
   drafter         the drafter warm-up (configs/drafter_warmup.py:gpu), cut at a checkpoint if out of time
-  sd              experiments/bench_sd.py with that drafter: batch x tokens_to_verify (Table 4's shape)
-  e2e             experiments/e2e_speedup.py --quick, when the script exists
+  sd              experiments/bench/bench_sd.py with that drafter: batch x tokens_to_verify (Table 4's shape)
+  e2e             experiments/paper/e2e_speedup.py --quick, when the script exists
 
 The 98 MB model cannot travel in one call (64 MiB), so the work is split into calls; each of the first two
 carries one part of `make gpu-bundle`'s .gpu_bundle, which the suite copies into its state folder on arrival

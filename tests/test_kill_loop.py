@@ -1,7 +1,7 @@
-"""A kill anywhere, then the same run (experiments/kill_loop.py, short version): the smoke RL job with SD, the
-spot trainer and a fixed selector, SIGKILLed in a rollout, during a checkpoint's background write and in a
-checkpoint's blocking part, relaunched each time, ends bit-identical to an uninterrupted run, with each step
-logged once and nothing half-written left. The comparison itself is shown to catch a changed leaf, a
+"""A kill anywhere, then the same run (experiments/checks/kill_loop.py, short version): the smoke RL job with
+SD, the spot trainer and a fixed selector, SIGKILLed in a rollout, during a checkpoint's background write and
+in a checkpoint's blocking part, relaunched each time, ends bit-identical to an uninterrupted run, with each
+step logged once and nothing half-written left. The comparison itself is shown to catch a changed leaf, a
 duplicated metrics line and leftovers.
 
 The jobs share the tests' persistent compilation cache (.cache/jax_test_cache, as tests/test_main.py's).
@@ -17,9 +17,8 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.kill_loop import QUICK_PLAN
-from experiments.kill_runs import compare_runs, job_env, kill_loop, launch, leftovers
 from tlt_jax.utils.checkpoint import TRASH, Checkpointer
+from tlt_jax.utils.kill_runs import QUICK_PLAN, compare_runs, job_env, kill_loop, launch, leftovers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 3

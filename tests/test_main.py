@@ -19,8 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from experiments.kill_runs import job_env, leftovers
 from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.kill_runs import job_env, leftovers
 from tlt_jax.utils.tracking import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -19,9 +19,9 @@ import time
 import numpy as np
 import pytest
 
-from experiments.kill_runs import TINY_SPOT
 from tlt_jax.utils import distributed as dist
 from tlt_jax.utils.checkpoint import Checkpointer
+from tlt_jax.utils.kill_runs import TINY_SPOT
 from tlt_jax.utils.tracking import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

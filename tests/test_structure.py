@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -22,7 +23,7 @@ LAYERS = [
     {"config_schema"},
     {"config_lib"},
     {"rl"},
-    {"main", "generate", "export_drafter"},
+    {"main", "generate", "export_drafter", "export_policy", "memory_plan"},
 ]
 
 
@@ -208,3 +209,37 @@ def test_each_public_name_is_defined_once() -> None:
             where.setdefault(n, []).append(name)
     twice = {n: sorted(m) for n, m in where.items() if len(m) > 1}
     assert not twice, f"public names defined in several modules: {twice}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tests (issue #39): the core suite tests the package; the experiment scripts' and the GPU suite's own tests
+# live under tests/experiments/
+# ----------------------------------------------------------------------------------------------------------
+
+TESTS = PKG.parent / "tests"
+SCRIPT_PACKAGES = ("experiments", "gpu")
+
+
+def script_imports(path: pathlib.Path) -> set[str]:
+    """The modules of the script packages (experiments/, gpu/) a file imports, or runs as `-m <module>`."""
+    text = path.read_text()
+    out = {m for m in re.findall(r"[\"'](?:-m[\"'], [\"'])?((?:experiments|gpu)\.[\w.]+)[\"']", text)}
+    for node in ast.walk(ast.parse(text)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        out |= {n for n in names if n.split(".")[0] in SCRIPT_PACKAGES}
+    return out
+
+
+def test_core_tests_import_no_experiment() -> None:
+    """No test outside tests/experiments/ imports (or runs) an experiment script or the GPU suite: what the
+    core suite needs lives in the package or in tests/."""
+    bad = {
+        str(p.relative_to(TESTS.parent)): sorted(m)
+        for p in sorted(TESTS.rglob("*.py"))
+        if "experiments" not in p.relative_to(TESTS).parts[:-1] and (m := script_imports(p))
+    }
+    assert not bad, f"core tests that import experiments/ or gpu/ (move them to tests/experiments/): {bad}"

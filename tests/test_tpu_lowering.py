@@ -4,7 +4,7 @@
 sharding the TPU cannot take fails there (a CPU FFI kernel, a host callback, a Mosaic kernel GSPMD would have
 to partition). Nothing is compiled or run: the arguments are abstract (`jax.ShapeDtypeStruct`s with the
 shardings the run gives them) and the bodies are the library's own, built as
-`experiments/memory_plan_programs.py` builds them for the memory plans (its `compile_info` swapped for a TPU
+`tlt_jax/memory_plan.py` builds them for the memory plans (its `compile_info` swapped for a TPU
 lowering): the smoke config's model over a data x model = 2 x 2 mesh of fake CPU devices; the rollout's
 prefill, plain chunk and speculative chunks (EAGLE chain and tree, n-gram) from a layout engine; the policy
 update's accumulation, apply and log-prob programs (`PolicyTrainer`); the spot trainer's optimizer step
@@ -34,9 +34,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import memory_plan_programs as mpp
-from experiments.program_layouts import layout_engine
 from tlt_jax import config_lib
+from tlt_jax import memory_plan as mpp
 from tlt_jax import sharding as shd
 from tlt_jax.drafter.packing import DrafterSample
 from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer
@@ -73,7 +72,7 @@ def smoke(attn_impl: str, data: int, model: int) -> dict[str, Any]:
     cfg = ModelConfig(**{**dict(config.model.random), "dtype": config.model.dtype, "linear_impl": "xla"})
     drafter = Drafter(cfg, nnx.Rngs(1))
     ecfg = config_lib.engine_config_from(config, "none")
-    engine = layout_engine(
+    engine = mpp.layout_engine(
         "naive", Transformer(cfg, nnx.Rngs(0)), ecfg, STRATEGIES, STRATEGIES[0], drafter, mesh=mesh
     )
     am = mpp.abstract_models(cfg, mesh)

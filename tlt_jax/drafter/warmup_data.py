@@ -7,7 +7,7 @@ decode step's for the token it fed), so the features cost no second pass; with
 fixed shapes; the n responses of a prompt share one copy of it: `target_hidden_states`) computes them
 instead. Each engine batch is cached as `DIR/data/{train,eval}_NNN.npz` (tokens, features in float16,
 timings; `save_chunk` / `load_chunk`), so a rerun reuses it. Used by `warmup.py` (the job) and
-`experiments/bench_warmup_data.py`.
+`experiments/bench/bench_warmup_data.py`.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def _arch_problems(config: mlc.ConfigDict, arch: str, init: str, text_jobs: bool
         out.append(
             f"config.job={job!r} needs meaningful text ({TEXT_JOBS[job]}), but config.model.init=random "
             f"gives {arch} random weights and no tokenizer: train on real weights ({_weights_hint(arch)}); "
-            "random weights are for timing and memory (config_lib.build_model, experiments/memory_plans.py)."
+            "random weights are for timing and memory (config_lib.build_model, "
+            "experiments/models/memory_plans.py)."
         )
     return out
 

@@ -15,8 +15,8 @@ run resumed from step k's checkpoint reproduces an uninterrupted run exactly (sa
 Checkpoints (rl/checkpointing.py: policy params, optimizer state, the drafter once, the spot trainer's and
 the selector's state, rng; data position and step in the meta) go out every `config.checkpoint_every` steps,
 at the end, and when SIGTERM/SIGINT arrives (PreemptionGuard). The current phase ("<step> <phase>") is kept
-in `W/.phase` (tlt_jax/utils/phase.py) for whoever watches the process: experiments/kill_loop.py SIGKILLs
-runs at chosen phases and checks that the relaunched run ends bit-identical.
+in `W/.phase` (tlt_jax/utils/phase.py) for whoever watches the process: experiments/checks/kill_loop.py
+SIGKILLs runs at chosen phases and checks that the relaunched run ends bit-identical.
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ class Learner:
 
     # ---- one step -----------------------------------------------------------------------------------------
     def _rollout(self, problems: list[Problem], key: jax.Array) -> Rollout:
-        """The step's rollout (a method: experiments/lockstep.py wraps it to see every training rollout)."""
+        """The step's rollout (a method: experiments/lib/lockstep.py wraps it to see every training
+        rollout)."""
         return generate_rollout(
             self.engine,
             [self.encode(p) for p in problems],

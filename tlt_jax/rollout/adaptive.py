@@ -9,10 +9,10 @@ the engine compiles a chunk's program before it starts the chunk's clock, so no 
 and an arm's first visit to a shape is a reward like any other (dropping it, as before, wasted a probe per new
 program: at 9-32 rows an SD probe runs at a third to a half of plain's speed). The first execution of a fresh
 program is still slower than its reruns (median 1.08x against 1.02x between reruns, up to 1.56x for SD
-programs at 8-16 rows: `experiments/first_execution.py`), which biases an arm's first reward low; at a few
-rows, where the choice is close, by 0-18%, and a wrongly dismissed arm is re-measured once its rewards leave
-the window. Such chunks are counted (`bandit/compiled_chunks`). The selector's state lives across rollouts
-(the learner owns it and checkpoints `state_dict()`).
+programs at 8-16 rows: `experiments/checks/first_execution.py`), which biases an arm's first reward low; at a
+few rows, where the choice is close, by 0-18%, and a wrongly dismissed arm is re-measured once its rewards
+leave the window. Such chunks are counted (`bandit/compiled_chunks`). The selector's state lives across
+rollouts (the learner owns it and checkpoints `state_dict()`).
 
 `build_policy(section, engine)` registers the section's arms as engine modes ("3_1_4" = an EAGLE strategy,
 "ngram_4_1_5" = the n-gram drafter, "plain") and returns the policy. Without a selector

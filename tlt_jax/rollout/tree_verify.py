@@ -325,7 +325,8 @@ def verify_round(
     logit_nodes: int | None = None,
 ) -> tuple[DecodeState, RoundStats]:
     """Verify each row's draft tree with one target forward, accept losslessly, commit, update caches
-    (`verify_forward`, `accept_and_sample`, `commit`: the phases `experiments/verify_breakdown.py` times).
+    (`verify_forward`, `accept_and_sample`, `commit`: the phases `experiments/bench/verify_breakdown.py`
+    times).
 
     max_depth: the deepest draft depth (static; trees of several strategies sharing a program use their
     maximum: a shallower tree simply has no deeper children). acceptance / accept_rule: the rule at

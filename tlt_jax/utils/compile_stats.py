@@ -8,7 +8,7 @@ whether the persistent cache supplied the binary. `CompileLog` listens once per 
 "rollout", "drafter", ...; the rollout's `ProgramCache` opens "rollout/<program kind>"), else "other".
 `delta` of two snapshots is one step's compilation, which the learner logs as `compile/*` metrics. With
 $TLT_JAX_COMPILE_LOG set, the process writes there at exit a JSON list of its XLA compilations per (kind,
-program name): what `experiments/compile_time.py` reads to say which programs the seconds went to.
+program name): what `experiments/bench/compile_time.py` reads to say which programs the seconds went to.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class DrafterCheckpointer:
     tmp` to `<step>` finish in a background thread. Nothing is durable until then: `wait()` blocks until
     every pending save is finalised, `close()` waits and releases orbax's threads; call one of them (or use
     the checkpointer as a context manager) before relying on the step or exiting. The next `save` also
-    waits for the previous one first. `experiments/bench_checkpoint.py` measures both latencies.
+    waits for the previous one first. `experiments/paper/bench_checkpoint.py` measures both latencies.
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """The job's current phase in a one-line file, `<workdir>/.phase` ("<step> <phase>"), for whoever watches the
-process from outside: a supervisor, or `experiments/kill_loop.py`, which SIGKILLs a run at chosen phases and
-reads, after the kill, where the process was when it died.
+process from outside: a supervisor, or `experiments/checks/kill_loop.py`, which SIGKILLs a run at chosen
+phases and reads, after the kill, where the process was when it died.
 
 Always on and cheap: the file is opened once, and each phase change is one `pwrite` of a fixed-width line at
 offset 0. No temp file (a kill leaves nothing half-written) and no truncation (a reader never sees it empty).

@@ -1,0 +1,1 @@
+"""Checks of a property of the system on this machine: identity, resumption after kills, first executions."""

@@ -1,0 +1,1 @@
+"""What the experiment scripts share: the command line and RESULT line, paired (lockstep) runs and timings."""

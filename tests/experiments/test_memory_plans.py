@@ -1,0 +1,121 @@
+"""experiments/models/memory_plans.py: the per-layer extrapolation and the GPU estimate's ends (arithmetic),
+the paper's bucketed layout (which program groups each batch bucket compiles), and a smoke run of the script
+(abstract shapes of the 7B config on 8 fake devices; marked `experiments`)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from flax import nnx
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+from experiments.models import memory_plans as mp  # noqa: E402
+from experiments.paper.program_layouts import layout_programs  # noqa: E402
+from tlt_jax.memory_plan import layout_engine  # noqa: E402
+from tlt_jax.models.config import tiny_config  # noqa: E402
+from tlt_jax.models.drafter import Drafter  # noqa: E402
+from tlt_jax.models.llama import Transformer  # noqa: E402
+from tlt_jax.rollout.interface import EngineConfig  # noqa: E402
+from tlt_jax.rollout.programs import ProgramInfo  # noqa: E402
+
+
+def info(key: tuple, args: int, out: int, temp: int, alias: int = 0) -> ProgramInfo:
+    return ProgramInfo(key, 1.0, args, out, temp, 0, alias)
+
+
+def test_extrapolation_is_linear_in_layers_and_shares_a_bucket_slope() -> None:
+    """Bytes at 28 layers = bytes at 2 + 26 x the per-layer change of the program's slope program: its own,
+    or (speculative chunks) its batch bucket's representative; the drafter step has none."""
+    rep, other, drafter = ("chunk", 2, 64, 8, ("a",)), ("chunk", 2, 64, 16, ("b",)), ("drafter_step",)
+    specs = [
+        mp.Spec(rep, "rollout", rep),
+        mp.Spec(other, "rollout", rep, ("naive",), "b"),
+        mp.Spec(drafter, "drafter", ()),
+    ]
+    at2 = {
+        rep: info(rep, 100, 40, 10, 40),
+        other: info(other, 100, 40, 30, 40),
+        drafter: info(drafter, 7, 1, 5),
+    }
+    at4 = {rep: info(rep, 140, 60, 14, 60)}  # + 20 args, 10 out, 2 temp, 10 alias per layer
+    full = mp.extrapolate(specs, at2, at4, 2, 4, 28)
+    assert (full[rep].argument_bytes, full[rep].output_bytes, full[rep].temp_bytes) == (620, 300, 62)
+    assert full[rep].alias_bytes == 300 and full[rep].footprint_bytes == 62
+    assert (full[other].argument_bytes, full[other].temp_bytes) == (620, 82)  # its own base, the rep's slope
+    assert (full[drafter].argument_bytes, full[drafter].temp_bytes) == (7, 5)
+    # the fit's check: the rep at 6 layers measured 10 MiB off in temp -> relative error against it
+    mib = 2**20
+    m = {
+        2: {rep: info(rep, 100 * mib, 40 * mib, 10 * mib)},
+        4: {rep: info(rep, 140 * mib, 60 * mib, 14 * mib)},
+        6: {rep: info(rep, 180 * mib, 80 * mib, 28 * mib)},
+    }
+    assert mp.fit_error(specs[:1], m, (2, 4, 6)) == pytest.approx(10 / 28)
+
+
+def test_gpu_estimate_ends() -> None:
+    """high: the smaller temporary of the bfloat16 and float32 compiles; low: half the float32 one."""
+    key = ("update_accum", 1024)
+    ends = mp.estimate(info(key, 50, 10, 73, 8), info(key, 99, 20, 66, 16))
+    assert (ends["high"].temp_bytes, ends["low"].temp_bytes) == (66, 33)
+    assert ends["high"].argument_bytes == 50 and ends["high"].footprint_bytes == 66 + 2
+    ends = mp.estimate(info(key, 50, 10, 6), info(key, 99, 20, 40))
+    assert (ends["high"].temp_bytes, ends["low"].temp_bytes) == (6, 6)
+
+
+def test_bucketed_layout_compiles_each_buckets_paper_group() -> None:
+    """BEG-MAB's grouping (bs 1 -> TV 48, 2-4 -> 32, 5-20 -> 16, >= 21 -> 8): a bucket of b rows holds
+    b/2 < rows <= b, so the 32-row bucket compiles both the TV-16 and the TV-8 programs; naive compiles
+    every strategy in every bucket."""
+    cfg = tiny_config("qwen2")
+    model, drafter = Transformer(cfg, nnx.Rngs(0)), Drafter(cfg, nnx.Rngs(1))
+    names = mp.PAPER_STRATEGIES.split(",")
+    ecfg = EngineConfig(max_new_tokens=16, max_cache_len=64)
+    batches = [1, 2, 4, 8, 16, 32]
+    bucketed = layout_programs(
+        layout_engine("bucketed", model, ecfg, names, "4_4_16", drafter), "bucketed", batches
+    )
+    assert bucketed == [
+        (1, "8_4_48"),
+        (2, "6_4_32"),
+        (4, "6_4_32"),
+        (8, "4_4_16"),
+        (16, "4_4_16"),
+        (32, "3_4_8"),
+        (32, "4_4_16"),
+    ]
+    naive = layout_programs(layout_engine("naive", model, ecfg, names, "4_4_16", drafter), "naive", batches)
+    assert len(naive) == len(names) * len(batches)
+
+
+@pytest.mark.slow
+@pytest.mark.experiments
+def test_memory_plans_quick_smoke(tmp_path: pathlib.Path) -> None:
+    """The 7B config's plan from abstract shapes (one chain strategy, batch bucket 1, short responses): the
+    tables, the verdict, the plot and a RESULT line whose numbers hold together."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    args = ["--quick", "--configs", "7b", "--batches", "1", "--strategies", "3_1_4", "--single", "3_1_4"]
+    args += ["--response-lens", "256", "--prompt-len", "128", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.models.memory_plans", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT "), proc.stdout[-2000:]
+    res = dict(item.split("=", 1) for item in last.split()[1:])
+    assert float(res["gib_single_7b"]) == float(res["gib_naive_7b"]) > 0  # one strategy: the same program
+    low, high = (float(x) for x in res["peak_rollout_7b"].split("-"))
+    assert 0 < low <= high
+    assert res["fits_7b"] in ("0", "1", "uncertain")
+    assert "mesh {'data': 2, 'model': 4}" in proc.stdout and "resident per device" in proc.stdout
+    assert (tmp_path / "memory_plans.png").stat().st_size > 0
