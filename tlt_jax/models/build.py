@@ -144,32 +144,45 @@ def model_config_from(config: mlc.ConfigDict) -> ModelConfig:
     return presets.arch_config(arch, **overrides)
 
 
+def _checkpoint_model(
+    config: mlc.ConfigDict, arch: str, shard_fn: ShardFn | None
+) -> tuple[Transformer, Tokenizer]:
+    """The model at `config.model.path`: a HF directory is placed tensor by tensor straight into its
+    (sharded, with `shard_fn`) device arrays in the model's dtype; a GGUF file (quantised, small) is
+    dequantised to float32 on the host and converted there (the engine and the trainer place it)."""
+    from tlt_jax.models.llama import from_hf_tensors
+    from tlt_jax.models.loading import load_model, open_hf_dir
+    from tlt_jax.models.sharded_loading import place_hf_params
+
+    path, dtype = config.model.path, config.model.dtype
+    ckpt = open_hf_dir(path, dtype=dtype) if os.path.isdir(path) else load_model(path, dtype=dtype)
+    cfg = ckpt.config.replace(linear_impl=_linear_impl(config))
+    bad = presets.shape_mismatches(arch, cfg) if arch else []
+    if bad:
+        raise ValueError(
+            f"config.model.path={path!r} is not a {arch}: {'; '.join(bad)}. Fix "
+            "config.model.arch (or set it to '' to take the checkpoint's shapes)."
+        )
+    if os.path.isdir(path):
+        return place_hf_params(cfg, ckpt.source, shard_fn), ckpt.tokenizer
+    return from_hf_tensors(cfg, ckpt.tensors), ckpt.tokenizer
+
+
 def build_model_and_tokenizer(
     config: mlc.ConfigDict, shard_fn: ShardFn | None = None
 ) -> tuple[Transformer, TextCodec]:
     """The policy model and its tokenizer from `config.model` (see the module docstring).
 
-    shard_fn: the parameter layout random-weight presets are born in (`tlt_jax.config_lib.build_model`
-    passes the mesh's); checkpoints and tiny models are built on the host as before (the engine and the
-    trainer place them).
+    shard_fn: the parameter layout (`tlt_jax.config_lib.build_model` passes the mesh's) that random-weight
+    presets are born in and HF checkpoint directories are read into; GGUF files and tiny models are built
+    on the default device (the engine and the trainer place them).
     """
-    from tlt_jax.models.llama import from_hf_tensors
-    from tlt_jax.models.loading import load_model
-
     problems = model_problems(config, check_paths=True, text_jobs=False)
     if problems:
         raise ValueError("invalid config:\n  - " + "\n  - ".join(problems))
     arch, _ = _arch_init(config)
     if config.model.path:
-        loaded = load_model(config.model.path, dtype=config.model.dtype)
-        cfg = loaded.config.replace(linear_impl=_linear_impl(config))
-        bad = presets.shape_mismatches(arch, cfg) if arch else []
-        if bad:
-            raise ValueError(
-                f"config.model.path={config.model.path!r} is not a {arch}: {'; '.join(bad)}. Fix "
-                "config.model.arch (or set it to '' to take the checkpoint's shapes)."
-            )
-        return from_hf_tensors(cfg, loaded.tensors), loaded.tokenizer
+        return _checkpoint_model(config, arch, shard_fn)
     if arch:
         cfg = model_config_from(config)
         eos = [i for i in presets.EOS_TOKEN_IDS if i < cfg.vocab_size] or [cfg.vocab_size - 1]

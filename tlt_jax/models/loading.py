@@ -4,6 +4,11 @@ Every loader returns a `LoadedModel`: a `ModelConfig`, the tensors under HF Llam
 (projections are [out, in]), and the model's `Tokenizer`. Converting to the Flax model's parameter tree is the
 model code's job; keeping HF names here makes every source directly comparable with transformers' state dict.
 
+A HF directory can also be opened without reading any weight (`open_hf_dir`: config, tensor headers checked
+against it, tokenizer) and placed straight onto the devices in the model's dtype and sharding
+(`tlt_jax.models.sharded_loading.place_hf_params`): what `build.build_model_and_tokenizer` does, so a 7B
+checkpoint never passes through the host as float32. GGUF files (quantised, small) keep the float32 path.
+
 GGUF specifics: tensors are dequantized with `gguf.quants.dequantize` (Q4_1, Q8_0, K-quants, F16, BF16, ...),
 and for the llama architecture the q/k projection rows are un-permuted: llama.cpp's converter reorders them so
 that its interleaved ("GPT-J") RoPE matches HF's half-split ("NeoX") RoPE. Qwen2 GGUFs are not permuted.
@@ -14,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.gguf import GGUFFile, PathLike, missing_path_error, read_gguf
+from tlt_jax.models.safetensors_io import SafetensorsDir, TensorInfo
 from tlt_jax.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -93,7 +100,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def validate_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], source: Any = "checkpoint") -> None:
+def validate_tensors(
+    config: ModelConfig, tensors: Mapping[str, np.ndarray | TensorInfo], source: Any = "checkpoint"
+) -> None:
     """Check that `tensors` holds exactly the tensors `config` needs, each with the right shape.
 
     Raises ValueError naming the first missing tensor, unexpected tensor, or tensor whose shape differs from
@@ -275,37 +284,23 @@ def _hf_config(cfg: dict[str, Any], dtype: str, path: pathlib.Path) -> ModelConf
         raise ValueError(f"{path}: config.json lacks the required key {e.args[0]!r}.") from None
 
 
-_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+@dataclasses.dataclass
+class HfCheckpoint:
+    """A HF safetensors directory opened but not read: its config, its tensors by name (headers only: read
+    on demand, see `safetensors_io`), and its tokenizer."""
+
+    config: ModelConfig
+    source: SafetensorsDir
+    tokenizer: Tokenizer
 
 
-def _read_safetensors(file: pathlib.Path) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file as float32 (bf16 widened exactly; numpy has no bfloat16)."""
-    with open(file, "rb") as fh:
-        header_len = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(header_len))
-    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len)
-    out: dict[str, np.ndarray] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        kind = info["dtype"]
-        if kind not in _SAFETENSORS_DTYPES:
-            supported = ", ".join(_SAFETENSORS_DTYPES)
-            raise ValueError(f"{file}: tensor {name!r} has dtype {kind}; supported: {supported}.")
-        start, end = info["data_offsets"]
-        arr = np.frombuffer(data[start:end], dtype=_SAFETENSORS_DTYPES[kind]).reshape(info["shape"])
-        if kind == "BF16":
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        out[name] = np.array(arr, dtype=np.float32)  # a copy: never a view into the memmap
-    return out
+def open_hf_dir(path: PathLike, dtype: str = "float32") -> HfCheckpoint:
+    """Open a HF LlamaForCausalLM/Qwen2ForCausalLM directory (config.json, safetensors, tokenizer files),
+    reading no weights: the config, every tensor's name and shape checked against it, and the tokenizer.
 
-
-def load_hf_dir(path: PathLike, dtype: str = "float32") -> LoadedModel:
-    """Load a HF LlamaForCausalLM/Qwen2ForCausalLM directory (config.json, safetensors, tokenizer files).
-
-    Reads model.safetensors or the shards listed in model.safetensors.index.json. The tokenizer is required
-    (tokenizer.json; see `tokenizer_from_hf_dir`). `dtype` is the compute dtype recorded in the config; the
-    returned tensors are always float32. A tied checkpoint that still stores lm_head.weight has it dropped.
+    Reads the headers of model.safetensors or of the shards listed in model.safetensors.index.json. The
+    tokenizer is required (tokenizer.json; see `tokenizer_from_hf_dir`). A tied checkpoint that still stores
+    lm_head.weight has it dropped, and old rotary_emb.inv_freq buffers are ignored.
     """
     d = pathlib.Path(path)
     if not d.is_dir():
@@ -314,31 +309,23 @@ def load_hf_dir(path: PathLike, dtype: str = "float32") -> LoadedModel:
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{cfg_file} does not exist: a HF model directory needs its config.json.")
     config = _hf_config(json.loads(cfg_file.read_text()), dtype, d)
-
-    index = d / "model.safetensors.index.json"
-    single = d / "model.safetensors"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif single.is_file():
-        files = [single.name]
-    else:
-        raise FileNotFoundError(
-            f"{d} has neither model.safetensors nor model.safetensors.index.json; only safetensors weights "
-            "are supported (re-save with `model.save_pretrained(dir, safe_serialization=True)`)."
-        )
-    tensors: dict[str, np.ndarray] = {}
-    for name in files:
-        shard = d / name
-        if not shard.is_file():
-            raise FileNotFoundError(f"{shard} is listed in {index.name} but does not exist (partial copy?).")
-        tensors.update(_read_safetensors(shard))
-    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}  # old buffers
-    if config.tie_embeddings:
-        tensors.pop("lm_head.weight", None)
-    validate_tensors(config, tensors, source=d)
+    source = SafetensorsDir(d)
+    for name in list(source.infos):
+        if name.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and name == "lm_head.weight"):
+            del source.infos[name]
+    validate_tensors(config, source.infos, source=d)
     tokenizer = tokenizer_from_hf_dir(d)
     _check_tokenizer(config, tokenizer, d)
-    return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer)
+    return HfCheckpoint(config=config, source=source, tokenizer=tokenizer)
+
+
+def load_hf_dir(path: PathLike, dtype: str = "float32") -> LoadedModel:
+    """Load a HF directory (see `open_hf_dir`) with every tensor read into host memory as float32 (bf16 and
+    f16 widened exactly). `dtype` is the compute dtype recorded in the config. For large models place the
+    weights straight onto the devices instead (`sharded_loading.place_hf_params`)."""
+    ckpt = open_hf_dir(path, dtype)
+    tensors = {name: ckpt.source.read_float32(name) for name in ckpt.source.infos}
+    return LoadedModel(config=ckpt.config, tensors=tensors, tokenizer=ckpt.tokenizer)
 
 
 def load_model(path: PathLike = DEFAULT_GGUF_PATH, dtype: str = "float32") -> LoadedModel:
