@@ -2,7 +2,7 @@
 
 Used by the tests (end to end through `tlt_jax.main`, resume, preemption); its reward starts near 0 and
 rises after ~10 steps (`:steps=20`). Run it:
-  python -m tlt_jax.main --config configs/smoke.py --workdir /tmp/smoke
+  python -m tlt_jax.main --config configs/smoke.py --workdir workdirs/smoke
 Args (`configs/smoke.py:steps=2,kl=0.001,spec=true`): steps, kl (coefficient of the low_var_kl term), spec
 (speculative rollouts with the model-free n-gram drafter, on for the whole rollout); runlocal is accepted
 and changes nothing (this config is already local).

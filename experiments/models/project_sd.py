@@ -28,7 +28,7 @@ Tables: Table 2 (batch 1 tokens/s without / with SD; paper Qwen-7B H100 164.65 /
 `table4_projection.png` in `--out`.
 
     python -m experiments.models.project_sd
-    python -m experiments.models.project_sd --cpu-bench /tmp/bench_sd.log --cpu-costs /tmp/bench_costs.json
+    python -m experiments.models.project_sd --cpu-bench bench_sd.log --cpu-costs bench_costs.json
 Final line: `RESULT t2_speedup_ours=.. t2_speedup_paper=.. t2_speedup_paper_base=.. t2_plain_tok_s=..
 t2_speedup_<source>_fixed=.. t4_bs{1,32}_tv{16,64}_{paper,ours}=.. gpu_cells_within_10pct=k/n
 [cpu_cells_within_10pct=k/n]`.
@@ -48,7 +48,8 @@ import numpy as np
 
 from experiments.lib import harness as h
 
-GPU_RUN = pathlib.Path("/work/shared/gpu_runs/2026-11-24-h100")
+# the first GPU run's outputs (one H100, 2026-11-24), kept in the repository: what --gpu-run reads by default
+GPU_RUN = h.ROOT / "docs" / "gpu_runs" / "2026-11-24-h100"
 PAPER_T2 = {"plain_tok_s": 164.65, "sd_tok_s": 430.24, "speedup": 2.61}  # Qwen2.5-7B, batch 1, H100
 PAPER_T4 = {(1, 16): 3.22, (32, 16): 2.48, (1, 64): 3.62, (32, 64): 1.70}  # Qwen2.5-32B TP4, H100
 PAPER_ACCEPT = {"adaptive": 6.53, "base-aligned": 4.59}  # Table 6, during RL

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from experiments.lib import harness as h
+from experiments.models import project_sd as ps
 from experiments.models import rl_model as rm
 
 
@@ -294,7 +295,6 @@ def tlt_chooser(modes: list[rm.Mode], cost: rm.StepCost, threshold: int) -> rm.C
 def project_sources(gpu: dict[str, Any]) -> dict[str, tuple[list[rm.Mode], float]]:
     """Per acceptance source: one mode per TV (bench_sd's strategy mapping) with that source's accept, and
     its accept at TV 48."""
-    from experiments.models import project_sd as ps
 
     out = {}
     for name, acc in ps.accept_sources(gpu).items():
@@ -331,7 +331,6 @@ def project_steps(args: argparse.Namespace, roof: Any, sources: dict, kw: dict) 
 
 def project(args: argparse.Namespace) -> None:
     """Qwen2.5-7B GRPO steps on D x H100 (roofline costs), plain vs TLT for each acceptance source."""
-    from experiments.models import project_sd as ps
 
     gpu = ps.load_gpu_run(pathlib.Path(args.gpu_run))
     roof = ps.Roofline(ps.QWEN2_5_7B, gpu["bw"][1], gpu["flops"])
@@ -431,7 +430,7 @@ def main() -> None:
     ap.add_argument("--costs", default=None, help="a step_costs.py JSON (default: measure it now)")
     ap.add_argument("--max-new", type=int, default=384, help="the run's response cap (configs/tlt.py)")
     ap.add_argument("--plot", default=None, help="PNG path (default <run>/simulate_rl_validate.png)")
-    ap.add_argument("--gpu-run", default="/work/shared/gpu_runs/2026-11-24-h100", help="projection: GPU run")
+    ap.add_argument("--gpu-run", default=str(ps.GPU_RUN), help="projection: a GPU suite output folder")
     ap.add_argument("--devices", type=int, default=8, help="projection: data-parallel devices")
     ap.add_argument("--prompts", type=int, default=128, help="projection: prompts per RL step")
     ap.add_argument("--samples", type=int, default=8, help="projection: samples per prompt")

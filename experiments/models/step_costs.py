@@ -20,7 +20,7 @@ chunk_overhead, rollout_overhead, threshold, modes.<mode> {accept, accept_by_bat
 (chunk_steps, buckets) and `meta` (machine, load average, model, when).
 
     python -m experiments.models.step_costs                  # arms none,ngram (+ eagle with a warmed drafter)
-    python -m experiments.models.step_costs --arms none --reps 3 --rollouts 1 --out /tmp/costs.json
+    python -m experiments.models.step_costs --arms none --reps 3 --rollouts 1 --out costs.json
 Final line: `RESULT plain_b1_s=.. plain_b16_s=.. <mode>_round_b1_s=.. accept_<mode>=.. prefill_s=..`.
 """
 

@@ -83,10 +83,8 @@ def test_long_tail_lengths_and_the_tlt_chooser():
 
 @pytest.mark.experiments
 def test_project_sd_and_simulate_rl_projection_smoke(tmp_path):
-    """Both scripts' default runs (the H100 run's numbers) on CPU: RESULT lines and plots."""
-    gpu = pathlib.Path("/work/shared/gpu_runs/2026-11-24-h100")
-    if not (gpu / "call3_summary.json").exists():
-        pytest.skip("no GPU run to project from")
+    """Both scripts' default runs (the H100 run's numbers, docs/gpu_runs/) on CPU: RESULT lines and plots."""
+    assert (ps.GPU_RUN / "call3_summary.json").exists()  # the default --gpu-run, in the repository
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     for script, args in (("project_sd", []), ("simulate_rl", ["--steps", "1"])):
         proc = subprocess.run(
