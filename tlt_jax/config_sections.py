@@ -296,9 +296,22 @@ class TrainerSection(Section):
     master_dtype: str = "float32"  # optimizer/master weights (the model computes in model.dtype)
     fsdp: bool = False  # also shard the trainer's params/optimizer state over the data axis (ZeRO-3-like)
     train_layers: int = 0  # 0: train every parameter; K: only the top K decoder layers + final norm
+    # causal attention of the trainer's forward (tlt_jax.kernels.flash_attention): auto (cuDNN on GPU, Pallas
+    # on TPU, else blockwise) | blockwise (jnp, O(T x block) memory) | reference (masked softmax) | cudnn |
+    # pallas_tpu. The rollout's attention is rollout.attn_impl.
+    attn_impl: str = "auto"
+    # per-layer rematerialisation in the update's backward pass: none | nothing_saveable | dots_saveable |
+    # dots_with_no_batch_dims_saveable (jax.checkpoint_policies: what a layer keeps; the rest is recomputed)
+    remat: str = "none"
 
     def problems(self) -> list[str]:
+        from tlt_jax.models.llama import CAUSAL_IMPLS, REMAT_POLICIES
+
         out = []
+        if self.attn_impl not in CAUSAL_IMPLS:
+            out.append(f"config.trainer.attn_impl={self.attn_impl!r}: use one of {CAUSAL_IMPLS}.")
+        if self.remat not in REMAT_POLICIES:
+            out.append(f"config.trainer.remat={self.remat!r}: use one of {REMAT_POLICIES}.")
         if self.master_dtype not in DTYPES:
             out.append(f"config.trainer.master_dtype={self.master_dtype!r}: use one of {DTYPES}.")
         if self.train_layers < 0:

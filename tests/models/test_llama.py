@@ -132,3 +132,26 @@ def test_bf16_forward_close_to_fp32():
     assert l16.dtype == jnp.float32
     np.testing.assert_allclose(l16, l32, atol=5e-2)
     assert causal_mask(1, 5).shape == (1, 5, 5)
+
+
+def test_causal_impl_equals_the_masked_forward_with_and_without_a_cache():
+    """`causal_impl` (the trainer's flash attention) gives the logits of the tree-attention path: a whole
+    sequence (no cache), and new tokens on top of ragged cached prefixes (query offset = cache length)."""
+    cfg = tiny_config("qwen2")
+    m = Transformer(cfg, nnx.Rngs(6))
+    fwd = jax.jit(lambda m, t, p, c, impl: m(t, p, c, causal_impl=impl).logits, static_argnums=4)
+    toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 11)))
+    pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
+    want = fwd(m, toks, pos, None, None)
+    np.testing.assert_allclose(fwd(m, toks, pos, None, "blockwise"), want, atol=1e-5)
+    lens = jnp.asarray([3, 6])
+    cache = m(toks[:, :6], pos[:, :6], KVCache.init(cfg, 2, 16)).cache.advance(lens)
+    new = jnp.stack([toks[0, 3:8], toks[1, 6:11]])
+    new_pos = lens[:, None] + jnp.arange(5)
+    got = fwd(m, new, new_pos, cache, "blockwise")
+    np.testing.assert_allclose(got, fwd(m, new, new_pos, cache, None), atol=1e-5)
+    np.testing.assert_allclose(got[1], want[1, 6:], atol=1e-5)
+    with pytest.raises(ValueError, match="pass no mask_btt"):
+        m(new, new_pos, cache, causal_mask(2, 5), causal_impl="blockwise")
+    with pytest.raises(ValueError, match="remat='full'"):
+        m(toks, pos, remat="full")

@@ -1,17 +1,31 @@
-"""PolicyTrainer's layouts: the optimizer state lives where its parameters live, real or abstract."""
+"""PolicyTrainer's layouts (the optimizer state lives where its parameters live, real or abstract) and its
+forward: flash attention equals the tree-attention forward, per-layer remat and chunked logits keep the
+numbers (log-probs, entropies, gradients)."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
 from optax.transforms import MaskedNode
 
 from tlt_jax import sharding as shd
+from tlt_jax.config_sections import TrainerSection
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions
+from tlt_jax.rl.batch import TrainBatch, build_train_batch
+from tlt_jax.rl.trainer import (
+    ForwardOut,
+    OptimConfig,
+    PolicyLossConfig,
+    PolicyTrainer,
+    TrainerOptions,
+    response_logprobs,
+)
+from tlt_jax.utils.config_checks import SectionError
 
 CFG = tiny_config(num_layers=2)
 
@@ -69,3 +83,97 @@ def test_adamw_moments_are_sharded_like_the_params(train_layers: int, fsdp: bool
         jax.tree_util.tree_map(lambda s, x: s.is_equivalent_to(x.sharding, x.ndim), out_opt, a.opt_state)
     )
     assert ok and all(ok)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the trainer's forward: flash attention, per-layer remat, chunked logits (issue 35)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _batch(nb: int = 12, seed: int = 0) -> TrainBatch:
+    """3 groups x 2 samples: prompts of 3..8 tokens (padded to 8), responses of 1..nb tokens."""
+    rng = np.random.default_rng(seed)
+    prompts = [p for g in range(3) for p in [rng.integers(1, CFG.vocab_size, 3 + 2 * g).tolist()] * 2]
+    lengths = np.asarray([nb, 3, 1, nb - 2, 5, nb])
+    return jax.tree_util.tree_map(
+        jnp.asarray,
+        build_train_batch(
+            prompts,
+            rng.integers(1, CFG.vocab_size, (6, nb)),
+            lengths,
+            rng.uniform(-1, 1, 6).astype(np.float32),
+            np.ones(6, bool),
+            group_size=2,
+            seq_bucket=4,
+            max_response=nb,
+        ),
+    )
+
+
+def _forward_and_grads(batch: TrainBatch, **kw: object) -> tuple[ForwardOut, list[np.ndarray]]:
+    """response_logprobs and the gradient of sum(logp * mask) + 0.1 * sum(entropy * mask) in the params."""
+    graphdef, params = nnx.split(Transformer(CFG, nnx.Rngs(5)), nnx.Param)
+    mask = batch.rows(batch.response_mask)
+
+    def loss(p: nnx.State) -> tuple[jax.Array, ForwardOut]:
+        out = response_logprobs(nnx.merge(graphdef, p), batch, temperature=0.7, return_hidden=True, **kw)
+        return jnp.sum(out.logp * mask) + 0.1 * jnp.sum(out.entropy * mask), out
+
+    grads, out = jax.jit(jax.grad(loss, has_aux=True))(params)
+    return out, [np.asarray(x) for x in jax.tree_util.tree_leaves(grads)]
+
+
+def _assert_same(
+    a: tuple[ForwardOut, list[np.ndarray]], b: tuple[ForwardOut, list[np.ndarray]], tol: float
+) -> None:
+    (oa, ga), (ob, gb) = a, b
+    for x, y in ((oa.logp, ob.logp), (oa.entropy, ob.entropy), (oa.hidden, ob.hidden)):
+        np.testing.assert_allclose(x, y, atol=tol, rtol=tol)
+    for x, y in zip(ga, gb, strict=True):
+        np.testing.assert_allclose(x, y, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "reference"])
+def test_flash_attention_forward_equals_the_tree_attention_forward(impl: str) -> None:
+    """The trainer's forward with `flash_attention` (a prompt pass, then responses at each row's prompt
+    length) equals the forward it replaced (tree attention under a causal mask): log-probs, entropies,
+    hidden states and parameter gradients, float32 within 2e-5."""
+    batch = _batch()
+    _assert_same(_forward_and_grads(batch, attn_impl=impl), _forward_and_grads(batch, attn_impl=None), 2e-5)
+
+
+def test_per_layer_remat_keeps_the_gradients() -> None:
+    """Rematerialised layers recompute the same numbers: outputs and gradients equal within 1e-6 (f32)."""
+    batch = _batch()
+    plain = _forward_and_grads(batch, attn_impl="blockwise")
+    for policy in ("nothing_saveable", "dots_saveable"):
+        _assert_same(_forward_and_grads(batch, attn_impl="blockwise", remat=policy), plain, 1e-6)
+
+
+@pytest.mark.parametrize("nb,chunk", [(12, 4), (11, 4)])
+def test_chunked_logits_equal_full_logits_at_any_length(nb: int, chunk: int) -> None:
+    """Logits in chunks (the last one zero-padded when Nb is not a multiple) give the same log-probs,
+    entropies and gradients as all logits at once (f32, 1e-5); nothing falls back to full logits."""
+    batch = _batch(nb)
+    _assert_same(
+        _forward_and_grads(batch, attn_impl="blockwise", logits_chunk=chunk),
+        _forward_and_grads(batch, attn_impl="blockwise", logits_chunk=0),
+        1e-5,  # the tied embedding's gradient sums the chunks in another order
+    )
+    # the chunked program holds no [rows, Nb, V] logits, only [rows, chunk, V] (V = 97: no other dim is)
+    model = Transformer(tiny_config(num_layers=1, vocab_size=97), nnx.Rngs(0))
+    hlo = jax.jit(lambda b: response_logprobs(model, b, temperature=1.0, logits_chunk=chunk).logp)
+    text = hlo.lower(batch).as_text()
+    assert f"6x{nb}x97xf32" not in text and f"6x{chunk}x97xf32" in text
+
+
+def test_trainer_config_keys_reach_the_trainer() -> None:
+    """config.trainer.attn_impl / remat are checked by the section and become TrainerOptions."""
+    assert TrainerSection(attn_impl="blockwise", remat="dots_saveable").remat == "dots_saveable"
+    with pytest.raises(SectionError) as err:
+        TrainerSection(attn_impl="flash", remat="full")
+    assert "attn_impl='flash'" in str(err.value) and "remat='full'" in str(err.value)
+    mesh = shd.make_mesh(1, 1, jax.devices()[:1])
+    opts = TrainerOptions(micro_batch_size=2, attn_impl="reference", remat="nothing_saveable")
+    t = PolicyTrainer(Transformer(CFG, nnx.Rngs(0)), mesh, PolicyLossConfig(), OptimConfig(), opts)
+    assert (t.attn_impl, t.remat) == ("reference", "nothing_saveable")

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-IMPLS = ("auto", "blockwise", "reference", "cudnn", "pallas_tpu")
+FLASH_IMPLS = ("auto", "blockwise", "reference", "cudnn", "pallas_tpu")
 _NEG = -1e30  # finite "minus infinity": masked logits never make exp() of inf - inf
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 _TPU_BLOCK = 128  # the Pallas TPU kernel's minimum block (lengths are padded to a multiple of it)
@@ -50,7 +50,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, q_offset: jax.Array, kv_length: jax.Array) -> None:
+def _check_inputs(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_offset: jax.Array, kv_length: jax.Array
+) -> None:
     """Shapes and dtypes of the contract (raises at trace time)."""
     chex.assert_rank([q, k, v, q_offset, kv_length], [4, 4, 4, 1, 1])
     b, t, hq, d = q.shape
@@ -84,7 +86,7 @@ def flash_attention_reference(
     kv_segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """The contract as one masked softmax over [B, Hkv, G, T, S] float32 scores (tests' oracle)."""
-    check_inputs(q, k, v, q_offset, kv_length)
+    _check_inputs(q, k, v, q_offset, kv_length)
     b, t, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     qf = q.reshape(b, t, hkv, hq // hkv, d).astype(jnp.float32)
@@ -239,7 +241,7 @@ def flash_attention_blockwise(
     block_k: int = 512,
 ) -> jax.Array:
     """The contract in jnp with O(T x block) memory forward and backward (module docstring)."""
-    check_inputs(q, k, v, q_offset, kv_length)
+    _check_inputs(q, k, v, q_offset, kv_length)
     b, t = q.shape[:2]
     s = k.shape[2]
     qseg, kseg = _segments(q_segment_ids, b, t), _segments(kv_segment_ids, b, s)
@@ -275,7 +277,7 @@ def flash_attention_cudnn(
     q: jax.Array, k: jax.Array, v: jax.Array, q_offset: jax.Array, kv_length: jax.Array
 ) -> jax.Array:
     """The contract by cuDNN (top-left causal + key padding lengths; queries in slot space when T < S)."""
-    check_inputs(q, k, v, q_offset, kv_length)
+    _check_inputs(q, k, v, q_offset, kv_length)
     b, t = q.shape[:2]
     s = k.shape[2]
     kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # token-major [B, S, Hkv, D]
@@ -299,7 +301,7 @@ def flash_attention_pallas_tpu(
     """The contract by jax's Pallas TPU flash attention (causal + segment ids; see the module docstring)."""
     from jax.experimental.pallas.ops.tpu import flash_attention as tpu_fa
 
-    check_inputs(q, k, v, q_offset, kv_length)
+    _check_inputs(q, k, v, q_offset, kv_length)
     b, t, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     sp = _cdiv(s, _TPU_BLOCK) * _TPU_BLOCK
@@ -339,8 +341,8 @@ def flash_attention_pallas_tpu(
 
 def resolve_impl(impl: str, q: jax.Array, segments: bool) -> str:
     """The implementation `impl` runs as on this backend ("auto" picked; an impossible choice raises)."""
-    if impl not in IMPLS:
-        raise ValueError(f"flash_attention: impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in FLASH_IMPLS:
+        raise ValueError(f"flash_attention: impl must be one of {FLASH_IMPLS}, got {impl!r}")
     backend = jax.default_backend()
     if impl == "auto":
         if backend == "tpu":

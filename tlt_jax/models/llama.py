@@ -3,7 +3,9 @@
 `Transformer(tokens, positions, cache, mask)` returns logits AND the final (normed) hidden states: the EAGLE
 drafter consumes the latter. The attention mask is explicit ([B, T, T] over the new tokens, see
 `tlt_jax.kernels.tree_attention`), so prefill (causal), decode (T=1) and speculative tree verification (a tree
-mask) are one code path.
+mask) are one code path. The trainer's forward instead names a causal implementation (`causal_impl`,
+`tlt_jax.kernels.flash_attention`: O(T x block) memory, no [T, S] scores) and may rematerialise each layer
+in the backward pass (`remat`, a `jax.checkpoint_policies` name).
 
 Layouts (chosen by measurement on XLA:CPU, where a decode step is a chain of M=1..64 matmuls):
 - every weight is a 2-D [out, in] matrix (HF layout). Multi-dimensional weights made XLA copy (transpose)
@@ -16,6 +18,7 @@ Layouts (chosen by measurement on XLA:CPU, where a decode step is a chain of M=1
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import chex
@@ -25,10 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tlt_jax.kernels import flash_attention as fa
 from tlt_jax.kernels import tree_attention as ta
 from tlt_jax.kernels.small_m_linear import linear
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache, write_rows
+
+# per-layer rematerialisation in the backward pass: "none", or a policy of `jax.checkpoint_policies` (what a
+# layer keeps for the backward pass: nothing_saveable recomputes the whole layer, dots_saveable keeps matmuls)
+REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
+CAUSAL_IMPLS = fa.FLASH_IMPLS  # the trainer's attention (`Transformer(..., causal_impl=)`)
 
 
 def _dtype(cfg: ModelConfig) -> jnp.dtype:
@@ -91,9 +100,12 @@ class Attention(nnx.Module):
         k_cache: jax.Array | None,
         v_cache: jax.Array | None,
         lengths_b: jax.Array,
-        mask_btt: jax.Array,
+        mask_btt: jax.Array | None,
         attn_impl: str,
+        causal_impl: str | None = None,
     ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        """causal_impl None: tree attention under `mask_btt` by `attn_impl` (rollout programs); else causal
+        attention of the new tokens at [lengths, lengths + T) by `flash_attention(impl=causal_impl)`."""
         g = self.cfg.num_heads // self.cfg.num_kv_heads
         b, t = x_bth.shape[:2]
         qkv = linear(x_bth, self.qkv[...], self.cfg.linear_impl)
@@ -109,7 +121,10 @@ class Attention(nnx.Module):
         else:
             k_all = k_cache = write_rows(k_cache, k, lengths_b)
             v_all = v_cache = write_rows(v_cache, v, lengths_b)
-        out = ta.tree_attention(q, k_all, v_all, lengths_b, mask_btt, impl=attn_impl)
+        if causal_impl is None:
+            out = ta.tree_attention(q, k_all, v_all, lengths_b, mask_btt, impl=attn_impl)
+        else:
+            out = fa.flash_attention(q, k_all, v_all, lengths_b, lengths_b + t, impl=causal_impl)
         out = out.reshape(b, t, self.cfg.num_heads * self.cfg.head_dim)
         return linear(out, self.o_proj[...], self.cfg.linear_impl), k_cache, v_cache
 
@@ -140,9 +155,9 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, attn_impl):  # noqa: ANN001
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, attn_impl, causal_impl=None):  # noqa: ANN001
         h = self.input_norm(x) if self.input_norm is not None else x
-        a, k_cache, v_cache = self.attn(h, cos, sin, k_cache, v_cache, lengths, mask, attn_impl)
+        a, k_cache, v_cache = self.attn(h, cos, sin, k_cache, v_cache, lengths, mask, attn_impl, causal_impl)
         x = x + a
         x = x + self.mlp(self.post_attn_norm(x))
         return x, k_cache, v_cache
@@ -193,18 +208,27 @@ class Transformer(nnx.Module):
         logits_index_bk: jax.Array | None = None,
         compute_logits: bool = True,
         attn_impl: str = "reference",
+        causal_impl: str | None = None,
+        remat: str = "none",
     ) -> ModelOutput:
         """Forward T new tokens per row.
 
         cache: the T tokens are written at [cache.lengths, cache.lengths + T) (lengths are NOT advanced). With
         cache=None the T tokens are the whole sequence (trainer forward). mask_btt defaults to causal.
         logits_index_bk: compute logits only at these token indices ([B, K]); e.g. the last prompt token.
+        causal_impl: attention is causal (no mask_btt) by `flash_attention(impl=causal_impl)` (the trainer;
+        None: `tree_attention` by `attn_impl`). remat: per-layer rematerialisation policy (REMAT_POLICIES).
         """
         b, t = tokens_bt.shape
         chex.assert_shape(positions_bt, (b, t))
-        if mask_btt is None:
-            mask_btt = causal_mask(b, t)
-        chex.assert_shape(mask_btt, (b, t, t))
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={remat!r}: use one of {REMAT_POLICIES}")
+        if causal_impl is not None:
+            if mask_btt is not None:
+                raise ValueError("causal_impl is causal attention: pass no mask_btt (or causal_impl=None)")
+        else:
+            mask_btt = causal_mask(b, t) if mask_btt is None else mask_btt
+            chex.assert_shape(mask_btt, (b, t, t))
         if cache is not None:
             chex.assert_equal(cache.batch_size, b)
         lengths = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
@@ -214,7 +238,9 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             kc = cache.k[i] if cache is not None else None
             vc = cache.v[i] if cache is not None else None
-            x, kc, vc = layer(x, cos, sin, kc, vc, lengths, mask_btt, attn_impl)
+            x, kc, vc = _run_layer(
+                layer, remat, (x, cos, sin, kc, vc, lengths, mask_btt), attn_impl, causal_impl
+            )
             new_k.append(kc)
             new_v.append(vc)
         hidden = self.norm(x)
@@ -227,6 +253,22 @@ class Transformer(nnx.Module):
             else jnp.take_along_axis(hidden, logits_index_bk[..., None], axis=1)
         )
         return ModelOutput(self.logits(h), hidden, new_cache)
+
+
+def _run_layer(
+    layer: DecoderLayer, remat: str, arrays: tuple, attn_impl: str, causal_impl: str | None
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """One decoder layer on `arrays` (x, cos, sin, k_cache, v_cache, lengths, mask); under `jax.checkpoint`
+    with the named policy unless remat == "none" (the layer is split so its weights enter as arguments)."""
+    if remat == "none":
+        return layer(*arrays, attn_impl, causal_impl)
+    graphdef, state = nnx.split(layer)
+
+    @functools.partial(jax.checkpoint, policy=getattr(jax.checkpoint_policies, remat))
+    def run(state: nnx.State, arrays: tuple) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        return nnx.merge(graphdef, state)(*arrays, attn_impl, causal_impl)
+
+    return run(state, arrays)
 
 
 # ----------------------------------------------------------------------------------------------------------

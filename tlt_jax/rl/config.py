@@ -132,6 +132,8 @@ def trainer_options(job: GrpoConfig) -> TrainerOptions:
         master_dtype=tc.master_dtype,
         fsdp=tc.fsdp,
         train_layers=tc.train_layers,
+        attn_impl=tc.attn_impl,
+        remat=tc.remat,
     )
 
 

@@ -6,8 +6,10 @@ depend on its padding).
 
 The log-prob of response token j is read from the hidden state at column Tp - 1 + j; logits are computed only
 for those Nb columns, divided by the rollout temperature (as VeRL does) so that they are comparable with the
-engine's sampling log-probs. Optionally in chunks of `logits_chunk` columns under `jax.checkpoint`, so a long
-response never materialises [B, Nb, V] logits for the backward pass.
+engine's sampling log-probs. Optionally in chunks of `logits_chunk` columns under `jax.checkpoint` (the last
+chunk zero-padded: any Nb), so a long response never materialises [B, Nb, V] logits for the backward pass.
+Attention is causal by `tlt_jax.kernels.flash_attention` (`attn_impl`: O(T x block) memory, no [T, S] scores)
+and each decoder layer may be rematerialised in the backward pass (`remat`, a `jax.checkpoint_policies` name).
 
 `PolicyTrainer` owns the policy parameters (float32 masters when the model computes in bfloat16), the optax
 state and an optional frozen reference copy. One `update` is one optimizer step on a mini-batch given as parts
@@ -37,7 +39,7 @@ from optax.transforms import MaskedNode
 from tlt_jax import sharding as shd
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache
-from tlt_jax.models.llama import Transformer, causal_mask
+from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.batch import TrainBatch, split_micro
 from tlt_jax.rl.schedules import lr_schedule
@@ -65,6 +67,8 @@ def response_logprobs(
     temperature: float,
     logits_chunk: int = 0,
     return_hidden: bool = False,
+    attn_impl: str | None = "auto",
+    remat: str = "none",
 ) -> ForwardOut:
     """Trainer forward: each prompt once, then its n responses on top of the prompt's KV cache.
 
@@ -72,33 +76,48 @@ def response_logprobs(
     repeated n times and the responses run as one causal block after each prompt's real length, so the
     prompt's cost is paid once per group, not once per sample, and gradients flow through the shared prompt
     activations (summed over its samples). Returns per-token log-probs of the responses [G*n, Nb].
+    attn_impl: `flash_attention`'s implementation (auto | blockwise | reference | cudnn | pallas_tpu), or
+    None for the rollout's tree attention under a causal mask (materialises [T, S] scores; tests compare).
     """
     g, tp = batch.prompt.shape
     n, nb = batch.group_size, batch.num_response
-    b = g * n
     chex.assert_shape(batch.prompt_len, (g,))
     chex.assert_shape([batch.response, batch.response_mask], (g, n, nb))
     cfg = model.cfg
-    cache = KVCache.init(cfg, g, tp + nb)
+    # causal attention (no mask given): the flash kernel, or (None) tree attention under a causal mask
+    attn = dict(causal_impl=attn_impl, remat=remat, compute_logits=False)
+    # the prompt pass attends over exactly its Tp slots (query offset 0); the cache then grows for responses
+    cache = KVCache.init(cfg, g, tp)
     pos_p = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (g, tp))
-    out_p = model(batch.prompt, pos_p, cache, compute_logits=False)
+    out_p = model(batch.prompt, pos_p, cache, **attn)
     last = jnp.take_along_axis(out_p.hidden, (batch.prompt_len - 1)[:, None, None], axis=1)  # [G, 1, H]
     rows = jnp.repeat(jnp.arange(g), n)
-    cache = out_p.cache.advance(batch.prompt_len).take_rows(rows)
+    cache = out_p.cache.resize(tp + nb).advance(batch.prompt_len).take_rows(rows)
     resp = batch.rows(batch.response)
     pos_r = cache.lengths[:, None] + jnp.arange(nb, dtype=jnp.int32)[None, :]
-    out_r = model(resp, pos_r, cache, causal_mask(b, nb), compute_logits=False)
+    out_r = model(resp, pos_r, cache, **attn)
     h = jnp.concatenate([last[rows], out_r.hidden[:, :-1]], axis=1)  # [B, Nb, H]: predicts response[:, j]
-    if logits_chunk and nb > logits_chunk and nb % logits_chunk == 0:
-        c = nb // logits_chunk
-        hc = jnp.moveaxis(h.reshape(b, c, logits_chunk, -1), 1, 0)
-        tc = jnp.moveaxis(resp.reshape(b, c, logits_chunk), 1, 0)
-        fn = jax.checkpoint(lambda x: _logp_entropy(model, x[0], x[1], temperature))
-        logp, ent = jax.lax.map(fn, (hc, tc))
-        logp, ent = (jnp.moveaxis(x, 0, 1).reshape(b, nb) for x in (logp, ent))
-    else:
-        logp, ent = _logp_entropy(model, h, resp, temperature)
+    logp, ent = chunked_logp_entropy(model, h, resp, temperature, logits_chunk)
     return ForwardOut(logp=logp, entropy=ent, hidden=h if return_hidden else None)
+
+
+def chunked_logp_entropy(
+    model: Transformer, h_bnh: jax.Array, targets_bn: jax.Array, temperature: float, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """Log-probs and entropies [B, Nb] of the targets, the logits computed `chunk` columns at a time under
+    `jax.checkpoint` (the backward pass recomputes each chunk's [B, chunk, V] logits, never holds [B, Nb, V]);
+    the last chunk is zero-padded, so any Nb is chunked. chunk=0 (or Nb <= chunk): all columns at once."""
+    b, nb = targets_bn.shape
+    if not chunk or nb <= chunk:
+        return _logp_entropy(model, h_bnh, targets_bn, temperature)
+    c = -(-nb // chunk)
+    h = jnp.pad(h_bnh, ((0, 0), (0, c * chunk - nb), (0, 0)))
+    tgt = jnp.pad(targets_bn, ((0, 0), (0, c * chunk - nb)))
+    hc = jnp.moveaxis(h.reshape(b, c, chunk, -1), 1, 0)
+    tc = jnp.moveaxis(tgt.reshape(b, c, chunk), 1, 0)
+    fn = jax.checkpoint(lambda x: _logp_entropy(model, x[0], x[1], temperature))
+    logp, ent = jax.lax.map(fn, (hc, tc))
+    return tuple(jnp.moveaxis(x, 0, 1).reshape(b, c * chunk)[:, :nb] for x in (logp, ent))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +150,17 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainerOptions:
     """How the trainer holds the policy: rows per micro-batch, a frozen reference copy (KL), the masters'
-    dtype, FSDP (the hidden dim also split over the data axis), and how many top layers train (0: all)."""
+    dtype, FSDP (the hidden dim also split over the data axis), how many top layers train (0: all), and how
+    its forward computes: attention (`flash_attention` impl) and per-layer rematerialisation (a
+    `jax.checkpoint_policies` name, or "none"), in the update and the reference / old log-prob passes."""
 
     micro_batch_size: int
     with_reference: bool = False
     master_dtype: str = "float32"
     fsdp: bool = False
     train_layers: int = 0
+    attn_impl: str = "auto"
+    remat: str = "none"
 
 
 def policy_optimizer(oc: OptimConfig, trainable: Any = None) -> optax.GradientTransformation:
@@ -271,6 +294,7 @@ class PolicyTrainer:
         self.micro_batch_size = int(options.micro_batch_size)
         self.compute_dtype, self.master_dtype = jnp.dtype(cfg.dtype), jnp.dtype(options.master_dtype)
         fsdp, train_layers = options.fsdp, options.train_layers
+        self.attn_impl, self.remat = options.attn_impl, options.remat
         # fsdp: the hidden ("embed") dim of every weight is also split over the data axis, so master weights
         # and AdamW moments are sharded over all devices (XLA gathers each weight where it is used).
         self.rules = {**shd.DEFAULT_RULES, "embed": "data"} if fsdp else dict(shd.DEFAULT_RULES)
@@ -333,6 +357,8 @@ class PolicyTrainer:
             temperature=self.loss.temperature,
             logits_chunk=self.loss.logits_chunk,
             return_hidden=return_hidden,
+            attn_impl=self.attn_impl,
+            remat=self.remat,
         )
 
     def _logprobs_fn(self, params: Any, micro: TrainBatch, return_hidden: bool = False) -> ForwardOut:
