@@ -2,7 +2,7 @@
 (`sharded_loading.place_hf_params`, the default) vs the all-float32 path (`load_hf_dir` + `from_hf_tensors`).
 
     python -m experiments.bench.load_memory --arch qwen2_5_1_5b              # both ways
-    python -m experiments.bench.load_memory --arch qwen2_5_7b --ways new     # the old way would need ~60 GB
+    python -m experiments.bench.load_memory --arch qwen2_5_7b --ways new     # old: ~64 GB (1.5B x 4.9)
 
 Writes a random-weight bf16 checkpoint of the architecture's exact shapes (`tlt_jax.models.presets`) to
 `--dir` (default `.cache/bench_load/<arch>`, reused when complete): config.json, a byte tokenizer, shards of

@@ -155,7 +155,7 @@ def _place(src: TensorReader, cfg: ModelConfig, path: tuple, sds: jax.ShapeDtype
 
 def _default_shardings(params: nnx.State) -> nnx.State:
     """Every parameter on the default device (what `jnp.asarray` does in the float32 path)."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.tree.map(lambda _: device, params)
 
 
