@@ -20,6 +20,13 @@ CORE = [
     "jinja2>=3.1",
     "numpy>=1.26",
     "matplotlib>=3.8",
+    # data files and rewards (tlt_jax.tasks): parquet reading; HF math-verify with the LaTeX parser and
+    # ANTLR runtime it was tested with
+    "pyarrow==26.0.1",
+    "math-verify==0.9.0",
+    "latex2sympy2_extended==1.11.0",
+    "antlr4-python3-runtime==4.13.2",
+    "sympy==1.14.0",
 ]
 
 setup(

@@ -41,10 +41,16 @@ Args (`configs/tlt.py:drafter=ngram,steps=10,seed=0`):
   spot: between_chunks (default), idle_devices (needs --config.mesh.data >= 2), after_rollout, off
   bandit: beg_mab (default), egreedy, ucb1, sglang, threshold, fixed, off (SpecConfig's threshold switch)
   steps, seed, quick (3 steps of 4 prompts x 4: the e2e benchmark's --quick).
+  data: a parquet / JSONL file (or glob) to train on instead of chain_sum, e.g. VeRL-layout problems written
+           by `python -m tlt_jax.tasks.write_parquet --out data/chain_sum.parquet`; scored by math-verify,
+           every task key (tlt_jax.tasks.datasets.task_config) overridable as --config.task.<key>=...
+  eval_data: a benchmark file evaluated as config.eval.sets.bench (4 samples of its first 8 problems:
+           mean@4, pass@k) before training, every eval.every steps (2 with quick) and at the end.
 """
 
 from tlt_jax import config_lib, config_schema
 from tlt_jax.models.loading import DEFAULT_GGUF_PATH, REPO_ROOT
+from tlt_jax.tasks.datasets import task_config
 
 # the task section, shared with the drafter warm-up (`configs/drafter_warmup.py:tlt`)
 TASK = dict(
@@ -72,6 +78,8 @@ def get_config(arg: str | None = None):
         bandit="beg_mab",
         quick=False,
         runlocal=False,
+        data="",
+        eval_data="",
     )
     c = config_schema.base_config()
     c.seed = arg.seed
@@ -84,6 +92,9 @@ def get_config(arg: str | None = None):
     c.mesh.data, c.mesh.model = 1, 1  # one CPU device (fake devices would only split the same 2 cores)
 
     c.task = dict(TASK, seed=arg.seed)
+    if arg.data:  # every key of the file task, so the command line can set any
+        kind = "parquet" if arg.data.endswith(".parquet") else "jsonl"
+        c.task = task_config(kind, path=arg.data, seed=arg.seed, reward="math_verify")
 
     c.rollout.temperature = TEMPERATURE
     c.rollout.max_new_tokens = MAX_NEW_TOKENS
@@ -136,6 +147,10 @@ def get_config(arg: str | None = None):
     c.eval.every = 0 if arg.quick or arg.runlocal else 5  # --quick: the e2e benchmark's arms, no eval
     c.eval.prompts = 32
     c.eval.samples = 1
+    if arg.eval_data:
+        c.eval.sets = {"bench": dict(path=arg.eval_data, samples=4, max_prompts=8)}
+        c.eval.every = c.eval.every or 2
+        c.eval.prompts = c.eval.prompts if c.eval.every == 5 else 0  # quick: the set only, no held-out split
 
     c.trainer.micro_batch_size = 8
     c.trainer.train_layers = 10  # the top 10 of 30 layers: ~2x cheaper update on this CPU

@@ -58,7 +58,7 @@ from tlt_jax.utils.config_checks import (
 from tlt_jax.utils.plain import plain_dict
 
 SPEC_FROM_DRAFTER = ("enabled", "drafter")  # SpecConfig fields that config.drafter.kind decides
-OPEN_SECTIONS = ("model.random", "task")  # sections whose keys are not fixed
+OPEN_SECTIONS = ("model.random", "task", "eval.sets")  # sections whose keys are not fixed
 
 
 # the schema: section name -> its class, per job (the top level is the job's run section)

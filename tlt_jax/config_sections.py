@@ -190,19 +190,23 @@ class DrafterSection(Section):
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig(Section):
-    """`config.eval`, the held-out evaluation (tlt_jax.rl.evaluation): the same problems and sampling keys
-    before training and every `every` steps (and after the last), a paired measure of learning; 0 = off.
-    prompts x samples: the held-out rows (keep their product at the step's rows to reuse its programs)."""
+    """`config.eval` (tlt_jax.rl.evaluation), before training, every `every` steps and after the last (0 =
+    off). The held-out split: the training task's last `prompts` problems of its first epoch (never trained
+    on, in any epoch; 0 = no split), `samples` each, the same sampling keys every time (a paired measure of
+    learning; keep prompts x samples at the step's rows to reuse its programs). `sets`: benchmark files,
+    name -> a path, or {path, samples, temperature, top_p, top_k, max_new_tokens, max_prompts, and task keys
+    (layout, answer_key, reward, prompt, ...)}, scored as mean@k / pass@k."""
 
     every: int = 0
     prompts: int = 16
     samples: int = 2
+    sets: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def problems(self) -> list[str]:
-        if self.every < 0 or self.prompts < 1 or self.samples < 1:
+        if self.every < 0 or self.prompts < 0 or self.samples < 1:
             return [
                 f"config.eval every={self.every}, prompts={self.prompts}, samples={self.samples}: need "
-                "every >= 0 (0 = off), prompts >= 1 and samples >= 1."
+                "every >= 0 (0 = off), prompts >= 0 (0 = no held-out split) and samples >= 1."
             ]
         return []
 

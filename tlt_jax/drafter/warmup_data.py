@@ -243,7 +243,7 @@ def build_split(
             chunk, meta = _load_cached(path, ident, data_dir)
         else:
             problems, _ = task.batch(start + c * bp, count)
-            prompts = [tokenizer.encode_chat(task.messages(p)) for p in problems]
+            prompts = [task.encode_prompt(p, tokenizer) for p in problems]
             desc = f"{split} {c + 1}/{num_chunks}"
             roll, t_gen = _generate(engine, prompts, n, jax.random.fold_in(key, c), sampling, desc)
             chunk, t_fwd = _chunk_samples(job, roll, count, n, hidden_fn)

@@ -2,8 +2,9 @@
 
 `validate_grpo(config)` parses the config (`config_schema.collect`: every section typed, with its own checks)
 and adds the GRPO job's checks across sections (sampling, group size, mini- and micro-batches, the task's keys
-and a JSONL task file's lines, idle_devices needs a data axis). It raises ONE ValueError listing every
-problem, each with the field and the fix, and returns the typed `GrpoConfig` the learner is built from.
+and the task's and eval sets' data files read through, idle_devices needs a data axis). It raises ONE
+ValueError listing every problem, each with the field and the fix, and returns the typed `GrpoConfig` the
+learner is built from.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from tlt_jax.config_schema import GrpoConfig
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
+from tlt_jax.rl.evaluation import eval_set_configs
 from tlt_jax.rl.reward import overlong_problems
 from tlt_jax.rl.schedules import decay_updates, schedule_problems
 from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions
-from tlt_jax.tasks.datasets import check_task_config, make_task
+from tlt_jax.tasks.datasets import FILE_KINDS, TASK_KINDS, check_task_config, make_task
+from tlt_jax.utils.plain import plain_dict
 
 
 def rl_problems(config: mlc.ConfigDict) -> list[str]:
@@ -30,10 +33,11 @@ def rl_problems(config: mlc.ConfigDict) -> list[str]:
     out = []
     ro, rl, tr = config.rollout, config.rl, config.trainer
     if not config.task.get("kind"):
-        out.append("config.task.kind is empty: set it to one of reasoning_gym | jsonl | counting.")
-    if config.task.get("kind") == "jsonl" and not config.task.get("path"):
+        out.append(f"config.task.kind is empty: set it to one of {' | '.join(TASK_KINDS)}.")
+    if config.task.get("kind") in FILE_KINDS and not config.task.get("path"):
         out.append(
-            "config.task.path is empty: pass --config.task.path=/path/to/train.jsonl (question/answer)."
+            "config.task.path is empty: pass --config.task.path=/path/to/train.parquet (or .jsonl; a glob, "
+            "or several separated by commas)."
         )
     if ro.temperature <= 0:
         out.append(
@@ -76,19 +80,43 @@ def rl_problems(config: mlc.ConfigDict) -> list[str]:
 
 
 def task_problems(task: mlc.ConfigDict, check_paths: bool = True) -> list[str]:
-    """config.task's keys for its kind, and a JSONL task file read through (a malformed line fails here,
-    naming the line, before any model is built or anything is written)."""
+    """config.task's keys for its kind, and a task's data files read through (a malformed row fails here,
+    naming the file, row and field, before any model is built or anything is written; the read is cached)."""
     kind = task.get("kind")
-    if not kind or (kind == "jsonl" and not task.get("path")):
+    if not kind or (kind in FILE_KINDS and not task.get("path")):
         return []  # rl_problems says what to set
     try:
-        if check_paths and kind == "jsonl":
+        if check_paths and kind in FILE_KINDS:
             make_task(task)
         else:
             check_task_config(task)
     except (OSError, ValueError) as e:
         return [f"config.task: {e}"]
     return []
+
+
+def eval_set_problems(config: mlc.ConfigDict, check_paths: bool = True) -> list[str]:
+    """Every config.eval.sets entry: its keys, its files read through (as the task's), its sampling."""
+    sets = config.get("eval", {}).get("sets", {})
+    try:
+        specs = eval_set_configs(plain_dict(sets), plain_dict(config.task))
+    except ValueError as e:
+        return [str(e)]
+    out = []
+    for name, (task, sampling) in specs.items():
+        try:
+            make_task(task) if check_paths else check_task_config(task)
+        except (OSError, ValueError) as e:
+            out.append(f"config.eval.sets.{name}: {e}")
+        bad = {k: v for k, v in sampling.items() if not isinstance(v, (int, float)) or v < 0}
+        if bad or sampling.get("samples", 1) < 1:
+            out.append(f"config.eval.sets.{name}: {bad or sampling}: need numbers >= 0 and samples >= 1.")
+        if sampling.get("max_new_tokens", 0) > config.rollout.max_new_tokens:
+            out.append(
+                f"config.eval.sets.{name}.max_new_tokens={sampling['max_new_tokens']}: at most "
+                f"config.rollout.max_new_tokens={config.rollout.max_new_tokens} (the engine's cache)."
+            )
+    return out
 
 
 def policy_loss_config(job: GrpoConfig) -> PolicyLossConfig:
@@ -159,5 +187,6 @@ def validate_grpo(config: mlc.ConfigDict, check_paths: bool = True) -> GrpoConfi
         config_schema.fail([f"config.job={config.job!r}: this is the GRPO job's validation (job=grpo)."])
     built, problems = config_schema.collect(config, check_paths)
     problems += rl_problems(config) + task_problems(config.task, check_paths)
+    problems += eval_set_problems(config, check_paths)
     config_schema.fail(problems)
     return GrpoConfig(raw=config, **built)

@@ -68,6 +68,7 @@ from tlt_jax.rl.spot import (
 from tlt_jax.rl.update import old_logprobs, update_policy
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, make_task
+from tlt_jax.tasks.rewards import reward_counts
 from tlt_jax.utils import compile_stats
 from tlt_jax.utils.checkpoint import Checkpointer
 from tlt_jax.utils.heartbeat import Heartbeat
@@ -119,6 +120,8 @@ class Learner:
             self.engine,
             self.sampling,
         )
+        if self.evaluator is not None:  # training never reads the held-out problems, in any epoch
+            self.task = self.evaluator.train_task
         self.base_key = jax.random.key(job.run.seed)
         self.step, self.data_position = 0, 0
         self.ckpt = Checkpointer(
@@ -210,6 +213,7 @@ class Learner:
         self.phases.set(step, "metrics")
         metrics = learning_metrics(step, plan, rollout, scores, adv, update, next_position, clock)
         metrics.update(engine_gap_metrics(rollout, update, self.trainer.loss.fuse_old_logprobs))
+        metrics.update(reward_counts(scores.results))  # checker failures, unclosed think blocks
         metrics.update(self.monitor.metrics(step))
         metrics.update(spot_metrics(self.spot))
         metrics.update(selector_metrics(self.selector))

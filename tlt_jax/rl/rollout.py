@@ -32,7 +32,7 @@ class PromptEncoder:
 
     def __call__(self, problem: Problem) -> list[int]:
         if problem.uid not in self._cache:
-            self._cache[problem.uid] = self.tokenizer.encode_chat(self.task.messages(problem))
+            self._cache[problem.uid] = self.task.encode_prompt(problem, self.tokenizer)
         return self._cache[problem.uid]
 
 

@@ -41,6 +41,31 @@ def _unwrap_boxed(s: str) -> str:
     return s[open_idx + 1 :]  # unbalanced (truncated response): take what is there
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` / `\\fbox{...}` in `text` (nested braces matched; a truncated
+    box gives what is there), or None when there is none. MATH solutions carry their answer this way."""
+    if max(text.rfind(cmd + "{") for cmd in _BOX_COMMANDS) < 0:
+        return None
+    return _unwrap_boxed(text)
+
+
+THINK_CLOSE = "</think>"
+
+
+def split_think(text: str, required: bool) -> tuple[str | None, bool]:
+    """(the part of a response after its reasoning, whether the think block was left open).
+
+    R1-style models reason inside `<think>...</think>` (the opening tag is often the chat template's, not the
+    response's) and answer after it: the answer part is the text after the LAST `</think>`. `required` (the
+    prompt opened a think block): a response without `</think>` never finished reasoning, (None, True), and
+    scores 0. Not required: a response without `</think>` is all answer.
+    """
+    _, sep, tail = text.rpartition(THINK_CLOSE)
+    if sep:
+        return tail, False
+    return (None, True) if required else (text, False)
+
+
 def _strip_math_delimiters(s: str) -> str:
     s = s.strip()
     for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):

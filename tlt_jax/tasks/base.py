@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from typing import Protocol
 
 import numpy as np
 
@@ -18,14 +19,32 @@ DEFAULT_INSTRUCTION = (
 )
 
 
+class PromptTokenizer(Protocol):
+    """What prompt encoding needs of a tokenizer (tlt_jax.models.tokenizer.Tokenizer has it)."""
+
+    bos_token_id: int | None
+    eos_token_id: int
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+    def id_to_token(self, token_id: int) -> str | None: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """One prompt: a stable id, the question text, the reference answer and the raw source entry."""
+    """One prompt: a stable id, the question text (chat data: the last user message), the reference answer,
+    the source entry (reasoning-gym: what its verifier reads; files: data_source, file, row) and the data's
+    own chat messages, if any."""
 
     uid: str
     question: str
     answer: str
     entry: dict
+    messages: tuple[dict[str, str], ...] | None = None  # chat-message prompts (VeRL's `prompt`), else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +56,15 @@ class RewardResult:
     format_ok: the response ends with the requested `Answer:` line (`answers.ends_with_answer_line`; counting
         task: the response is non-empty).
     extracted: the answer string that was scored, or None when none could be extracted.
+    verify_failed / think_unterminated: why a response scored 0 without a verdict (`rewards.reward_counts`).
     """
 
     reward: float
     correct: bool
     format_ok: bool
     extracted: str | None
+    verify_failed: bool = False  # the checker gave up (timeout, parser error): scored 0, counted
+    think_unterminated: bool = False  # the think block never closed: scored 0, counted
 
 
 def build_messages(
@@ -99,6 +121,11 @@ class Task(abc.ABC):
         """Chat messages for one problem (default: `build_messages` with the default prompts)."""
         return build_messages(problem)
 
+    def encode_prompt(self, problem: Problem, tokenizer: PromptTokenizer) -> list[int]:
+        """Prompt token ids: the messages through the tokenizer's chat template (tasks with their own
+        template, `config.task.chat_template`, render it themselves)."""
+        return tokenizer.encode_chat(self.messages(problem))
+
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The problem indices of one epoch, in the order they are served."""
         if self._perm_cache is not None and self._perm_cache[0] == epoch:
@@ -126,3 +153,43 @@ class Task(abc.ABC):
             epoch, offset = divmod(p, n)
             out.append(self.problem(int(self.epoch_order(epoch)[offset])))
         return out, position + num_prompts
+
+
+class TrainSplit(Task):
+    """The training side of a held-out split: `task` without the last `held_out` problems of its first
+    epoch (the held-out eval's problems, `held_out_indices`), for every epoch.
+
+    Epoch 0 serves the remaining problems in the task's own epoch-0 order, so a run that stays in its first
+    epoch reads exactly what it read before the split existed; later epochs are permutations seeded by
+    (seed, epoch) of the remaining problems (when the task shuffles). Resumable from one position as any task.
+    """
+
+    def __init__(self, task: Task, held_out: int) -> None:
+        n = len(task)
+        if not 0 < held_out < n:
+            raise ValueError(
+                f"config.eval.prompts={held_out}: the held-out split needs 0 < prompts < the task's {n} "
+                "problems (raise config.task.size / use more data, or lower config.eval.prompts)"
+            )
+        super().__init__(task.seed, task.shuffle)
+        order = task.epoch_order(0)
+        self.base = task
+        self.train_indices, self.held_out_indices = order[: n - held_out], order[n - held_out :]
+
+    def __len__(self) -> int:
+        return len(self.train_indices)
+
+    def problem(self, index: int) -> Problem:
+        return self.base.problem(int(self.train_indices[index]))
+
+    def score(self, problem: Problem, response_text: str) -> RewardResult:
+        return self.base.score(problem, response_text)
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        return self.base.messages(problem)
+
+    def encode_prompt(self, problem: Problem, tokenizer: PromptTokenizer) -> list[int]:
+        return self.base.encode_prompt(problem, tokenizer)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        return np.arange(len(self)) if epoch == 0 else super().epoch_order(epoch)

@@ -8,8 +8,13 @@ Kinds (see `make_task`):
 - "reasoning_gym": procedurally generated problems from the `reasoning-gym` package, scored by the dataset's
   own verifier (`ds.score_answer`). Some verifiers give partial credit for wrong answers (countdown 0.05,
   gsm_symbolic 0.01), so `RewardResult.correct` is "verifier score == 1.0", not "reward > 0".
-- "jsonl": GSM8K/MATH-style local files (`{"question": ..., "answer": ...}` per line), scored by normalised
-  numeric/string equality.
+- "jsonl", "parquet": local data files (`tasks.files`: VeRL's parquet layout, MATH's problem/solution,
+  GSM8K-style question/answer; globs and several files), scored by `config.task.reward` (`tasks.rewards`:
+  today's normalised numeric/string equality, math-verify, or DAPO's `Answer:` check).
+
+Every kind but counting takes the prompt keys of `tasks.prompts` (`prompt` preset, `system_prompt`,
+`instruction`, `chat_template`) and the reward keys (`reward`, `think`, `verify_timeout`, `answer_mode`,
+`format_reward`).
 - "counting": a toy task for smoke tests with a tiny random model: a dense reward (the fraction of response
   characters equal to a target digit) that GRPO can raise within a few steps.
 
@@ -20,28 +25,22 @@ to the last number in the text, which small models produce far more often than t
 from __future__ import annotations
 
 import inspect
-import json
-import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections as mlc
 
 from tlt_jax.tasks.answers import (
-    answers_match,
     check_answer_mode,
     ends_with_answer_line,
     extract_answer,
     normalize_number,
+    split_think,
 )
-from tlt_jax.tasks.base import (
-    DEFAULT_INSTRUCTION,
-    DEFAULT_SYSTEM_PROMPT,
-    Problem,
-    RewardResult,
-    Task,
-    build_messages,
-)
+from tlt_jax.tasks.base import Problem, PromptTokenizer, RewardResult, Task
+from tlt_jax.tasks.files import JsonlTask, ParquetTask
+from tlt_jax.tasks.prompts import encode_prompt, prompt_messages, resolve_prompt
+from tlt_jax.tasks.rewards import ReferenceScorer
 
 
 class ReasoningGymTask(Task):
@@ -61,12 +60,20 @@ class ReasoningGymTask(Task):
         dataset_kwargs: Mapping[str, Any] | None = None,
         answer_mode: str = "answer",
         format_reward: float = 0.0,
-        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
-        instruction: str | None = DEFAULT_INSTRUCTION,
+        system_prompt: str | None = "",
+        instruction: str | None = "",
         shuffle: bool = True,
+        reward: str = "answer",
+        think: bool = False,
+        verify_timeout: int = 5,
+        prompt: str = "default",
+        chat_template: str = "",
     ) -> None:
         super().__init__(seed, shuffle)
         check_answer_mode(answer_mode)
+        self.spec = resolve_prompt(prompt, system_prompt, instruction, chat_template, think)
+        # reward "answer": the dataset's verifier (below); otherwise a checker against the entry's answer
+        self.scorer = ReferenceScorer(reward, answer_mode, format_reward, self.spec.think, verify_timeout)
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         try:
@@ -90,8 +97,6 @@ class ReasoningGymTask(Task):
         self.size = int(size)
         self.answer_mode = answer_mode
         self.format_reward = float(format_reward)
-        self.system_prompt = system_prompt
-        self.instruction = instruction
         self._cache: dict[int, Problem] = {}
 
     def __len__(self) -> int:
@@ -109,7 +114,10 @@ class ReasoningGymTask(Task):
         return self._cache[index]
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
-        return build_messages(problem, self.system_prompt, self.instruction)
+        return prompt_messages(self.spec, problem.question)
+
+    def encode_prompt(self, problem: Problem, tokenizer: PromptTokenizer) -> list[int]:
+        return encode_prompt(self.spec, self.messages(problem), tokenizer)
 
     def _verify(self, answer: str, problem: Problem) -> float:
         try:
@@ -118,6 +126,11 @@ class ReasoningGymTask(Task):
             return 0.0
 
     def score(self, problem: Problem, response_text: str) -> RewardResult:
+        if self.scorer.reward != "answer":
+            return self.scorer(response_text, problem.answer)
+        response_text, unterminated = split_think(response_text, self.spec.think)
+        if response_text is None:
+            return RewardResult(0.0, False, False, None, think_unterminated=unterminated)
         format_ok = ends_with_answer_line(response_text)
         extracted = extract_answer(response_text, self.answer_mode)
         verifier_score = 0.0
@@ -130,101 +143,6 @@ class ReasoningGymTask(Task):
         return RewardResult(
             reward=reward, correct=verifier_score >= 1.0, format_ok=format_ok, extracted=extracted
         )
-
-
-def _parse_line(line: str) -> tuple[dict[str, Any], str, str]:
-    """One JSONL task line -> (entry, question, reference answer); a ValueError saying what is wrong."""
-    try:
-        entry = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from e
-    if not isinstance(entry, dict):
-        raise ValueError(f"expected a JSON object, got {type(entry).__name__}")
-    for key in ("question", "answer"):
-        if key not in entry:
-            raise ValueError(f"missing field {key!r} (fields present: {sorted(entry)})")
-    question, answer = entry["question"], entry["answer"]
-    if not isinstance(question, str):
-        raise ValueError(f"field 'question' must be a string, got {type(question).__name__}")
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise ValueError(f"field 'answer' must be a string or a number, got {type(answer).__name__}")
-    answer = str(answer)
-    if "####" in answer:  # GSM8K: the worked solution, then "#### 42"
-        answer = answer.rsplit("####", 1)[1]
-    answer = answer.strip()
-    if not answer:
-        raise ValueError("field 'answer' is empty (after the '####' marker, if any)")
-    return entry, question, answer
-
-
-class JsonlTask(Task):
-    """GSM8K/MATH-style local JSONL: one `{"question": str, "answer": str | number}` object per line.
-
-    GSM8K answers carry the worked solution before "#### 42": the reference is the part after the last "####".
-    An optional "id" field becomes the problem uid (default "<file name>:<line number>"). Blank lines are
-    skipped. reward = 1.0 when `answers_match(extracted, reference)`, plus `format_reward` for an `Answer:`
-    line.
-    """
-
-    def __init__(
-        self,
-        path: str | pathlib.Path,
-        seed: int = 0,
-        answer_mode: str = "answer",
-        format_reward: float = 0.0,
-        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
-        instruction: str | None = DEFAULT_INSTRUCTION,
-        shuffle: bool = True,
-    ) -> None:
-        super().__init__(seed, shuffle)
-        check_answer_mode(answer_mode)
-        self.path = pathlib.Path(path)
-        self.answer_mode = answer_mode
-        self.format_reward = float(format_reward)
-        self.system_prompt = system_prompt
-        self.instruction = instruction
-        self.problems = self._load(self.path)
-
-    @staticmethod
-    def _load(path: pathlib.Path) -> list[Problem]:
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"JSONL task file {path} does not exist: set the task's `path` to a local file"
-            )
-        problems = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    entry, question, answer = _parse_line(line)
-                except ValueError as e:
-                    raise ValueError(
-                        f"{path}:{lineno}: {e}. Each line must be one JSON object "
-                        '{"question": "...", "answer": "..." or a number} (blank lines are skipped): fix or '
-                        f"remove line {lineno}."
-                    ) from e
-                uid = str(entry["id"]) if "id" in entry else f"{path.name}:{lineno}"
-                problems.append(Problem(uid=uid, question=question, answer=answer, entry=entry))
-        if not problems:
-            raise ValueError(f"JSONL task file {path} contains no problems (it is empty or only blank lines)")
-        return problems
-
-    def __len__(self) -> int:
-        return len(self.problems)
-
-    def problem(self, index: int) -> Problem:
-        return self.problems[index]
-
-    def messages(self, problem: Problem) -> list[dict[str, str]]:
-        return build_messages(problem, self.system_prompt, self.instruction)
-
-    def score(self, problem: Problem, response_text: str) -> RewardResult:
-        format_ok = ends_with_answer_line(response_text)
-        extracted = extract_answer(response_text, self.answer_mode)
-        correct = answers_match(extracted, problem.answer)
-        reward = (1.0 if correct else 0.0) + (self.format_reward if format_ok else 0.0)
-        return RewardResult(reward=reward, correct=correct, format_ok=format_ok, extracted=extracted)
 
 
 class CountingTask(Task):
@@ -272,8 +190,10 @@ class CountingTask(Task):
 TASK_KINDS: dict[str, type[Task]] = {
     "reasoning_gym": ReasoningGymTask,
     "jsonl": JsonlTask,
+    "parquet": ParquetTask,
     "counting": CountingTask,
 }
+FILE_KINDS = ("jsonl", "parquet")  # read from `path` (validation reads them through)
 
 
 def check_task_config(config: mlc.ConfigDict | Mapping[str, object]) -> tuple[type[Task], dict[str, Any]]:
@@ -292,6 +212,20 @@ def check_task_config(config: mlc.ConfigDict | Mapping[str, object]) -> tuple[ty
     if missing:
         raise ValueError(f"task kind {kind!r} needs config keys {missing}")
     return cls, cfg
+
+
+def task_config(kind: str, **keys: object) -> dict[str, object]:
+    """Every key of task kind `kind` with its default, updated by `keys`: a config file that starts from it
+    lets the command line override any key (`--config.task.system_prompt=...`; ml_collections refuses keys a
+    config lacks). Defaults of None (no command-line type) are left out."""
+    if kind not in TASK_KINDS:
+        raise ValueError(f"unknown task kind {kind!r}: use one of {sorted(TASK_KINDS)}")
+    params = inspect.signature(TASK_KINDS[kind].__init__).parameters
+    out: dict[str, object] = {"kind": kind}
+    out.update({k: p.default for k, p in params.items() if k != "self" and p.default not in (None, p.empty)})
+    out.update(keys)
+    check_task_config(out)
+    return out
 
 
 def make_task(config: mlc.ConfigDict | Mapping[str, object]) -> Task:

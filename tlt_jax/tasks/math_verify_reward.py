@@ -1,0 +1,77 @@
+"""The `math_verify` checker: HF's `math-verify` parses the reference and the response into sympy and compares
+them (fractions, decimals, percentages, intervals, radicals, pi, tuples, sets, `x = ...`, `\\text{}`, units),
+the way VeRL's `math_verify` reward does: the reference read as `\\boxed{<reference>}` (LaTeX), the response
+read with expression and LaTeX extraction (the last `\\boxed{}` first).
+
+Parsing and verification each run under a time limit (`timeout` seconds, math-verify's SIGALRM timer, so only
+on the main thread; elsewhere without a limit). Whatever goes wrong (a timeout, a parser error, a reference
+that does not parse) is a failed verdict, counted by the caller, never raised: model output is untrusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Any
+
+TAIL_CHARS = 4000  # the response's last characters are parsed: a long reasoning trace costs no parse time
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckVerdict:
+    """A checker's verdict: correct, the answer it read (None: none found), failed (the checker gave up:
+    timeout or error; scored 0)."""
+
+    correct: bool
+    extracted: str | None
+    failed: bool = False
+
+
+def _library() -> Any:
+    try:
+        import math_verify
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("reward 'math_verify' needs `pip install math-verify==0.9.0`") from e
+    return math_verify
+
+
+def _timeout_error() -> type[BaseException]:
+    from math_verify.errors import TimeoutException
+
+    return TimeoutException
+
+
+def _limit(timeout: int) -> int | None:
+    """math-verify's timer is SIGALRM: usable on the main thread only."""
+    return timeout if timeout > 0 and threading.current_thread() is threading.main_thread() else None
+
+
+@functools.lru_cache(maxsize=65536)
+def _gold(reference: str, timeout: int) -> tuple[Any, ...]:
+    """The parsed reference (cached: a group scores the same reference n times); () when it does not parse."""
+    mv = _library()
+    latex = [mv.LatexExtractionConfig()]
+    parsed = mv.parse(f"\\boxed{{{reference}}}", latex, parsing_timeout=_limit(timeout), raise_on_error=True)
+    if not parsed:  # e.g. a bare expression the boxed LaTeX reader rejects
+        both = [mv.LatexExtractionConfig(), mv.ExprExtractionConfig()]
+        parsed = mv.parse(reference, both, parsing_timeout=_limit(timeout), raise_on_error=True)
+    return tuple(parsed)
+
+
+def math_verify_check(response: str, reference: str, timeout: int = 5) -> CheckVerdict:
+    """Whether `response`'s final answer equals `reference` mathematically (a failed verdict on any error)."""
+    mv = _library()
+    try:
+        gold = _gold(reference, timeout)
+        if not gold:
+            return CheckVerdict(False, None, failed=True)
+        configs = [mv.ExprExtractionConfig(), mv.LatexExtractionConfig()]
+        pred = mv.parse(response[-TAIL_CHARS:], configs, parsing_timeout=_limit(timeout), raise_on_error=True)
+        if not pred:
+            return CheckVerdict(False, None)
+        extracted = str(pred[-1]) if isinstance(pred[-1], str) else str(pred[0])
+        ok = mv.verify(list(gold), pred, timeout_seconds=_limit(timeout), raise_on_error=True)
+        return CheckVerdict(bool(ok), extracted)
+    except (Exception, _timeout_error()):  # the timeout is a BaseException
+        return CheckVerdict(False, None, failed=True)
