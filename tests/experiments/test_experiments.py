@@ -133,8 +133,9 @@ def test_sd_heatmaps_smoke(smollm_gguf_path, tmp_path):
 @pytest.mark.experiments
 def test_case_study_smoke(smollm_gguf_path, tmp_path):
     """4 requests x 8 tokens, two fixed arms switched on from the first chunk (threshold >= batch), one
-    learning rollout per selector, two measured keys: every rollout samples the plain tokens (up to rounding
-    flips), the best fixed arm is the fastest of the fixed ones, and the headline ratios agree."""
+    learning rollout per selector, two measured keys: every rollout samples the plain tokens (float32: no
+    rounding flip at this size), the best fixed arm is the fastest of the fixed ones, and the headline
+    ratios agree."""
     res, out = _run(
         "case_study",
         "--random-drafter",
@@ -156,8 +157,9 @@ def test_case_study_smoke(smollm_gguf_path, tmp_path):
         "--out",
         str(tmp_path),
     )
-    # coupled verification: tokens equal plain's up to float-rounding flips (a real divergence exits non-zero)
-    assert res["same_tokens"] == ("1" if res["flips"] == "0" else "0") and int(res["flips"]) >= 0
+    # coupled verification in float32: every rollout has plain's tokens. A rounding flip needs a uniform
+    # within float32 rounding of a CDF boundary (~1e-6 per token): over these few hundred tokens, none
+    assert res["same_tokens"] == "1" and res["flips"] == "0"
     assert "diverge for real" in out and "A REAL DIVERGENCE" not in out
     fixed = {k: float(res[f"{k}_vs_plain"]) for k in ("3_1_4", "ngram_3_1_4")}
     assert res["best_fixed"] in ("3_1_4@thr4", "ngram_3_1_4@thr4")

@@ -297,14 +297,19 @@ def test_drafter_checkpointer_saves_only_trainable_weights(tmp_path):
 
 def test_drafter_checkpointer_writes_in_the_background_until_wait(tmp_path):
     """Async: `save` returns while the step is still being written (no finalised `<step>` directory yet);
-    `wait` makes it durable. Sync: the step is finalised when `save` returns."""
+    `wait` blocks until it is durable and returns the seconds it blocked (> 0 with the write in flight, at
+    most the wall time around the call; about 0 once nothing is pending). Sync: the step is finalised when
+    `save` returns."""
     big = {"fc": jnp.asarray(np.random.default_rng(0).standard_normal((2048, 4096), dtype=np.float32))}
     with DrafterCheckpointer(tmp_path / "async") as dckpt:
         info = dckpt.save(1, big)
         in_flight = not (tmp_path / "async" / "1").is_dir()  # checked right away: 32 MiB take a while
         assert info.saved and in_flight
-        assert dckpt.wait() >= 0.0
+        t0 = time.perf_counter()
+        waited = dckpt.wait()
+        assert 0.0 < waited <= time.perf_counter() - t0
         assert (tmp_path / "async" / "1").is_dir() and dckpt.latest_step() == 1
+        assert dckpt.wait() < min(waited, 0.05)  # nothing in flight: returns at once
     sync = DrafterCheckpointer(tmp_path / "sync", async_save=False)
     sync.save(1, big)
     assert (tmp_path / "sync" / "1").is_dir()
