@@ -26,6 +26,7 @@ class Job:
     config: str  # "configs/x.py:arg"
     overrides: tuple[tuple[str, object], ...] = ()  # dotted key -> value, as --config.<key>=<value>
     warmed_drafter: bool = False  # drafter.path points at the smoke warm-up's workdir
+    hf_dir: bool = False  # model.path is a tiny HF directory of the config's architecture (real checkpoints)
 
     def load(self) -> mlc.ConfigDict:
         path, _, arg = self.config.partition(":")
@@ -51,6 +52,8 @@ JOBS = (
     Job("smoke", "configs/smoke.py"),
     Job("qwen2.5-0.5b runlocal", "configs/qwen2_5_0_5b.py:runlocal"),
     Job("qwen2.5-7b runlocal", "configs/qwen2_5_7b.py:runlocal"),
+    # the cluster command's shape: --config.model.path=<HF dir> on the config's tensor-parallel mesh
+    Job("qwen2.5-7b from an HF directory", "configs/qwen2_5_7b.py", hf_dir=True),
     Job("qwen2.5-32b runlocal", "configs/qwen2_5_32b.py:runlocal"),
     Job("qwen2.5-7b tpu runlocal", "configs/qwen2_5_7b_tpu.py:runlocal"),
 )
@@ -61,14 +64,37 @@ def _architecture(c: mlc.ConfigDict) -> str:
     return str(random.get("architecture", "llama"))
 
 
-def shrink(c: mlc.ConfigDict, warmup_dir: pathlib.Path | None = None) -> mlc.ConfigDict:
-    """Smoke size for either job: a tiny random model of the config's architecture (byte tokenizer), one
-    step (or a few drafter steps), 2 prompts x 2 samples, 8 new tokens; what the job does is unchanged."""
-    c.model.path = None
+def save_tiny_hf_dir(path: pathlib.Path, architecture: str = "qwen2") -> pathlib.Path:
+    """A tiny random Llama / Qwen2 written by transformers (safetensors, 2+ shards and an index) with the
+    byte tokenizer: what `--config.model.path=/path/to/Qwen2.5-7B` reads, at smoke size."""
+    import torch
+    import transformers
+
+    from tlt_jax.models.tokenizer import ByteTokenizer
+
+    kw = dict(vocab_size=264, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    kw |= dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    cls, cfg = {
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+    }[architecture]
+    cls(cfg(**kw)).save_pretrained(path, max_shard_size="100KB")
+    ByteTokenizer().save(path)
+    return path
+
+
+def shrink(
+    c: mlc.ConfigDict, warmup_dir: pathlib.Path | None = None, model_dir: pathlib.Path | None = None
+) -> mlc.ConfigDict:
+    """Smoke size for either job: a tiny model of the config's architecture (random, or read from the HF
+    directory `model_dir`; byte tokenizer), one step (or a few drafter steps), 2 prompts x 2 samples, 8 new
+    tokens; what the job does is unchanged."""
+    c.model.path = str(model_dir) if model_dir else None
     c.model.arch = None
     c.model.init = "auto"
     c.model.dtype = "float32"
-    c.model.random = config_lib.tiny_random_model(_architecture(c))
+    c.model.random = {} if model_dir else config_lib.tiny_random_model(_architecture(c))
     c.compilation_cache_dir = str(ROOT / ".cache" / "jax_test_cache")
     if c.job == "drafter_warmup":
         return _shrink_warmup(c)

@@ -40,9 +40,17 @@ def test_warmup_job_writes_a_drafter(warmup_dir: pathlib.Path) -> None:
     )
 
 
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A tiny Qwen2 HF checkpoint directory (4 KV heads: the paper configs' model axis of 4 divides them)."""
+    return dj.save_tiny_hf_dir(tmp_path_factory.mktemp("qwen2_hf"))
+
+
 @pytest.mark.parametrize("job", dj.JOBS, ids=[j.name for j in dj.JOBS])
-def test_documented_job_runs(job: dj.Job, warmup_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    config = dj.shrink(job.load(), warmup_dir if job.warmed_drafter else None)
+def test_documented_job_runs(
+    job: dj.Job, warmup_dir: pathlib.Path, hf_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    config = dj.shrink(job.load(), warmup_dir if job.warmed_drafter else None, hf_dir if job.hf_dir else None)
     assert main.run(config, str(tmp_path)) == "done"
     rows = read_metrics(tmp_path / METRICS_FILE)
     assert [r["step"] for r in rows if "reward/mean" in r] == [1]

@@ -6,8 +6,8 @@ its mode at (batch bucket, cache bucket), plus host overhead; speculative rounds
 the mode per chunk is plain, the threshold switch or the converged bandit; devices whose rows have finished
 are idle (the spot trainer's time); the step adds reward, log-prob and update time.
 
+    python -m experiments.models.simulate_rl --validate workdirs/e2e_val  # runs e2e + step_costs if absent
     python -m experiments.models.simulate_rl --validate workdirs/e2e_val --costs workdirs/step_costs.json
-    python -m experiments.models.simulate_rl --validate workdirs/e2e_val  # measures the costs (step_costs.py)
     python -m experiments.models.simulate_rl                              # Qwen2.5-7B / 8 x H100 projection
 
 Validation without circularity: the costs come from `step_costs.py` (a separate benchmark on the same
@@ -17,10 +17,14 @@ arm's per-step response and prompt lengths (rollouts.jsonl) and its time outside
 log-probs, update: time/step - time/rollout, the same work in every arm since coupled verification leaves
 the samples unchanged). It predicts every arm's step time (compilation excluded, as e2e_speedup's `net`)
 and the speedups over plain, and compares them with what the run measured, steps after the first.
-Final line (validation): `RESULT step_time_error=.. speedup_error=.. speedup_total_error=..
-rollout_time_error=.. other_time_spread=..` (largest relative errors over arms and steps >= 2; the total:
-over all those steps; the spread: how far the arms' own non-rollout times differ, the noise floor of a
-prediction from the plain arm's)
+A `--validate` folder without an e2e run in it gets one first (`e2e_speedup --quick --out DIR`), so one
+command reproduces the inputs and the check. Final line (validation): `RESULT rollout_time_error=..
+speedup_sign_agrees=.. speedup_pred_<arm>=.. speedup_meas_<arm>=.. speedup_total_error=.. speedup_error=..
+step_time_error=.. other_time_spread=..`: first what the model predicts on its own (the rollout time's
+largest relative error; whether predicted and measured speedups fall on the same side of 1), then the
+speedups and the step time, which also holds the measured non-rollout time fed back in (largest relative
+errors over arms and steps >= 2; the total: over all those steps; the spread: how far the arms' own
+non-rollout times differ, the noise floor of a prediction from the plain arm's)
 and `simulate_rl_validate.png` (running rows, measured vs predicted) in the run's folder.
 
 The projection, every number labelled as one: Qwen2.5-7B GRPO on `--devices` H100s (data parallel), the
@@ -192,6 +196,7 @@ def validate(run: pathlib.Path, costs: CostTable, max_new: int) -> dict[str, flo
     loads = [history[a][s - 1].get("machine/load_avg_1m", float("nan")) for s in steps for a in arms]
     print(f"\nload average (1 min) at the end of each arm's step: {', '.join(f'{x:.1f}' for x in loads)}")
     sp_err, total_err = 0.0, 0.0
+    totals: dict[str, tuple[float, float]] = {}  # arm -> (predicted, measured) speedup over all steps
     print(f"\n{'arm':>6} {'step':>4} {'speedup pred':>12} {'meas':>7}")
     for arm in arms[1:]:
         for s in list(steps) + ["all"]:
@@ -201,14 +206,20 @@ def validate(run: pathlib.Path, costs: CostTable, max_new: int) -> dict[str, flo
             print(f"{arm:>6} {s!s:>4} {p:>11.3f}x {q:>6.3f}x")
             if s == "all":
                 total_err = max(total_err, abs(p - q) / q)
+                totals[arm] = (p, q)
             else:
                 sp_err = max(sp_err, abs(p - q) / q)
     diagnose(history, recs, timelines, arms, steps)
-    return {
-        "step_time_error": step_err,
-        "speedup_error": sp_err,
+    # what the model predicts on its own leads: the rollout time, and whether SD gains or loses (the step
+    # time also contains the measured non-rollout time, fed back in, so its error is mostly not the model's)
+    sign_agrees = all((sp[0] - 1.0) * (sp[1] - 1.0) > 0 or abs(sp[1] - 1.0) < 1e-3 for sp in totals.values())
+    out = {"rollout_time_error": max(roll_err), "speedup_sign_agrees": float(sign_agrees)}
+    for arm, (p, q) in totals.items():
+        out[f"speedup_pred_{arm}"], out[f"speedup_meas_{arm}"] = p, q
+    return out | {
         "speedup_total_error": total_err,
-        "rollout_time_error": max(roll_err),
+        "speedup_error": sp_err,
+        "step_time_error": step_err,
         "other_time_spread": spread,
     }
 
@@ -458,6 +469,10 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     run = pathlib.Path(args.validate)
+    if not (run / "history.json").exists():  # one command reproduces the validation's inputs too
+        print(f"no e2e run in {run}: e2e_speedup --quick --out {run}", flush=True)
+        cmd = [sys.executable, "-m", "experiments.paper.e2e_speedup", "--quick", "--out", str(run)]
+        subprocess.run(cmd, cwd=h.ROOT, check=True)
     cost_path = args.costs
     if cost_path is None:
         cost_path = str(run / "step_costs.json")

@@ -31,7 +31,6 @@ from absl import logging
 
 from tlt_jax import config_lib
 from tlt_jax.config_schema import GrpoConfig
-from tlt_jax.models.build import build_model_and_tokenizer
 from tlt_jax.rl import config as rl_config
 from tlt_jax.rl.advantages import step_advantages, train_batch
 from tlt_jax.rl.checkpointing import (
@@ -89,8 +88,9 @@ class Learner:
         self._compiles = compile_stats.compile_log().snapshot()
         self.plan = StepPlan.from_config(job)
         t0 = time.perf_counter()
-        model, self.tokenizer = build_model_and_tokenizer(job.raw)
         self.mesh = config_lib.build_mesh(job.raw)
+        # a HF checkpoint (or random-weight preset) is read straight into the mesh's parameter layout
+        model, self.tokenizer = config_lib.build_model(job.raw, self.mesh)
         # what drafts for the rollouts (config.drafter): none / n-gram / a warmed EAGLE drafter
         self.rollout_drafter = announced_drafter(job.drafter, model.cfg, self.is_main)
         drafter = engine_drafter(self.rollout_drafter, job.spot, model.cfg, job.run.seed)

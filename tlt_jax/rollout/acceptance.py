@@ -368,9 +368,10 @@ def tree_accept_coupled(
     `keys_bn[b, i]` is the PRNG key plain decoding uses for the token after node i (the sequence's key folded
     with that token's index, `num_generated + depth[i]`). At each node the walk computes plain decoding's draw
     with that key (`plain_draws`) and accepts the drafted child carrying the same token; if no child does, the
-    draw itself is the bonus token. So a speculative round emits exactly the tokens a run of 1-token steps
-    would emit (up to float rounding between a T-token verify pass and a 1-token step, which can flip a draw
-    whose uniform lands within rounding of a CDF boundary).
+    draw itself is the bonus token. So a speculative round emits the tokens a run of 1-token steps would emit
+    wherever the T-token verify pass and the 1-token step compute the same probabilities: in float32 up to
+    rare rounding flips of a draw whose uniform lands on a CDF boundary; in bfloat16 the two round apart and
+    most sequences flip somewhere (docs/benchmarks.md), while each token stays distributed as p.
 
     Acceptance probability: the drafted child token t is accepted with probability p(t), the same as the
     target-only walk (`tree_accept`), i.e. the drafted children's distinct mass; and the output distribution

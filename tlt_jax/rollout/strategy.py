@@ -18,8 +18,9 @@ from tlt_jax.rollout.acceptance import TreeAcceptance
 DRAFTERS = ("eagle", "ngram")
 # How a drafted tree/chain is verified at temperature > 0 (greedy rounds always match the argmax):
 # "coupled": the token plain decoding would draw at each position with the row's own uniform is computed and
-#     the drafted child equal to it accepted, so the emitted tokens equal plain decoding's token for token
-#     (the default: SD changes no sample, so reward curves, resumes and bandit choices cannot move them);
+#     the drafted child equal to it accepted, so in float32 the emitted tokens equal plain decoding's token
+#     for token (the default: reward curves, resumes and bandit choices cannot move float32 samples; in
+#     bfloat16 verify and decode round apart, so samples flip but keep the target's distribution);
 # "target_only": TLT/SGLang's target-only tree walk (exact in distribution, same acceptance as coupled);
 # "rejection": EAGLE chains only: drafts SAMPLED from the drafter, Leviathan rejection sampling (exact in
 #     distribution only; accepts 1 - TV(p, q) per position instead of p(argmax q)).
