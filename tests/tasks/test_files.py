@@ -101,6 +101,16 @@ def test_question_answer_layout_globs_several_files_and_a_field_map(tmp_path) ->
     assert [task.problem(i).question for i in range(6)] == ["Q10", "Q11", "Q20", "Q21", "Q00", "Q01"]
     assert [task.problem(i).answer for i in range(2)] == ["10", "11"]
     assert task.problem(0).uid == "part1.parquet:0"
+    # ids repeated across files (VeRL's extra_info.index counts from 0 in each): uids stay unique
+    for k in range(2):
+        write_parquet_rows(tmp_path / f"v{k}.parquet", [verl_row(i) for i in range(2)])
+    both = make_task({"kind": "parquet", "path": f"{tmp_path}/v*.parquet", "shuffle": False})
+    assert [both.problem(i).uid for i in range(4)] == [
+        "v0.parquet:0",
+        "v0.parquet:1",
+        "v1.parquet:0",
+        "v1.parquet:1",
+    ]
 
 
 BAD_CASES = {

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
+from absl import logging
 
 from tlt_jax.config_schema import GrpoConfig
 from tlt_jax.config_sections import EvalConfig
@@ -211,6 +212,12 @@ class SetEval:
             truncated += [rollout.finish_reason[i] == "length" for i in order]
         metrics = sample_metrics(np.concatenate(correct), np.asarray(lengths), np.asarray(truncated))
         metrics["seconds"] = time.perf_counter() - t0
+        k = s.samples
+        logging.info(
+            "eval %s (%d problems x %d): mean@%d %.3f pass@%d %.3f | length %.0f, truncated %.1f%% (%.1f s)",
+            s.name, len(s.problems), k, k, metrics[f"mean@{k}"], k, metrics[f"pass@{k}"],
+            metrics["length_mean"], 100 * metrics["clip_frac"], metrics["seconds"],
+        )  # fmt: skip
         return {f"eval/{s.name}/{k}": v for k, v in metrics.items()}
 
     def run(self) -> dict[str, float]:

@@ -215,7 +215,15 @@ def _load(
     if not problems:
         names = ", ".join(f for f, _ in files)
         raise ValueError(f"task file {names} contains no problems (it is empty or only blank lines)")
-    return tuple(problems)
+    return _unique_uids(problems)
+
+
+def _unique_uids(problems: list[Problem]) -> tuple[Problem, ...]:
+    """The problems, their uids made unique when ids repeat (several files each counting from 0): prompts
+    are cached by uid. Then every uid is "<file>:<row>"."""
+    if len({p.uid for p in problems}) == len(problems):
+        return tuple(problems)
+    return tuple(dataclasses.replace(p, uid=f"{p.entry['file']}:{p.entry['row']}") for p in problems)
 
 
 def _first_fields(path: pathlib.Path, kind: str) -> list[str]:

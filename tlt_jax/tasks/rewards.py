@@ -97,7 +97,8 @@ class ReferenceScorer:
     """Scores a response against a reference answer with one checker (`reward`), after the think block.
 
     reward = 1.0 when correct (+ `format_reward` when the format is kept: for "answer", the response ends with
-    its `Answer:` line; "dapo": an `Answer:` line; "math_verify": a `\\boxed{}` answer).
+    its `Answer:` line; "dapo": an `Answer:` line; "math_verify": a `\\boxed{}` answer or a final `Answer:`
+    line, the two formats the prompt presets ask for).
     """
 
     def __init__(
@@ -120,7 +121,7 @@ class ReferenceScorer:
         """(the checker's verdict, format kept) for the answer part of a response."""
         if self.reward == "math_verify":
             v = math_verify_check(answer_text, reference, self.verify_timeout)
-            return v, last_boxed(answer_text) is not None
+            return v, last_boxed(answer_text) is not None or ends_with_answer_line(answer_text)
         if self.reward == "dapo":
             v = dapo_check(answer_text, reference)
             return v, v.extracted is not None
