@@ -98,7 +98,10 @@ def _answer(row: dict, key: str, answer_from: str) -> str:
     if answer_from == "boxed":
         boxed = last_boxed(text)
         if boxed is None:
-            raise RowError(f"field {key!r} has no \\boxed{{...}} answer (answer_from='boxed')")
+            raise RowError(
+                f"field {key!r} has no \\boxed{{...}} answer (answer_from='boxed'; a plain answer field "
+                "needs config.task.answer_from=value)"
+            )
         text = boxed
     elif answer_from == "gsm8k" and "####" in text:  # GSM8K: the worked solution, then "#### 42"
         text = text.rsplit("####", 1)[1]
