@@ -4,7 +4,7 @@ compile time first run vs rerun (compile_time.py), the SD table (bench_sd.py) an
 (e2e_speedup.py). Each reads the script's RESULT line (every key, generically) and its --json file where it
 writes one; a script another engineer has not landed yet, or without the flag a phase needs, is skipped with
 that reason. A dry run checks the scripts' flags without running them (they need the 98 MB model and
-minutes; tests/test_experiments.py smoke-tests them on CPU).
+minutes; tests/experiments/test_experiments.py smoke-tests them on CPU).
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
 """The README's figures come from measurements: every number the README quotes about speed, time, reward or
 size names its row of the headline table in docs/benchmarks.md (`[H3]`), and that row's value appears in the
-README paragraph that cites it; every row gives a date, a machine, a command and the section with details."""
+README paragraph that cites it; every row gives a date, a machine, a command and the section with details.
+Every command the docs cite resolves: its module or script exists and its arguments parse
+(`tests/doc_commands.py`), and every repository file they name exists."""
 
 from __future__ import annotations
 
 import pathlib
 import re
+
+from tests import doc_commands as dc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
@@ -51,3 +55,54 @@ def test_readme_figures_cite_their_rows_and_quote_them() -> None:
             assert value in flat, f"README cites [{rid}] without quoting its value {value!r}: {flat[:200]}"
             cited.add(rid)
     assert cited, "the README cites no measurement"
+
+
+def test_cited_commands_resolve() -> None:
+    """Each `python -m X ...` / `python path.py ...` in README.md, docs/*.md, experiments/README.md and the
+    Makefile: the module or script exists, names no machine's folder, and its command line parses the cited
+    arguments (one subprocess for all, which stops each module at its parser)."""
+    cmds = dc.doc_commands()
+    assert len(cmds) >= 50 and {"tlt_jax.main", "gpu.gpu_suite"} <= {c.module for c in cmds}
+    assert any(c.module and c.module.startswith("experiments.paper.") for c in cmds)
+    bad = dc.problems(cmds)
+    assert not bad, "cited commands that do not resolve:\n" + "\n".join(bad)
+
+
+def test_cited_files_exist() -> None:
+    missing = dc.missing_paths()
+    assert not missing, "files the docs name that are not in the repository:\n" + "\n".join(missing)
+
+
+FAKE_DOC = """
+Good: `python -m experiments.paper.e2e_speedup --quick --arms none,ngram` and
+`.venv/bin/python -m tlt_jax.main --config configs/tlt.py:drafter=none --config.rl.lr=1e-4 --workdir w`.
+
+```bash
+python -m experiments.no_such_script --quick                                  # no such module
+python -m experiments.paper.e2e_speedup --quick --no-such-flag                # a flag it lacks
+python3 -m experiments.paper.e2e_speedup --steps many                         # not an int
+python -m tlt_jax.main --config configs/tlt.py --config.rl.no_such_key=1 --workdir w   # no such config key
+python -m tlt_jax.main --config configs/no_such_config.py --workdir w         # no such config file
+python experiments/gpu_suite.py --call 2                                      # a script that moved
+python -m experiments.paper.e2e_speedup --quick --out /tmp/e2e                # a machine's folder
+python -m tlt_jx.main --config configs/tlt.py                                 # neither ours nor known
+```
+"""
+
+
+def test_the_command_check_fails_on_what_does_not_resolve() -> None:
+    cmds = dc.commands(FAKE_DOC, "fake.md")
+    assert len(cmds) == 10
+    bad = dc.problems(cmds)
+    assert len(bad) == 8, "\n".join(bad)  # one per bad command, none for the two good ones
+    for cited, why in [
+        ("experiments.no_such_script", "no module"),
+        ("--no-such-flag", "unrecognized arguments"),
+        ("--steps many", "invalid int value"),
+        ("no_such_key", "no_such_key"),
+        ("no_such_config.py", "Failed loading config file"),
+        ("experiments/gpu_suite.py", "no script"),
+        ("/tmp/e2e", "machine's folder"),
+        ("tlt_jx.main", "neither this repository's nor known"),
+    ]:
+        assert any(cited in line and why in line.split("->", 1)[1] for line in bad), (cited, bad)
