@@ -19,8 +19,8 @@ from experiments.lib import harness  # noqa: E402
 
 
 def _run(script: str, *args: str, timeout: int = 600) -> tuple[dict[str, str], str]:
-    """Run `python -m experiments.<script>` on one CPU device from the repository root, as a user runs it;
-    returns (its RESULT line as a dict, its stdout)."""
+    """Run `python -m experiments.<script>` (script: "<group>.<name>") on one CPU device from the repository
+    root, as a user runs it; returns (its RESULT line as a dict, its stdout)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax_test_cache"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -44,7 +44,7 @@ def _run(script: str, *args: str, timeout: int = 600) -> tuple[dict[str, str], s
 def test_bench_sd_smoke(smollm_gguf_path):
     """bench_sd with an untrained drafter: one prompt, a few tokens, one interleaved plain/SD pair."""
     res, _ = _run(
-        "bench_sd",
+        "bench.bench_sd",
         "--random-drafter",
         "--batches",
         "1",
@@ -78,7 +78,7 @@ def test_program_layouts_tiny(tmp_path):
     group (2), the naive one per strategy (3), the single layout one; the merged program costs less memory
     than the two it replaces."""
     res, out = _run(
-        "program_layouts",
+        "paper.program_layouts",
         "--tiny",
         "--batches",
         "1",
@@ -103,7 +103,7 @@ def test_sd_heatmaps_smoke(smollm_gguf_path, tmp_path):
     """One measured cell (batch 1, 2_1_3) fills Table 4 and Fig 13's depth-2 row; depth 3 > TV - 1 stays
     empty. A random drafter accepts almost nothing: only the shape and sanity of the numbers are checked."""
     res, _ = _run(
-        "sd_heatmaps",
+        "paper.sd_heatmaps",
         "--random-drafter",
         "--batches",
         "1",
@@ -137,7 +137,7 @@ def test_case_study_smoke(smollm_gguf_path, tmp_path):
     rounding flip at this size), the best fixed arm is the fastest of the fixed ones, and the headline
     ratios agree."""
     res, out = _run(
-        "case_study",
+        "paper.case_study",
         "--random-drafter",
         "--requests",
         "4",
@@ -182,7 +182,7 @@ def test_case_study_smoke(smollm_gguf_path, tmp_path):
 def test_bench_sampling_smoke(tmp_path):
     """bench_sampling on a 4,096-token vocabulary: both versions keep the same sets up to one boundary token
     per row (the script checks) and report positive times and their ratio."""
-    res, _ = _run("bench_sampling", "--quick", "--vocab", "4096", "--reps", "1", "--out", str(tmp_path))
+    res, _ = _run("bench.bench_sampling", "--quick", "--vocab", "4096", "--reps", "1", "--out", str(tmp_path))
     assert set(res) == {"speedup_b1", "speedup_b64", "ms_ours_b64", "ms_sort_b64"}
     assert all(float(v) > 0 for v in res.values())
     assert (tmp_path / "bench_sampling.png").exists()
@@ -194,7 +194,7 @@ def test_first_execution_smoke(smollm_gguf_path):
     """Two prompts x 2, 24 tokens, plain and one EAGLE chain: the passes decode alike, passes 2-3 compile
     nothing (asserted in the script), and every chunk is either a first execution or a rerun."""
     res, out = _run(
-        "first_execution",
+        "checks.first_execution",
         "--random-drafter",
         "--prompts",
         "2",
@@ -216,7 +216,8 @@ def test_sd_identity_smoke(smollm_gguf_path, tmp_path):
     strategy reports its identical fraction, and any sequence that diverges does so at a rounding flip (the
     plain draw's uniform within 1e-3 of a CDF boundary), the token-identity test's criterion."""
     js = tmp_path / "identity.json"
-    res, out = _run("sd_identity", "--prompts", "2", "--samples", "2", "--max-new", "16", "--json", str(js))
+    args = ("--prompts", "2", "--samples", "2", "--max-new", "16", "--json", str(js))
+    res, out = _run("checks.sd_identity", *args)
     assert res["dtype"] == "float32" and int(res["sequences"]) == 4 and int(res["new"]) == 16
     assert float(res["identical_frac_plain_rerun"]) == 1.0
     details = json.loads(js.read_text())

@@ -86,7 +86,7 @@ def test_project_sd_and_simulate_rl_projection_smoke(tmp_path):
     """Both scripts' default runs (the H100 run's numbers, docs/gpu_runs/) on CPU: RESULT lines and plots."""
     assert (ps.GPU_RUN / "call3_summary.json").exists()  # the default --gpu-run, in the repository
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    for script, args in (("project_sd", []), ("simulate_rl", ["--steps", "1"])):
+    for script, args in (("models.project_sd", []), ("models.simulate_rl", ["--steps", "1"])):
         proc = subprocess.run(
             [sys.executable, "-m", f"experiments.{script}", "--out", str(tmp_path), *args],
             cwd=ROOT,
