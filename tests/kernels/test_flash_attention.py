@@ -4,8 +4,9 @@ cached prompt), packed segments and lengths that are not multiples of the block;
 tree-attention oracle under a causal mask; the blockwise program holds no [T, T] buffer.
 
 Implementations: "blockwise" (jnp) runs everywhere; "pallas_tpu" (jax's TPU kernel) runs here under
-`pltpu.force_tpu_interpret_mode()` (its 128-token blocks make it the slow one, ~5 s); "cudnn" needs an NVIDIA
-GPU (tested where the backend is one). Tolerances: float32 1e-5 absolute on outputs and gradients of O(1)
+`pltpu.force_tpu_interpret_mode()` (its 128-token blocks make it the slow one, ~3 s) and lowers for a TPU at
+model shapes; "cudnn" needs an NVIDIA GPU (tested where the backend is one; it cannot even lower here:
+"cuDNN is not detected"). Tolerances: float32 1e-5 absolute on outputs and gradients of O(1)
 inputs (summation order differs), bfloat16 3e-2 (one rounding of a bf16 output / gradient).
 """
 
@@ -166,3 +167,16 @@ def test_cudnn_equals_reference_on_gpu() -> None:
     k, v = k[:, :, :t], v[:, :, :t]
     want = _value_and_grads("reference", q, k, v, g, zero, full)
     _assert_close(_value_and_grads("cudnn", q, k, v, g, zero, full), want, 3e-2)
+
+
+def test_pallas_tpu_path_lowers_for_tpu_at_model_shapes() -> None:
+    """Forward and backward of the Mosaic path at a 7B-like head size (D = 128, GQA 4:1, bf16, lengths not
+    multiples of 128) lower for a TPU without one: three Mosaic kernels (forward, dK/dV, dQ)."""
+    sds = jax.ShapeDtypeStruct
+    q, k, n = sds((2, 200, 8, 128), jnp.bfloat16), sds((2, 2, 300, 128), jnp.bfloat16), sds((2,), jnp.int32)
+
+    def loss(q, k, v, off, kvl):  # noqa: ANN001, ANN202
+        return jnp.sum(fa.flash_attention_pallas_tpu(q, k, v, off, kvl).astype(jnp.float32))
+
+    traced = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k, n, n)
+    assert traced.lower(lowering_platforms=("tpu",)).as_text().count("tpu_custom_call") == 3
