@@ -221,9 +221,9 @@ SCRIPT_PACKAGES = ("experiments", "gpu")
 
 
 def script_imports(path: pathlib.Path) -> set[str]:
-    """The modules of the script packages (experiments/, gpu/) a file imports, or runs as `-m <module>`."""
+    """The modules of the script packages (experiments/, gpu/) a file imports or runs (`"-m", "<module>"`)."""
     text = path.read_text()
-    out = {m for m in re.findall(r"[\"'](?:-m[\"'], [\"'])?((?:experiments|gpu)\.[\w.]+)[\"']", text)}
+    out = set(re.findall(r"[\"']-m[\"'],\s*f?[\"']((?:experiments|gpu)\.[\w.{}]+)[\"']", text))
     for node in ast.walk(ast.parse(text)):
         names = []
         if isinstance(node, ast.Import):
