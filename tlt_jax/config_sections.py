@@ -296,7 +296,7 @@ class TrainerSection(Section):
     micro_batch_size: int = 8  # rows per forward/backward (gradient accumulation over micro-batches)
     seq_bucket: int = 32  # prompt/response lengths are padded to multiples of this (fewer compiles)
     fuse_old_logprobs: bool = True  # with one mini-batch, take old log-probs from the update's forward
-    logits_chunk: int = 0  # compute response logits in chunks of this many positions (0: at once)
+    logits_chunk: int = 0  # response logits in chunks of this many positions, any length (0: at once)
     master_dtype: str = "float32"  # optimizer/master weights (the model computes in model.dtype)
     fsdp: bool = False  # also shard the trainer's params/optimizer state over the data axis (ZeRO-3-like)
     train_layers: int = 0  # 0: train every parameter; K: only the top K decoder layers + final norm
