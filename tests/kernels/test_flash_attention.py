@@ -121,6 +121,22 @@ def test_auto_and_bad_impls() -> None:
         fa.resolve_impl("cudnn", q.astype(jnp.bfloat16), segments=True)
 
 
+def test_auto_falls_back_to_blockwise_where_cudnn_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "auto" that picked cuDNN (as on a GPU) runs blockwise when cuDNN's checks raise while tracing (here:
+    no cuDNN at all); an explicit "cudnn" raises."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("needs a backend without cuDNN")
+    q, k, v, _ = _inputs(1, 8, 8, 2, 1, 8, jnp.bfloat16)
+    off, kvl = jnp.zeros(1, jnp.int32), jnp.full(1, 8, jnp.int32)
+    monkeypatch.setattr(fa, "resolve_impl", lambda impl, q, segments: "cudnn")
+    got = fa.flash_attention(q, k, v, off, kvl, impl="auto")
+    np.testing.assert_allclose(
+        np.float32(got), np.float32(fa.flash_attention_reference(q, k, v, off, kvl)), atol=3e-2
+    )
+    with pytest.raises(RuntimeError):
+        fa.flash_attention(q, k, v, off, kvl, impl="cudnn")
+
+
 def test_blockwise_program_holds_no_t_by_t_buffer() -> None:
     """Forward + backward at T = 4096 (tiny heads): XLA's temporaries stay far below one [T, T] float32
     score matrix (64 MiB), let alone the reference's [Hq, T, T]."""

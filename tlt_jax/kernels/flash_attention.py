@@ -26,8 +26,8 @@ Implementations (`flash_attention(impl=...)`):
   causal + segment ids, forward and backward kernels): padding becomes a segment, queries go to slot space
   as for cuDNN, K/V heads are repeated to Hq (the kernel is MHA), lengths are padded to 128. Off TPU it runs
   only under the caller's `pltpu.force_tpu_interpret_mode()` (the tests do).
-- "auto": pallas_tpu on TPU; cudnn on GPU for bf16/fp16 without segment ids and a head dim cuDNN takes;
-  blockwise otherwise.
+- "auto": pallas_tpu on TPU; cudnn on GPU for bf16/fp16 without segment ids and a head dim cuDNN takes
+  (blockwise, with a warning, where cuDNN's own checks refuse the call while tracing); blockwise otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
+from absl import logging
 from jax import lax
 
 FLASH_IMPLS = ("auto", "blockwise", "reference", "cudnn", "pallas_tpu")
@@ -268,8 +269,8 @@ def cudnn_supported(q: jax.Array, segments: bool) -> str | None:
         return "segment ids (jax.nn.dot_product_attention has none)"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (cuDNN flash attention takes bfloat16/float16)"
-    if q.shape[-1] % 8 or q.shape[-1] > 256:
-        return f"head dim {q.shape[-1]} (a multiple of 8, at most 256)"
+    if q.shape[-1] % 8 or q.shape[-1] > 128:
+        return f"head dim {q.shape[-1]} (a multiple of 8, at most 128 before Hopper)"
     return None
 
 
@@ -373,11 +374,16 @@ def flash_attention(
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("flash_attention: give both q_segment_ids and kv_segment_ids, or neither")
     segs = (q_segment_ids, kv_segment_ids)
-    impl = resolve_impl(impl, q, q_segment_ids is not None)
-    if impl == "reference":
+    chosen = resolve_impl(impl, q, q_segment_ids is not None)
+    if chosen == "reference":
         return flash_attention_reference(q, k, v, q_offset, kv_length, *segs)
-    if impl == "cudnn":
-        return flash_attention_cudnn(q, k, v, q_offset, kv_length)
-    if impl == "pallas_tpu":
+    if chosen == "cudnn":
+        try:
+            return flash_attention_cudnn(q, k, v, q_offset, kv_length)
+        except (NotImplementedError, RuntimeError) as e:  # raised while tracing: cuDNN's own checks
+            if impl != "auto":
+                raise
+            logging.warning("flash_attention(impl='auto'): cuDNN cannot run this (%s); blockwise instead", e)
+    if chosen == "pallas_tpu":
         return flash_attention_pallas_tpu(q, k, v, q_offset, kv_length, *segs)
     return flash_attention_blockwise(q, k, v, q_offset, kv_length, *segs, block_q=block_q, block_k=block_k)
