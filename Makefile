@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup kernels run warmup test test-experiments lint bench clean gpu-bundle
+.PHONY: setup setup-gpu kernels run warmup test test-experiments lint bench clean gpu-bundle
 
 # The venv is rebuilt only when setup.py changes (the stamp records the install).
 $(STAMP): setup.py
@@ -39,6 +39,13 @@ kernels: $(STAMP)
 	@$(PY) -m tlt_jax.kernels.cpu_ffi --build > /dev/null
 
 setup: $(STAMP) $(GGUF) kernels
+
+# A GPU node: the same venv plus jax's CUDA wheels for the pinned jax (CUDA=12 or 13, as the driver allows:
+# `nvidia-smi` shows the driver's CUDA version); then checks that jax sees the GPUs.
+CUDA ?= 12
+setup-gpu: setup
+	PYTHONWARNINGS=ignore::UserWarning $(PIP) install -q -e ".[cuda$(CUDA)]" 2>&1 | grep -v "is ignored" || true
+	$(PY) -c "import jax; d = jax.devices(); print(len(d), 'devices:', d); assert jax.default_backend() == 'gpu'"
 
 # TLT: GRPO with speculative rollouts on a long-tail task (configs/tlt.py, 10 steps; its time on a fresh clone:
 # docs/benchmarks.md, headline row H2). Without a warmed EAGLE drafter in workdirs/drafter_tlt it

@@ -49,8 +49,9 @@ setup(
             "nbformat==5.11.1",
             "ipykernel==7.4.0",
         ],
-        # GPU clusters: jax with CUDA 12 wheels (same jax version as the CPU pin).
-        "cuda": ["jax[cuda12]==0.10.2"],
+        # GPU clusters (`make setup-gpu`): jax's CUDA wheels for the pinned jax (CUDA 12 or 13 drivers)
+        "cuda12": ["jax[cuda12]==0.10.2"],
+        "cuda13": ["jax[cuda13]==0.10.2"],
         # Parity tests against HF transformers. torch is pinned: an unpinned torch pulls GBs of CUDA wheels.
         "parity": ["torch==2.13.0", "transformers==5.23.0", "accelerate>=1.0"],
     },

@@ -113,6 +113,19 @@ def test_resolve_errors_name_the_variables_to_set() -> None:
     assert (spec.coordinator, spec.timeout_s) == (dist.AUTO, 9)
 
 
+def test_local_device_ids_one_process_per_gpu_or_all() -> None:
+    """TLT_JAX_LOCAL_DEVICE_IDS: unset = every local device; a list; `localid` = SLURM_LOCALID's device (one
+    process per GPU where every task sees the node's GPUs); malformed values name the variable."""
+    slurm = {"SLURM_STEP_NODELIST": "node[01-02]", "SLURM_NTASKS": "16", "SLURM_PROCID": "9"}
+    assert dist.resolve(slurm).local_device_ids is None
+    spec = dist.resolve({**slurm, "SLURM_LOCALID": "1", dist.LOCAL_DEVICE_IDS: "localid"})
+    assert (spec.process_id, spec.local_device_ids) == (9, (1,))
+    assert dist.resolve({**slurm, dist.LOCAL_DEVICE_IDS: "0, 2"}).local_device_ids == (0, 2)
+    for bad in ("localid", "0,0", "gpu0", "-1"):
+        with pytest.raises(ValueError, match=dist.LOCAL_DEVICE_IDS):
+            dist.resolve({**slurm, dist.LOCAL_DEVICE_IDS: bad})
+
+
 def test_detection_outside_a_cluster_is_a_clear_error() -> None:
     """TLT_JAX_COORDINATOR=auto where JAX detects no cluster (this CPU machine): the error names the
     variables to set instead (a subprocess: initialize is once per process)."""

@@ -37,6 +37,7 @@ from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import SpecConfig
+from tlt_jax.tasks.datasets import task_config
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -121,18 +122,22 @@ def paper_grpo(c: mlc.ConfigDict, dataset: str = "gsm_symbolic", steps: int = 20
     prompt, temperature 0.9, low_var_kl 0.001 to the initial policy, lr 1e-6, responses up to 32K tokens,
     bfloat16 compute with float32 master weights.
 
-    dataset: a reasoning-gym dataset name (generated offline), or "jsonl" for a local GSM8K/MATH-style file
-    (then pass --config.task.path=/data/train.jsonl).
+    dataset: "parquet" for VeRL-layout parquet files (DAPO-Math-17k, MATH, GSM8K as VeRL writes them; chat
+    prompts, `reward_model.ground_truth`) scored by math-verify: pass --config.task.path=/data/train.parquet
+    (a glob or a comma list); "jsonl" for a local question/answer file (--config.task.path=/data/x.jsonl); or
+    a reasoning-gym dataset name (generated offline). Every task key can then be set on the command line
+    (`tasks.datasets.task_config`), e.g. --config.task.layout=math or --config.task.prompt=r1.
     """
     c.num_steps = steps
     c.checkpoint_every = 10
     c.keep_checkpoints = 3
     c.model.dtype = "bfloat16"
     c.trainer.master_dtype = "float32"  # AdamW at lr 1e-6 needs float32 master weights
-    if dataset == "jsonl":
-        c.task = mlc.ConfigDict(
-            dict(kind="jsonl", path=config_dict.placeholder(str), answer_mode="answer", format_reward=0.0)
-        )
+    if dataset in ("parquet", "jsonl"):
+        layout = "verl" if dataset == "parquet" else "qa"
+        reward = "math_verify" if dataset == "parquet" else "answer"
+        c.task = mlc.ConfigDict(task_config(dataset, path="", layout=layout, reward=reward))
+        c.task.path = config_dict.placeholder(str)  # required: the run is refused until it is given
     else:
         c.task = mlc.ConfigDict(
             dict(kind="reasoning_gym", name=dataset, size=100_000, seed=0, answer_mode="answer")
@@ -146,10 +151,11 @@ def paper_grpo(c: mlc.ConfigDict, dataset: str = "gsm_symbolic", steps: int = 20
     c.rollout.min_cache_bucket = 1024
     c.rollout.prompt_bucket = 128
     c.rollout.attn_impl = "auto"  # the Pallas kernel on GPU
+    c.spec.threshold = 32  # the paper's switch: SD once at most 32 rows run (with a drafter on)
 
-    c.rl.prompts_per_step = 128
+    c.rl.prompts_per_step = 64  # the paper's 7B step: 64 prompts x 8 samples = 512 rollouts
     c.rl.samples_per_prompt = 8
-    c.rl.mini_batches = 4  # PPO updates per step (mini-batches of 32 prompts)
+    c.rl.mini_batches = 4  # PPO updates per step (mini-batches of 16 prompts)
     c.rl.advantage = "grpo"
     c.rl.loss_agg = "token_mean"
     c.rl.clip_low = 0.2

@@ -31,6 +31,7 @@ import time
 import ml_dtypes
 import numpy as np
 
+from experiments.lib import harness
 from tlt_jax.models import presets
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.loading import expected_shapes
@@ -155,7 +156,7 @@ def run_child(way: str, d: pathlib.Path, devices: int) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__, quick=None)
     p.add_argument("--arch", default="qwen2_5_1_5b", choices=sorted(presets.ARCHS))
     p.add_argument("--dir", type=pathlib.Path, default=None)
     p.add_argument("--ways", default="new,old", help="comma-separated: new, old")
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         result.update({f"{way}_{k}": v for k, v in out.items() if k not in ("way", "params_gb")})
     if args.delete:
         shutil.rmtree(d)
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
+    harness.result(result, args, fmt="")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ every jitted program runs SPMD across the processes. This module only finds thos
   auto       TLT_JAX_COORDINATOR=auto: JAX's own cluster detection finds all three (a Cloud TPU VM slice
              from its metadata server; also SLURM, Open MPI, Kubernetes jobsets)
 
+Which local devices a process drives: all it sees (one process per host with all its GPUs), unless
+TLT_JAX_LOCAL_DEVICE_IDS names them: a comma list ("0,1"), or `localid` for one device per process, the
+one numbered SLURM_LOCALID (srun --ntasks-per-node=8 where every task sees all 8 GPUs).
+
 Each value comes from its explicit variable when set, else from SLURM's. TLT_JAX_INIT_TIMEOUT (seconds,
 default 120) bounds the wait for the peers: a process whose peers never come fails with an error naming the
 coordinator and the process count instead of hanging. TLT_JAX_HEARTBEAT_TIMEOUT (seconds, default 100, JAX's)
@@ -36,12 +40,22 @@ PROCESS_ID = "TLT_JAX_PROCESS_ID"
 COORDINATOR_PORT = "TLT_JAX_COORDINATOR_PORT"
 INIT_TIMEOUT = "TLT_JAX_INIT_TIMEOUT"
 HEARTBEAT_TIMEOUT = "TLT_JAX_HEARTBEAT_TIMEOUT"
-ENV_VARS = (COORDINATOR, NUM_PROCESSES, PROCESS_ID, COORDINATOR_PORT, INIT_TIMEOUT, HEARTBEAT_TIMEOUT)
+LOCAL_DEVICE_IDS = "TLT_JAX_LOCAL_DEVICE_IDS"
+ENV_VARS = (
+    COORDINATOR,
+    NUM_PROCESSES,
+    PROCESS_ID,
+    COORDINATOR_PORT,
+    INIT_TIMEOUT,
+    HEARTBEAT_TIMEOUT,
+    LOCAL_DEVICE_IDS,
+)
 
 SLURM_PROCID = "SLURM_PROCID"
 SLURM_NTASKS = "SLURM_NTASKS"
 SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
 SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_LOCALID = "SLURM_LOCALID"
 
 AUTO = "auto"  # TLT_JAX_COORDINATOR=auto: JAX's cluster detection
 DEFAULT_TIMEOUT_S = 120
@@ -59,6 +73,7 @@ class ProcessSpec:
     timeout_s: int = DEFAULT_TIMEOUT_S
     source: str = ""
     heartbeat_s: int = DEFAULT_HEARTBEAT_S
+    local_device_ids: tuple[int, ...] | None = None  # None: every local device
 
 
 def first_host(nodelist: str) -> str:
@@ -120,6 +135,23 @@ def _count_and_id(env: Mapping[str, str]) -> tuple[int | None, str, int | None, 
     return count, count_src or "", pid, pid_src or ""
 
 
+def local_device_ids(env: Mapping[str, str]) -> tuple[int, ...] | None:
+    """TLT_JAX_LOCAL_DEVICE_IDS: None (unset: every local device), a comma list, or `localid` (the one device
+    SLURM_LOCALID numbers). A malformed value is a ValueError naming the variable and its forms."""
+    raw = env.get(LOCAL_DEVICE_IDS, "").strip()
+    if not raw:
+        return None
+    forms = f"{LOCAL_DEVICE_IDS}={raw!r}: use a comma list of local device ids (0,1) or 'localid'"
+    if raw == "localid":
+        if not env.get(SLURM_LOCALID, "").strip().isdigit():
+            raise ValueError(f"{forms}; 'localid' needs {SLURM_LOCALID} (set by srun in every task).")
+        return (int(env[SLURM_LOCALID]),)
+    parts = [p.strip() for p in raw.split(",")]
+    if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+        raise ValueError(f"{forms} (distinct non-negative integers).")
+    return tuple(int(p) for p in parts)
+
+
 def resolve(env: Mapping[str, str] | None = None) -> ProcessSpec:
     """The process layout from `env` (default os.environ): explicit TLT_JAX_* variables first, then SLURM's.
     Raises one ValueError naming every missing or inconsistent value and the variables that set it."""
@@ -129,8 +161,9 @@ def resolve(env: Mapping[str, str] | None = None) -> ProcessSpec:
     for name, value in ((INIT_TIMEOUT, timeout), (HEARTBEAT_TIMEOUT, beat)):
         if value < 1:
             raise ValueError(f"{name}={value}: must be >= 1 second.")
+    devices = local_device_ids(env)
     if env.get(COORDINATOR, "").strip() == AUTO:  # count and id are known once initialized
-        return ProcessSpec(AUTO, 0, 0, timeout, "JAX's cluster detection", beat)
+        return ProcessSpec(AUTO, 0, 0, timeout, "JAX's cluster detection", beat, devices)
     coordinator, coord_src = _coordinator(env)
     count, count_src, pid, pid_src = _count_and_id(env)
     missing = []
@@ -160,6 +193,7 @@ def resolve(env: Mapping[str, str] | None = None) -> ProcessSpec:
         timeout_s=timeout,
         source=f"coordinator from {coord_src}, count from {count_src}, id from {pid_src}",
         heartbeat_s=beat,
+        local_device_ids=devices,
     )
 
 
@@ -233,6 +267,7 @@ def initialize(env: Mapping[str, str] | None = None) -> ProcessSpec:
             initialization_timeout=spec.timeout_s,
             heartbeat_timeout_seconds=spec.heartbeat_s,
             shutdown_timeout_seconds=spec.timeout_s,
+            local_device_ids=None if spec.local_device_ids is None else list(spec.local_device_ids),
         )
     except Exception as e:  # the runtime's own errors (DEADLINE_EXCEEDED, UNAVAILABLE) name no remedy
         raise RuntimeError(_failure(spec, str(e))) from e
@@ -249,6 +284,7 @@ def _initialize_detected(spec: ProcessSpec) -> ProcessSpec:
             initialization_timeout=spec.timeout_s,
             heartbeat_timeout_seconds=spec.heartbeat_s,
             shutdown_timeout_seconds=spec.timeout_s,
+            local_device_ids=None if spec.local_device_ids is None else list(spec.local_device_ids),
         )
     except Exception as e:
         raise RuntimeError(
