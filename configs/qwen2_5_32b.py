@@ -14,8 +14,8 @@ from tlt_jax import config_lib, config_schema
 
 
 def get_config(arg: str | None = None):
-    arg = config_lib.parse_arg(arg, dataset="gsm_symbolic", steps=200, runlocal=False)
-    c = config_lib.paper_grpo(config_schema.base_config(), arg.dataset, arg.steps)
+    arg = config_lib.parse_arg(arg, dataset="gsm_symbolic", steps=200, evals="", runlocal=False)
+    c = config_lib.paper_grpo(config_schema.base_config(), arg.dataset, arg.steps, arg.evals)
     c.multiprocess = True
     c.mesh.data, c.mesh.model = -1, 8
     c.trainer.fsdp = True

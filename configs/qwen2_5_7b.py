@@ -3,8 +3,10 @@
 
   python -m tlt_jax.main --config configs/qwen2_5_7b.py --config.model.path=/models/Qwen2.5-7B \\
       --workdir /ckpt/qwen7b [--config.mesh.model=8] [--config.multiprocess=True on several hosts]
-Args: dataset=gsm_symbolic (a reasoning-gym dataset) or dataset=jsonl (then --config.task.path=/data/x.jsonl);
-steps=N; runlocal (the same algorithm on a tiny random Qwen2-architecture model on CPU: a pipeline check).
+Args: dataset=parquet (VeRL-layout parquet scored by math-verify: --config.task.path=/data/train.parquet),
+jsonl (--config.task.path=/data/x.jsonl) or a reasoning-gym name (default gsm_symbolic); evals=NAME@PATH+...
+(benchmark sets, e.g. evals=math500@/data/math500.parquet+aime24@/data/aime24.parquet); steps=N; runlocal
+(the same algorithm on a tiny random Qwen2-architecture model on CPU: a pipeline check).
 Random weights of the same shapes (timing and memory only; GRPO refuses them, it scores text):
 `--config.model.init=random`, built on the devices by `config_lib.build_model(config)`;
 `experiments/models/memory_plans.py` plans this config's per-device memory from abstract shapes.
@@ -14,8 +16,8 @@ from tlt_jax import config_lib, config_schema
 
 
 def get_config(arg: str | None = None):
-    arg = config_lib.parse_arg(arg, dataset="gsm_symbolic", steps=200, runlocal=False)
-    c = config_lib.paper_grpo(config_schema.base_config(), arg.dataset, arg.steps)
+    arg = config_lib.parse_arg(arg, dataset="gsm_symbolic", steps=200, evals="", runlocal=False)
+    c = config_lib.paper_grpo(config_schema.base_config(), arg.dataset, arg.steps, arg.evals)
     c.mesh.data, c.mesh.model = -1, 4
     if arg.runlocal:
         config_lib.shrink_for_cpu(c, "qwen2")

@@ -47,10 +47,12 @@ def too_small(name: str, c) -> ValueError:
 
 
 def get_config(arg: str | None = None):
-    arg = config_lib.parse_arg(arg, slice="v5p-8", dataset="gsm_symbolic", steps=200, runlocal=False)
+    arg = config_lib.parse_arg(
+        arg, slice="v5p-8", dataset="gsm_symbolic", steps=200, evals="", runlocal=False
+    )
     if arg.slice not in SLICES and arg.slice not in TOO_SMALL:
         raise ValueError(f"slice={arg.slice!r}: unknown; known slices: {', '.join(SLICES)}.")
-    c = config_lib.paper_grpo(config_schema.base_config(), arg.dataset, arg.steps)
+    c = config_lib.paper_grpo(config_schema.base_config(), arg.dataset, arg.steps, arg.evals)
     if arg.slice in TOO_SMALL:
         c.model.arch = "qwen2_5_7b"
         raise too_small(arg.slice, c)

@@ -117,7 +117,24 @@ def tiny_random_model(architecture: str = "llama", vocab_size: int = 264, **kw: 
     return mlc.ConfigDict(cfg)
 
 
-def paper_grpo(c: mlc.ConfigDict, dataset: str = "gsm_symbolic", steps: int = 200) -> mlc.ConfigDict:
+def eval_sets(spec: str, samples: int = 16, temperature: float = 0.6) -> dict[str, dict[str, object]]:
+    """`config.eval.sets` from a config argument "math500@/data/math500.parquet+aime24@/data/aime24.parquet"
+    (`+` between sets: the argument string already splits at commas): `samples` per problem at
+    `temperature` (mean@k / pass@k), the training task's reward and prompt."""
+    sets: dict[str, dict[str, object]] = {}
+    for item in (x for x in spec.split("+") if x.strip()):
+        name, at, path = item.partition("@")
+        if not at or not name.strip() or not path.strip():
+            raise ValueError(
+                f"evals={spec!r}: write NAME@PATH items joined by '+', e.g. math500@/data/m.parquet"
+            )
+        sets[name.strip()] = dict(path=path.strip(), samples=samples, temperature=temperature)
+    return sets
+
+
+def paper_grpo(
+    c: mlc.ConfigDict, dataset: str = "gsm_symbolic", steps: int = 200, evals: str = ""
+) -> mlc.ConfigDict:
     """The TLT reference scripts' GRPO settings for 7B-70B models on GPUs (the paper's setup): 8 samples per
     prompt, temperature 0.9, low_var_kl 0.001 to the initial policy, lr 1e-6, responses up to 32K tokens,
     bfloat16 compute with float32 master weights.
@@ -127,6 +144,8 @@ def paper_grpo(c: mlc.ConfigDict, dataset: str = "gsm_symbolic", steps: int = 20
     (a glob or a comma list); "jsonl" for a local question/answer file (--config.task.path=/data/x.jsonl); or
     a reasoning-gym dataset name (generated offline). Every task key can then be set on the command line
     (`tasks.datasets.task_config`), e.g. --config.task.layout=math or --config.task.prompt=r1.
+    evals: benchmark sets (`eval_sets`: "math500@PATH+aime24@PATH"), evaluated before training, every 10
+    steps and at the end (16 samples at T = 0.6: mean@16 and pass@k).
     """
     c.num_steps = steps
     c.checkpoint_every = 10
@@ -165,6 +184,9 @@ def paper_grpo(c: mlc.ConfigDict, dataset: str = "gsm_symbolic", steps: int = 20
     c.rl.warmup_steps = 0
     c.rl.weight_decay = 0.01
     c.rl.grad_clip = 1.0
+
+    if evals:
+        c.eval.sets, c.eval.every, c.eval.prompts = eval_sets(evals), 10, 0
 
     c.trainer.micro_batch_size = 8  # one group per micro-batch
     c.trainer.seq_bucket = 512
