@@ -165,3 +165,15 @@ def test_a_tiny_tlt_run_plots_itself_and_its_time_parts_add_up(tmp_path) -> None
         chosen = sum(v for k, v in rows[s - 1].items() if k.startswith("bandit/") and k.endswith("/chosen"))
         assert chosen == len(t["mode"])  # the selector chose every chunk's mode
     assert_drawn(read_png(tmp_path / "plots" / "run.png"), GRPO_SIZE)  # drawn at the end of train()
+
+
+def test_eval_sets_are_drawn_by_their_mean_and_largest_pass_at_k() -> None:
+    """Benchmark sets (config.eval.sets) log eval/<name>/mean@k and pass@1..k: the reward panel draws each
+    set's mean@k and its largest pass@k (pass@16, not pass@2: numbers compared, not strings)."""
+    from tlt_jax.utils.run_plots import _eval_set_keys
+
+    rows = [
+        {"step": 0, "eval/aime/mean@16": 0.1, "eval/aime/pass@2": 0.2, "eval/aime/pass@16": 0.4},
+        {"step": 0, "eval/math500/mean@4": 0.5, "eval/math500/pass@4": 0.7, "eval/reward": 0.3},
+    ]
+    assert _eval_set_keys(rows) == [("aime", ("mean@16", "pass@16")), ("math500", ("mean@4", "pass@4"))]

@@ -124,8 +124,31 @@ def _reward_panel(ax: Any, rows: Rows) -> None:
     ax.plot(steps, train, "o-", ms=3, label="training (this step's prompts)")
     if e_steps:
         ax.plot(e_steps, held, "s--", ms=5, color="tab:green", label="held-out")
+    for name, key in _eval_set_keys(rows):  # benchmark sets (config.eval.sets): mean@k and the top pass@k
+        for k in key:
+            x, y = metric_series(rows, f"eval/{name}/{k}")
+            if x:
+                ax.plot(x, y, "^:" if k.startswith("pass") else "v-.", ms=5, label=f"{name} {k}")
     ax.set(title="reward", xlabel="step")
     ax.legend(fontsize=8)
+
+
+def _eval_set_keys(rows: Rows) -> list[tuple[str, tuple[str, ...]]]:
+    """(set name, (its mean@k key, its largest pass@k key)) of the benchmark sets logged as eval/<name>/..."""
+    found: dict[str, set[str]] = {}
+    for r in rows:
+        for key in r:
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "eval" and parts[2].startswith(("mean@", "pass@")):
+                found.setdefault(parts[1], set()).add(parts[2])
+    out = []
+    for name, keys in sorted(found.items()):
+        top = [
+            max((k for k in keys if k.startswith(p)), key=lambda k: int(k[5:]), default="")
+            for p in ("mean@", "pass@")
+        ]
+        out.append((name, tuple(k for k in top if k)))
+    return out
 
 
 def _time_panel(ax: Any, rows: Rows) -> None:
