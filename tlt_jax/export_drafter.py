@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import ml_collections as mlc
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
 
 from tlt_jax.drafter.draft_vocab import load_draft_vocab
 from tlt_jax.drafter.eagle_format import (
@@ -49,6 +48,7 @@ from tlt_jax.models.build import model_config_from
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
 from tlt_jax.rl.speculation import drafter_dir, has_drafter
+from tlt_jax.utils.export_io import read_only_manager
 from tlt_jax.utils.tracking import CONFIG_FILE
 
 # (folder, the checkpoint-tree prefixes that hold the drafter's params, first match wins, what it is)
@@ -78,23 +78,12 @@ class DrafterSource:
         return f"{self.directory} step {self.step} ({what or self.kind} weights)"
 
 
-def _manager(directory: pathlib.Path) -> ocp.CheckpointManager:
-    """A read-only orbax manager: never creates, cleans or deletes anything in `directory`."""
-    level = logging.get_verbosity()
-    logging.set_verbosity(logging.ERROR)  # orbax warns that a read-only manager will not save
-    try:
-        options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False)
-        return ocp.CheckpointManager(directory, options=options)
-    finally:
-        logging.set_verbosity(level)
-
-
 def _source(directory: pathlib.Path, prefixes: Sequence[str], kind: str) -> DrafterSource | None:
     """The latest step of `directory` and the first prefix whose leaves it stores (None: no step there;
     a DrafterSource with prefix "" and no leaves: a step without a drafter)."""
     if not directory.is_dir():
         return None
-    mngr = _manager(directory)
+    mngr = read_only_manager(directory)
     try:
         step = mngr.latest_step()
         if step is None:
@@ -147,7 +136,7 @@ def read_drafter(src: DrafterSource) -> dict[str, Any]:
             node = node.setdefault(k, {})
         node[last] = jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=device)
     restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), item)
-    mngr = _manager(src.directory)
+    mngr = read_only_manager(src.directory)
     try:
         args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
         state = mngr.restore(src.step, args=ocp.args.Composite(state=args))["state"]

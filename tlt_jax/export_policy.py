@@ -31,8 +31,7 @@ import json
 import os
 import pathlib
 import shutil
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -40,7 +39,6 @@ import jax.numpy as jnp
 import ml_collections as mlc
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
 from flax import nnx
 
 from tlt_jax.models.build import TextCodec, build_model_and_tokenizer
@@ -49,6 +47,7 @@ from tlt_jax.models.hf_export import EXPORT_DTYPES, hf_config, params_to_hf, wri
 from tlt_jax.models.tokenizer import Tokenizer
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
 from tlt_jax.utils.checkpoint import flatten_paths
+from tlt_jax.utils.export_io import read_only_manager, write_atomically
 from tlt_jax.utils.tracking import CONFIG_FILE
 
 _PARAMS, _FROZEN = "params/", "frozen/"
@@ -81,17 +80,6 @@ class PolicySource:
         return f"{self.directory} step {self.step}{frozen}"
 
 
-def _manager(directory: pathlib.Path) -> ocp.CheckpointManager:
-    """A read-only orbax manager: never creates, cleans or deletes anything in `directory`."""
-    level = logging.get_verbosity()
-    logging.set_verbosity(logging.ERROR)  # orbax warns that a read-only manager will not save
-    try:
-        options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False)
-        return ocp.CheckpointManager(directory, options=options)
-    finally:
-        logging.set_verbosity(level)
-
-
 def rl_workdir_config(workdir: str | pathlib.Path) -> mlc.ConfigDict:
     """The run's config.json (every job writes it when it starts), or a clear error."""
     path = pathlib.Path(workdir) / CONFIG_FILE
@@ -112,7 +100,7 @@ def rl_workdir_config(workdir: str | pathlib.Path) -> mlc.ConfigDict:
 def find_policy(workdir: str | pathlib.Path, step: int | None = None) -> PolicySource:
     """Checkpoint `step` (default: the newest) of `workdir`'s policy, or a clear error."""
     directory = pathlib.Path(workdir) / CHECKPOINT_DIR
-    mngr = _manager(directory) if directory.is_dir() else None
+    mngr = read_only_manager(directory) if directory.is_dir() else None
     try:
         steps = sorted(mngr.all_steps()) if mngr is not None else []
         if not steps:
@@ -146,7 +134,7 @@ def _restore(src: PolicySource, leaves: dict[str, Any]) -> dict[str, np.ndarray]
             node = node.setdefault(k, {})
         node[last] = jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=device)
     restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), item)
-    mngr = _manager(src.directory)
+    mngr = read_only_manager(src.directory)
     try:
         args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
         state = mngr.restore(src.step, args=ocp.args.Composite(state=args))["state"]
@@ -241,37 +229,6 @@ def _model_config(
             out["dtype"] = dtype
         return out
     return hf_config(cfg, dtype, None if tokenizer is None else tokenizer.bos_token_id, eos)
-
-
-def write_atomically(
-    out: str | pathlib.Path, force: bool, fill: Callable[[pathlib.Path], None]
-) -> pathlib.Path:
-    """`fill(tmp)` writes the export into a temporary sibling folder, renamed to `out` once complete, so a
-    crash never leaves a half-written export. A non-empty `out` is replaced only with `force` (moved aside
-    first, removed once the new one is in place)."""
-    out = pathlib.Path(out).resolve()
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} is a file: choose a directory path.")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise FileExistsError(
-            f"--out {out} is not empty: pass --force to replace it, or choose another path."
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp, old = out.with_name(f".{out.name}.tmp-{tag}"), out.with_name(f".{out.name}.old-{tag}")
-    tmp.mkdir()
-    try:
-        fill(tmp)
-        if out.is_dir():
-            os.rename(out, old)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not out.exists():
-            os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    return out
 
 
 def export_policy(

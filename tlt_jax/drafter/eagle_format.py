@@ -41,8 +41,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,6 +52,7 @@ from safetensors.numpy import load_file, save_file
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter, drafter_config
+from tlt_jax.utils.export_io import write_atomically
 
 HF_CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -367,33 +366,14 @@ def write_eagle_dir(
     hf_config: Mapping[str, Any],
     force: bool = False,
 ) -> pathlib.Path:
-    """Write config.json + model.safetensors to `out` atomically: into a temporary sibling folder that is then
-    renamed to `out`, so a crash never leaves a half-written export. A non-empty `out` is replaced only with
-    `force` (the old folder is moved aside first and removed once the new one is in place)."""
-    out = pathlib.Path(out).resolve()
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} is a file: choose a directory path.")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise FileExistsError(
-            f"--out {out} is not empty: pass --force to replace it, or choose another path."
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp, old = out.with_name(f".{out.name}.tmp-{tag}"), out.with_name(f".{out.name}.old-{tag}")
-    tmp.mkdir()
-    try:
+    """Write config.json + model.safetensors to `out` atomically (`utils.export_io.write_atomically`: a crash
+    never leaves a half-written export; a non-empty `out` is replaced only with `force`)."""
+
+    def fill(tmp: pathlib.Path) -> None:
         save_file(dict(tensors), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-        if out.is_dir():
-            os.rename(out, old)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not out.exists():
-            os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    return out
+
+    return write_atomically(out, force, fill)
 
 
 def read_eagle_dir(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
