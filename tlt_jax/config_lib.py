@@ -188,9 +188,15 @@ def paper_grpo(
     if evals:
         c.eval.sets, c.eval.every, c.eval.prompts = eval_sets(evals), 10, 0
 
-    c.trainer.micro_batch_size = 8  # one group per micro-batch
+    c.trainer.micro_batch_size = 8  # one group per micro-batch (its 8 rows split over the data axis)
     c.trainer.seq_bucket = 512
     c.trainer.logits_chunk = 1024  # never materialise [rows, 32K, vocab] logits
+    # what makes the 32K-token update fit 72 GiB (memory plan, issue 35): layers scanned and recomputed (remat
+    # dots_with_no_batch_dims_saveable needed 235 GiB of temporaries at 32K), masters / AdamW sharded over
+    # every device, the MLP in 2,048-token chunks
+    c.trainer.remat = "nothing_saveable"
+    c.trainer.fsdp = True
+    c.trainer.mlp_chunk = 2048
     return c
 
 

@@ -307,6 +307,11 @@ class TrainerSection(Section):
     # per-layer rematerialisation in the update's backward pass: none | nothing_saveable | dots_saveable |
     # dots_with_no_batch_dims_saveable (jax.checkpoint_policies: what a layer keeps; the rest is recomputed)
     remat: str = "none"
+    # the update's layers as one lax.scan over stacked parameters (compile time independent of depth;
+    # per-layer remat then holds on XLA:CPU too); False: the unrolled stack. The rollout's is always unrolled.
+    scan_layers: bool = True
+    # the update's MLP in token chunks of this size (long responses: no [rows, T, 2F] buffers; 0: at once)
+    mlp_chunk: int = 0
 
     def problems(self) -> list[str]:
         from tlt_jax.models.llama import CAUSAL_IMPLS, REMAT_POLICIES
@@ -322,6 +327,8 @@ class TrainerSection(Section):
             out.append(f"config.trainer.train_layers={self.train_layers}: must be >= 0 (0 = all parameters).")
         if self.logits_chunk < 0:
             out.append(f"config.trainer.logits_chunk={self.logits_chunk}: must be >= 0 (0 = no chunking).")
+        if self.mlp_chunk < 0:
+            out.append(f"config.trainer.mlp_chunk={self.mlp_chunk}: must be >= 0 (0 = no chunking).")
         if self.seq_bucket < 1:
             out.append(f"config.trainer.seq_bucket={self.seq_bucket}: must be >= 1.")
         return out

@@ -1,6 +1,7 @@
 """The programs of an RL step compiled ahead of time from abstract shapes.
 
-Used by experiments/models/memory_plans.py, tests/test_tpu_lowering.py and configs/qwen2_5_7b_tpu.py.
+Used by experiments/models/memory_plans.py (also its `--responses` plan of the update at full depth),
+tests/test_tpu_lowering.py and configs/qwen2_5_7b_tpu.py.
 
 Nothing is materialised: weights, caches and batches are `jax.ShapeDtypeStruct`s carrying the shardings the
 real run gives them (the rollout engine's parameter layout, the trainer's, batch-sharded decode state,
@@ -257,11 +258,17 @@ def abstract_micro(
 
 
 def compile_update(
-    config: mlc.ConfigDict, am: AbstractModels, mesh: Mesh, prompt_len: int, response_len: int
+    config: mlc.ConfigDict,
+    am: AbstractModels,
+    mesh: Mesh,
+    prompt_len: int,
+    response_len: int,
+    logprobs: bool = True,
 ) -> list[ProgramInfo]:
     """The policy update's programs: at `response_len` the accumulation over one part (forward + backward of
-    every micro-batch, the gradient buffer donated) and the log-prob forward (old / reference log-probs);
-    with response_len 0 the optimizer's apply. Each with the out-shardings `PolicyTrainer` gives it."""
+    every micro-batch, the gradient buffer donated) and (`logprobs`) the log-prob forward (old / reference
+    log-probs); with response_len 0 the optimizer's apply. Each with the out-shardings `PolicyTrainer` gives
+    it."""
     t = abstract_trainer(config, am, mesh)
     masters, opt = t.params, t.opt_state
     pin = lambda tree: jax.lax.with_sharding_constraint(tree, t.param_shardings)  # noqa: E731
@@ -277,10 +284,60 @@ def compile_update(
     if not response_len:
         return [compile_info(("update_apply",), apply, (masters, opt, masters), (0, 1))]
     micro, weights = abstract_micro(config, mesh, prompt_len, response_len)
-    return [
-        compile_info(("update_accum", response_len), accum, (masters, masters, micro, weights), (1,)),
-        compile_info(("logprobs", response_len), t._logprobs_fn, (masters, micro)),
-    ]
+    out = [compile_info(("update_accum", response_len), accum, (masters, masters, micro, weights), (1,))]
+    if logprobs:
+        out.append(compile_info(("logprobs", response_len), t._logprobs_fn, (masters, micro)))
+    return out
+
+
+def update_plan(
+    config: mlc.ConfigDict, mesh: Mesh, prompt_len: int, response_lens: list[int]
+) -> tuple[dict[tuple, ProgramInfo], dict[str, int]]:
+    """The update's programs compiled at the model's full depth (the trainer's layers under `lax.scan`: no
+    per-layer extrapolation) for each response length, the optimizer's apply, and the resident state."""
+    cfg = model_config_from(config)
+    am = abstract_models(cfg, mesh)
+    infos = {("update_apply",): compile_update(config, am, mesh, prompt_len, 0)[0]}
+    for nb in response_lens:
+        infos.update({i.key: i for i in compile_update(config, am, mesh, prompt_len, nb)})
+    return infos, resident(config, cfg, mesh)
+
+
+def update_compile_seconds(
+    config: mlc.ConfigDict, mesh: Mesh, prompt_len: int, response_len: int, layers: int, scan: bool
+) -> float:
+    """Seconds to trace, lower and compile the update's accumulation (one part of micro-steps) from abstract
+    shapes at `layers` decoder layers, the layers scanned or unrolled (`trainer.scan_layers`)."""
+    config = mlc.ConfigDict(config.to_dict())
+    config.trainer.scan_layers = scan
+    am = abstract_models(model_config_from(config), mesh, layers)
+    return compile_update(config, am, mesh, prompt_len, response_len, logprobs=False)[0].compile_seconds
+
+
+UPDATE_OUTSIDE = ("optimizer", "engine_params", "engine_drafter", "reference", "drafter_state")
+
+
+def update_table(infos: dict[tuple, ProgramInfo], res: dict[str, int], limit_gib: float) -> tuple[list, dict]:
+    """(table lines, RESULT items) of `update_plan`: per program GiB per device of arguments, outputs not
+    aliased, temporaries and the need (those + code + the resident state outside its arguments: the engine's
+    weights and drafter, the reference, the drafter's train state, and AdamW's moments except in the apply,
+    which takes them); `fits_72gib` when every need is within `limit_gib`."""
+    g = lambda b: b / 2**30  # noqa: E731
+    lines = [f"{'program':<24} {'args':>7} {'out':>7} {'temp':>7} {'resident':>8} {'need':>7}"]
+    out: dict[str, object] = {}
+    for key, i in infos.items():
+        outside = [k for k in UPDATE_OUTSIDE if not (key[0] == "update_apply" and k == "optimizer")]
+        rest = sum(res[k] for k in outside)
+        need = i.argument_bytes + i.footprint_bytes + rest
+        fresh = max(i.output_bytes - i.alias_bytes, 0)
+        lines.append(
+            f"{label(key):<24} {g(i.argument_bytes):7.2f} {g(fresh):7.2f} {g(i.temp_bytes):7.2f} "
+            f"{g(rest):8.2f} {g(need):7.2f}"
+        )
+        out["_".join(map(str, key)) + "_gib"] = round(g(need), 2)
+    lines.append("resident per device (GiB): " + ", ".join(f"{k} {g(v):.2f}" for k, v in res.items()))
+    out["fits_72gib"] = "yes" if max(v for v in out.values()) <= limit_gib else "no"
+    return lines, out
 
 
 # ---- drafter ---------------------------------------------------------------------------------------------

@@ -29,6 +29,10 @@ train state; during the update the engine's weights. Every layout is the one the
 comes from `rl.config.abstract_policy_trainer` (AdamW moments sharded like the params they track).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.models.memory_plans [--quick]
+--responses 8192,16384,32768 [--compile-times]: instead, the paper's update (configs/qwen2_5_7b.py,
+1,024-token prompts) compiled at full depth (layers scanned: no extrapolation) per response length, with
+the resident state (`memory_plan.update_plan`; RESULT <program>_gib=.. fits_72gib=yes|no), and the update's
+compile time scanned vs unrolled at 7 and 28 layers (at the first length).
 Final line: `RESULT gib_<layout>_<cfg>=.. peak_<phase>_<cfg>=.. fits_<cfg>=0|1|uncertain ..
 layer_fit_err_of_need=.. layer_fit_err_of_field=.. wall_s=..`; the raw accounting in --out/measured_*.json.
 """
@@ -413,6 +417,9 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--sd-cache", type=int, default=0, help="cache bucket of SD chunks (0: the top one)")
     ap.add_argument("--pallas-probe", type=int, default=None, help="compile the tail with the kernel (1/0)")
+    ap.add_argument("--responses", default="", help="the update at full depth at these lengths (see top)")
+    ap.add_argument("--compile-times", action="store_true", help="with --responses: scanned vs unrolled")
+    ap.add_argument("--micro-batch", type=int, default=0, help="trainer.micro_batch_size (0: the config's)")
     a = ap.parse_args()
     q = a.quick
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
@@ -428,6 +435,28 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
+def update_main(args: argparse.Namespace, t0: float) -> None:
+    """The paper's update at full depth (see the module docstring): table, compile times, RESULT."""
+    config = config_lib.load_config_file(CONFIGS["7b"])
+    config.model.init = "random"
+    if args.micro_batch:
+        config.trainer.micro_batch_size = args.micro_batch
+    nbs, mesh, tc = [int(x) for x in args.responses.split(",")], config_lib.build_mesh(config), config.trainer
+    print(f"mesh {dict(mesh.shape)}; trainer {tc.to_dict()}", flush=True)
+    infos, res = mpp.update_plan(config, mesh, 1024, nbs)
+    lines, out = mpp.update_table(infos, res, 72.0)
+    print("\n".join(lines))
+    if args.compile_times:
+        for layers in (7, 28):
+            for scan in (True, False):
+                sec = mpp.update_compile_seconds(config, mesh, 1024, nbs[0], layers, scan)
+                what = "scanned" if scan else "unrolled"
+                print(f"compile update_accum {nbs[0]} at {layers} layers, {what}: {sec:.1f} s", flush=True)
+                out[f"compile_s_{what}_{layers}"] = round(sec, 1)
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    h.result(out, args, fmt="")
+
+
 def main() -> None:
     args = parse_args()
     t0 = time.perf_counter()
@@ -435,6 +464,8 @@ def main() -> None:
         f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices; {vars(args)}",
         flush=True,
     )
+    if args.responses:
+        return update_main(args, t0)
     plans = []
     for name in args.configs:
         plan = plan_config(name, args)

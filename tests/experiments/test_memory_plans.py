@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 from experiments.models import memory_plans as mp  # noqa: E402
 from experiments.paper.program_layouts import layout_programs  # noqa: E402
-from tlt_jax.memory_plan import layout_engine  # noqa: E402
+from tlt_jax.memory_plan import layout_engine, update_table  # noqa: E402
 from tlt_jax.models.config import tiny_config  # noqa: E402
 from tlt_jax.models.drafter import Drafter  # noqa: E402
 from tlt_jax.models.llama import Transformer  # noqa: E402
@@ -119,3 +119,18 @@ def test_memory_plans_quick_smoke(tmp_path: pathlib.Path) -> None:
     assert res["fits_7b"] in ("0", "1", "uncertain")
     assert "mesh {'data': 2, 'model': 4}" in proc.stdout and "resident per device" in proc.stdout
     assert (tmp_path / "memory_plans.png").stat().st_size > 0
+
+
+def test_update_table_adds_the_resident_state_outside_each_program() -> None:
+    """`memory_plan.update_table`: need = arguments + outputs not aliased + temporaries + code + the resident
+    state outside the program (AdamW's moments too, except in the apply that takes them); fits at <= limit."""
+    gib = 2**30
+    infos = {
+        ("update_accum", 8): ProgramInfo(("update_accum", 8), 1.0, 10 * gib, 4 * gib, 20 * gib, 0, 4 * gib),
+        ("update_apply",): ProgramInfo(("update_apply",), 1.0, 20 * gib, 8 * gib, 1 * gib, 0, 8 * gib),
+    }
+    res = {"engine_params": 3 * gib, "engine_drafter": 0, "optimizer": 7 * gib, "reference": gib}
+    res |= {"drafter_state": gib, "masters": 4 * gib}
+    lines, out = update_table(infos, res, 42.0)
+    assert out == {"update_accum_8_gib": 42.0, "update_apply_gib": 26.0, "fits_72gib": "yes"}
+    assert update_table(infos, res, 41.0)[1]["fits_72gib"] == "no" and len(lines) == 4

@@ -8,7 +8,7 @@ from flax import nnx
 
 from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.kv_cache import KVCache
-from tlt_jax.models.llama import Transformer, causal_mask, from_hf_tensors
+from tlt_jax.models.llama import Transformer, causal_mask, from_hf_tensors, tiled
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -155,3 +155,34 @@ def test_causal_impl_equals_the_masked_forward_with_and_without_a_cache():
         m(new, new_pos, cache, causal_mask(2, 5), causal_impl="blockwise")
     with pytest.raises(ValueError, match="remat='full'"):
         m(toks, pos, remat="full")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_scanned_layers_equal_the_unrolled_stack_and_write_the_same_cache(arch):
+    """`scan_layers` (causal_impl only): one `lax.scan` over stacked layer params and caches gives the
+    unrolled stack's logits and writes the same per-layer K/V into the cache (float32, 1e-5)."""
+    cfg = tiny_config(arch, num_layers=3)
+    m = Transformer(cfg, nnx.Rngs(7))
+    fwd = jax.jit(
+        lambda m, t, p, c, scan: m(t, p, c, causal_impl="blockwise", scan_layers=scan), static_argnums=4
+    )
+    toks = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 9)))
+    pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    for cache in (None, KVCache.init(cfg, 2, 16).advance(jnp.asarray([2, 5]))):
+        p = pos if cache is None else pos + cache.lengths[:, None]
+        a, b = fwd(m, toks, p, cache, True), fwd(m, toks, p, cache, False)
+        np.testing.assert_allclose(a.logits, b.logits, atol=1e-5)
+        if cache is not None:
+            for x, y in zip(a.cache.k + a.cache.v, b.cache.k + b.cache.v, strict=True):
+                np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+def test_tiled_mlp_equals_the_mlp_at_any_length():
+    """`tiled` (the update's MLP in token chunks, the last zero-padded) equals the MLP at once, values and
+    gradients (float32, 1e-6), at lengths that are and are not multiples of the chunk."""
+    mlp = Transformer(tiny_config("qwen2"), nnx.Rngs(2)).layers[0].mlp
+    for t in (12, 11):
+        x = jnp.asarray(np.random.default_rng(t).normal(size=(2, t, 64)), jnp.float32)
+        np.testing.assert_allclose(tiled(mlp, x, 4), mlp(x), atol=1e-6)
+        ga, gb = (jax.grad(lambda x, c=c: jnp.sum(jnp.sin(tiled(mlp, x, c))))(x) for c in (4, 0))
+        np.testing.assert_allclose(ga, gb, atol=1e-6)

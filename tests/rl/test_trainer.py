@@ -12,11 +12,13 @@ import pytest
 from flax import nnx
 from optax.transforms import MaskedNode
 
+from tlt_jax import config_lib, config_schema
 from tlt_jax import sharding as shd
 from tlt_jax.config_sections import TrainerSection
-from tlt_jax.models.config import tiny_config
+from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl.batch import TrainBatch, build_train_batch
+from tlt_jax.rl.config import trainer_options
 from tlt_jax.rl.trainer import (
     ForwardOut,
     OptimConfig,
@@ -110,9 +112,11 @@ def _batch(nb: int = 12, seed: int = 0) -> TrainBatch:
     )
 
 
-def _forward_and_grads(batch: TrainBatch, **kw: object) -> tuple[ForwardOut, list[np.ndarray]]:
+def _forward_and_grads(
+    batch: TrainBatch, cfg: ModelConfig = CFG, **kw: object
+) -> tuple[ForwardOut, list[np.ndarray]]:
     """response_logprobs and the gradient of sum(logp * mask) + 0.1 * sum(entropy * mask) in the params."""
-    graphdef, params = nnx.split(Transformer(CFG, nnx.Rngs(5)), nnx.Param)
+    graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(5)), nnx.Param)
     mask = batch.rows(batch.response_mask)
 
     def loss(p: nnx.State) -> tuple[jax.Array, ForwardOut]:
@@ -150,6 +154,44 @@ def test_per_layer_remat_keeps_the_gradients() -> None:
         _assert_same(_forward_and_grads(batch, attn_impl="blockwise", remat=policy), plain, 1e-6)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_scanned_layers_equal_the_unrolled_stack(arch: str) -> None:
+    """The layers as one `lax.scan` over stacked parameters and caches (prompt pass writing the cache the
+    response pass reads) give the unrolled stack's log-probs, entropies, hidden states and per-layer parameter
+    gradients, with and without per-layer remat: float32 within 1e-5 (Llama tied head; Qwen2 QKV bias)."""
+    cfg = tiny_config(arch, num_layers=3)
+    batch = _batch()
+    plain = _forward_and_grads(batch, cfg, attn_impl="blockwise")
+    for remat in ("none", "nothing_saveable"):
+        scanned = _forward_and_grads(batch, cfg, attn_impl="blockwise", remat=remat, scan_layers=True)
+        _assert_same(scanned, plain, 1e-5)
+
+
+def test_scanned_remat_cuts_the_temporaries() -> None:
+    """What per-layer remat is for, as XLA:CPU compiles it: at 12 tiny layers the scanned update's
+    temporaries with nothing_saveable are well under half of those without remat (measured 72 vs 242 MiB;
+    the unrolled stack keeps 248 MiB with remat: XLA:CPU's CSE merges its recompute back)."""
+    cfg = tiny_config(num_layers=12, hidden_size=128, intermediate_size=256)
+    batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _batch(256))
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
+
+    def temp(remat: str) -> int:
+        def loss(p: nnx.State, b: TrainBatch) -> jax.Array:
+            out = response_logprobs(
+                nnx.merge(graphdef, p),
+                b,
+                temperature=1.0,
+                attn_impl="blockwise",
+                remat=remat,
+                scan_layers=True,
+            )
+            return jnp.sum(out.logp * b.rows(b.response_mask))
+
+        return jax.jit(jax.grad(loss)).lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp("nothing_saveable") < 0.5 * temp("none")
+
+
 @pytest.mark.parametrize("nb,chunk", [(12, 4), (11, 4)])
 def test_chunked_logits_equal_full_logits_at_any_length(nb: int, chunk: int) -> None:
     """Logits in chunks (the last one zero-padded when Nb is not a multiple) give the same log-probs,
@@ -176,7 +218,10 @@ def test_trainer_config_keys_reach_the_trainer() -> None:
     mesh = shd.make_mesh(1, 1, jax.devices()[:1])
     opts = TrainerOptions(micro_batch_size=2, attn_impl="reference", remat="nothing_saveable")
     t = PolicyTrainer(Transformer(CFG, nnx.Rngs(0)), mesh, PolicyLossConfig(), OptimConfig(), opts)
-    assert (t.attn_impl, t.remat) == ("reference", "nothing_saveable")
+    assert (t.attn_impl, t.remat, t.scan_layers) == ("reference", "nothing_saveable", True)
+    config = config_schema.base_config()
+    config.model.random, config.trainer.scan_layers = config_lib.tiny_random_model("llama"), False
+    assert not trainer_options(config_schema.parse(config, check_paths=False)).scan_layers
 
 
 def test_trainer_forward_and_backward_hold_no_t_by_s_scores() -> None:

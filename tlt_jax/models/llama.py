@@ -19,7 +19,7 @@ Layouts (chosen by measurement on XLA:CPU, where a decode step is a chain of M=1
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import chex
 import flax.struct
@@ -155,12 +155,27 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, attn_impl, causal_impl=None):  # noqa: ANN001
+    def __call__(
+        self, x, cos, sin, k_cache, v_cache, lengths, mask, attn_impl, causal_impl=None, mlp_chunk=0
+    ):  # noqa: ANN001
         h = self.input_norm(x) if self.input_norm is not None else x
         a, k_cache, v_cache = self.attn(h, cos, sin, k_cache, v_cache, lengths, mask, attn_impl, causal_impl)
         x = x + a
-        x = x + self.mlp(self.post_attn_norm(x))
+        x = x + tiled(self.mlp, self.post_attn_norm(x), mlp_chunk)
         return x, k_cache, v_cache
+
+
+def tiled(fn: Callable[[jax.Array], jax.Array], x_bth: jax.Array, chunk: int) -> jax.Array:
+    """A token-wise `fn` on [B, T, H] in token chunks under `jax.checkpoint` (the last chunk zero-padded), so
+    a long sequence never holds the MLP's [B, T, 2F] intermediates at once (ALST's tiled MLP); chunk 0 or
+    T <= chunk: at once."""
+    b, t, hd = x_bth.shape
+    if not chunk or t <= chunk:
+        return fn(x_bth)
+    c = -(-t // chunk)
+    xc = jnp.moveaxis(jnp.pad(x_bth, ((0, 0), (0, c * chunk - t), (0, 0))).reshape(b, c, chunk, hd), 1, 0)
+    out = jax.lax.map(jax.checkpoint(fn), xc)
+    return jnp.moveaxis(out, 0, 1).reshape(b, c * chunk, -1)[:, :t]
 
 
 @flax.struct.dataclass
@@ -210,6 +225,10 @@ class Transformer(nnx.Module):
         attn_impl: str = "reference",
         causal_impl: str | None = None,
         remat: str = "none",
+        scan_layers: bool = False,
+        gather_layer: Callable[[nnx.State], nnx.State] | None = None,
+        mlp_chunk: int = 0,
+        shard_carry: Callable[[jax.Array], jax.Array] | None = None,
     ) -> ModelOutput:
         """Forward T new tokens per row.
 
@@ -218,6 +237,11 @@ class Transformer(nnx.Module):
         logits_index_bk: compute logits only at these token indices ([B, K]); e.g. the last prompt token.
         causal_impl: attention is causal (no mask_btt) by `flash_attention(impl=causal_impl)` (the trainer;
         None: `tree_attention` by `attn_impl`). remat: per-layer rematerialisation policy (REMAT_POLICIES).
+        scan_layers (with causal_impl only): the layers as one `lax.scan` over stacked parameters and caches;
+        gather_layer / shard_carry: applied to each layer's parameters / to the residual stream between layers
+        inside the scan (the trainer's FSDP all-gather; its tokens split over the model axis, which is all the
+        backward pass keeps of a layer under remat nothing_saveable).
+        mlp_chunk (with causal_impl only): the MLP in token chunks of this size (`tiled`; 0: at once).
         """
         b, t = tokens_bt.shape
         chex.assert_shape(positions_bt, (b, t))
@@ -234,15 +258,24 @@ class Transformer(nnx.Module):
         lengths = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
         cos, sin = rope_cos_sin(positions_bt, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed_tokens(tokens_bt)
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            kc = cache.k[i] if cache is not None else None
-            vc = cache.v[i] if cache is not None else None
-            x, kc, vc = _run_layer(
-                layer, remat, (x, cos, sin, kc, vc, lengths, mask_btt), attn_impl, causal_impl
+        if scan_layers and causal_impl is not None:
+            x, new_k, new_v = _scan_layers(
+                list(self.layers),
+                remat,
+                (x, cos, sin, cache, lengths),
+                (causal_impl, mlp_chunk),
+                (gather_layer, shard_carry),
             )
-            new_k.append(kc)
-            new_v.append(vc)
+        else:
+            new_k, new_v = [], []
+            for i, layer in enumerate(self.layers):
+                kc = cache.k[i] if cache is not None else None
+                vc = cache.v[i] if cache is not None else None
+                x, kc, vc = _run_layer(
+                    layer, remat, (x, cos, sin, kc, vc, lengths, mask_btt), attn_impl, causal_impl, mlp_chunk
+                )
+                new_k.append(kc)
+                new_v.append(vc)
         hidden = self.norm(x)
         new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
         if not compute_logits:
@@ -256,19 +289,60 @@ class Transformer(nnx.Module):
 
 
 def _run_layer(
-    layer: DecoderLayer, remat: str, arrays: tuple, attn_impl: str, causal_impl: str | None
+    layer: DecoderLayer,
+    remat: str,
+    arrays: tuple,
+    attn_impl: str,
+    causal_impl: str | None,
+    mlp_chunk: int = 0,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """One decoder layer on `arrays` (x, cos, sin, k_cache, v_cache, lengths, mask); under `jax.checkpoint`
     with the named policy unless remat == "none" (the layer is split so its weights enter as arguments)."""
     if remat == "none":
-        return layer(*arrays, attn_impl, causal_impl)
+        return layer(*arrays, attn_impl, causal_impl, mlp_chunk)
     graphdef, state = nnx.split(layer)
 
     @functools.partial(jax.checkpoint, policy=getattr(jax.checkpoint_policies, remat))
     def run(state: nnx.State, arrays: tuple) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-        return nnx.merge(graphdef, state)(*arrays, attn_impl, causal_impl)
+        return nnx.merge(graphdef, state)(*arrays, attn_impl, causal_impl, mlp_chunk)
 
     return run(state, arrays)
+
+
+def _scan_layers(
+    layers: list[DecoderLayer],
+    remat: str,
+    arrays: tuple[jax.Array, jax.Array, jax.Array, KVCache | None, jax.Array],
+    impl: tuple[str, int],
+    hooks: tuple[Callable | None, Callable | None],
+) -> tuple[jax.Array, list, list]:
+    """The causal decoder stack as one `lax.scan`: the layers' states (one graphdef) stacked to a leading [L]
+    axis in the program (gradients flow back to each layer through the stack), the cache's per-layer
+    [B, Hkv, S, D] buffers stacked to [L, ...] and unstacked after; the body under `jax.checkpoint` with the
+    named policy unless remat == "none"; `hooks` (gather, shard_carry): applied (if given) to each layer's
+    slice and to the carry. `arrays`: (x, cos, sin, cache, lengths); `impl`: (causal_impl, mlp_chunk).
+    Returns (x, per-layer keys, per-layer values)."""
+    x, cos, sin, cache, lengths = arrays
+    gather, shard_carry = hooks
+    graphdef = nnx.graphdef(layers[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
+    kv = None if cache is None else (jnp.stack(cache.k), jnp.stack(cache.v))
+
+    def body(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple | None]:
+        state, kv_l = xs
+        kc, vc = (None, None) if kv_l is None else kv_l
+        state = state if gather is None else gather(state)
+        x = x if shard_carry is None else shard_carry(x)
+        x, kc, vc = nnx.merge(graphdef, state)(x, cos, sin, kc, vc, lengths, None, "reference", *impl)
+        x = x if shard_carry is None else shard_carry(x)
+        return x, None if kv_l is None else (kc, vc)
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, remat), prevent_cse=False)
+    x, kv = jax.lax.scan(body, x, (stacked, kv))
+    if kv is None:
+        return x, [None] * len(layers), [None] * len(layers)
+    return x, list(kv[0]), list(kv[1])
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -162,6 +162,8 @@ def trainer_options(job: GrpoConfig) -> TrainerOptions:
         train_layers=tc.train_layers,
         attn_impl=tc.attn_impl,
         remat=tc.remat,
+        scan_layers=tc.scan_layers,
+        mlp_chunk=tc.mlp_chunk,
     )
 
 

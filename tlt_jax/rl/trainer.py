@@ -9,7 +9,8 @@ for those Nb columns, divided by the rollout temperature (as VeRL does) so that 
 engine's sampling log-probs. Optionally in chunks of `logits_chunk` columns under `jax.checkpoint` (the last
 chunk zero-padded: any Nb), so a long response never materialises [B, Nb, V] logits for the backward pass.
 Attention is causal by `tlt_jax.kernels.flash_attention` (`attn_impl`: O(T x block) memory, no [T, S] scores)
-and each decoder layer may be rematerialised in the backward pass (`remat`, a `jax.checkpoint_policies` name).
+and each decoder layer may be rematerialised in the backward pass (`remat`, a `jax.checkpoint_policies` name),
+the layers running as one `lax.scan` over stacked parameters (`scan_layers`; see `tlt_jax.models.llama`).
 
 `PolicyTrainer` owns the policy parameters (float32 masters when the model computes in bfloat16), the optax
 state and an optional frozen reference copy. One `update` is one optimizer step on a mini-batch given as parts
@@ -26,7 +27,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import chex
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,86 +38,13 @@ from optax.transforms import MaskedNode
 
 from tlt_jax import sharding as shd
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.batch import TrainBatch, split_micro
+from tlt_jax.rl.forward import ForwardOut, chunked_logp_entropy, response_logprobs
+
+__all__ = ["ForwardOut", "chunked_logp_entropy", "response_logprobs"]  # the forward, re-exported
 from tlt_jax.rl.schedules import lr_schedule
-
-
-@flax.struct.dataclass
-class ForwardOut:
-    logp: jax.Array  # [G*n, Nb] log-prob of each response token under softmax(logits / temperature)
-    entropy: jax.Array  # [G*n, Nb]
-    hidden: jax.Array | None  # [G*n, Nb, H] final hidden state that predicts each response token (or None)
-
-
-def _logp_entropy(model: Transformer, h_bnh: jax.Array, targets_bn: jax.Array, temperature: float):  # noqa: ANN202
-    logits = model.logits(h_bnh) / temperature
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets_bn[..., None], axis=-1)[..., 0]
-    probs = jnp.exp(logits - logz[..., None])
-    return picked - logz, logz - jnp.sum(probs * logits, axis=-1)
-
-
-def response_logprobs(
-    model: Transformer,
-    batch: TrainBatch,
-    *,
-    temperature: float,
-    logits_chunk: int = 0,
-    return_hidden: bool = False,
-    attn_impl: str | None = "auto",
-    remat: str = "none",
-) -> ForwardOut:
-    """Trainer forward: each prompt once, then its n responses on top of the prompt's KV cache.
-
-    The prompt pass writes the prompt's keys/values into a cache (as the engine's prefill does); its rows are
-    repeated n times and the responses run as one causal block after each prompt's real length, so the
-    prompt's cost is paid once per group, not once per sample, and gradients flow through the shared prompt
-    activations (summed over its samples). Returns per-token log-probs of the responses [G*n, Nb].
-    attn_impl: `flash_attention`'s implementation (auto | blockwise | reference | cudnn | pallas_tpu), or
-    None for the rollout's tree attention under a causal mask (materialises [T, S] scores; tests compare).
-    """
-    g, tp = batch.prompt.shape
-    n, nb = batch.group_size, batch.num_response
-    chex.assert_shape(batch.prompt_len, (g,))
-    chex.assert_shape([batch.response, batch.response_mask], (g, n, nb))
-    cfg = model.cfg
-    # causal attention (no mask given): the flash kernel, or (None) tree attention under a causal mask
-    attn = dict(causal_impl=attn_impl, remat=remat, compute_logits=False)
-    # the prompt pass attends over exactly its Tp slots (query offset 0); the cache then grows for responses
-    cache = KVCache.init(cfg, g, tp)
-    pos_p = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (g, tp))
-    out_p = model(batch.prompt, pos_p, cache, **attn)
-    last = jnp.take_along_axis(out_p.hidden, (batch.prompt_len - 1)[:, None, None], axis=1)  # [G, 1, H]
-    rows = jnp.repeat(jnp.arange(g), n)
-    cache = out_p.cache.resize(tp + nb).advance(batch.prompt_len).take_rows(rows)
-    resp = batch.rows(batch.response)
-    pos_r = cache.lengths[:, None] + jnp.arange(nb, dtype=jnp.int32)[None, :]
-    out_r = model(resp, pos_r, cache, **attn)
-    h = jnp.concatenate([last[rows], out_r.hidden[:, :-1]], axis=1)  # [B, Nb, H]: predicts response[:, j]
-    logp, ent = chunked_logp_entropy(model, h, resp, temperature, logits_chunk)
-    return ForwardOut(logp=logp, entropy=ent, hidden=h if return_hidden else None)
-
-
-def chunked_logp_entropy(
-    model: Transformer, h_bnh: jax.Array, targets_bn: jax.Array, temperature: float, chunk: int
-) -> tuple[jax.Array, jax.Array]:
-    """Log-probs and entropies [B, Nb] of the targets, the logits computed `chunk` columns at a time under
-    `jax.checkpoint` (the backward pass recomputes each chunk's [B, chunk, V] logits, never holds [B, Nb, V]);
-    the last chunk is zero-padded, so any Nb is chunked. chunk=0 (or Nb <= chunk): all columns at once."""
-    b, nb = targets_bn.shape
-    if not chunk or nb <= chunk:
-        return _logp_entropy(model, h_bnh, targets_bn, temperature)
-    c = -(-nb // chunk)
-    h = jnp.pad(h_bnh, ((0, 0), (0, c * chunk - nb), (0, 0)))
-    tgt = jnp.pad(targets_bn, ((0, 0), (0, c * chunk - nb)))
-    hc = jnp.moveaxis(h.reshape(b, c, chunk, -1), 1, 0)
-    tc = jnp.moveaxis(tgt.reshape(b, c, chunk), 1, 0)
-    fn = jax.checkpoint(lambda x: _logp_entropy(model, x[0], x[1], temperature))
-    logp, ent = jax.lax.map(fn, (hc, tc))
-    return tuple(jnp.moveaxis(x, 0, 1).reshape(b, c * chunk)[:, :nb] for x in (logp, ent))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +79,8 @@ class TrainerOptions:
     """How the trainer holds the policy: rows per micro-batch, a frozen reference copy (KL), the masters'
     dtype, FSDP (the hidden dim also split over the data axis), how many top layers train (0: all), and how
     its forward computes: attention (`flash_attention` impl) and per-layer rematerialisation (a
-    `jax.checkpoint_policies` name, or "none"), in the update and the reference / old log-prob passes."""
+    `jax.checkpoint_policies` name, or "none"), in the update and the reference / old log-prob passes, with
+    the layers under `lax.scan` (`scan_layers`) or unrolled."""
 
     micro_batch_size: int
     with_reference: bool = False
@@ -161,6 +89,8 @@ class TrainerOptions:
     train_layers: int = 0
     attn_impl: str = "auto"
     remat: str = "none"
+    scan_layers: bool = True
+    mlp_chunk: int = 0
 
 
 def policy_optimizer(oc: OptimConfig, trainable: Any = None) -> optax.GradientTransformation:
@@ -294,7 +224,8 @@ class PolicyTrainer:
         self.micro_batch_size = int(options.micro_batch_size)
         self.compute_dtype, self.master_dtype = jnp.dtype(cfg.dtype), jnp.dtype(options.master_dtype)
         fsdp, train_layers = options.fsdp, options.train_layers
-        self.attn_impl, self.remat = options.attn_impl, options.remat
+        self.fsdp, self.mlp_chunk = bool(fsdp), int(options.mlp_chunk)
+        self.attn_impl, self.remat, self.scan_layers = options.attn_impl, options.remat, options.scan_layers
         # fsdp: the hidden ("embed") dim of every weight is also split over the data axis, so master weights
         # and AdamW moments are sharded over all devices (XLA gathers each weight where it is used).
         self.rules = {**shd.DEFAULT_RULES, "embed": "data"} if fsdp else dict(shd.DEFAULT_RULES)
@@ -350,7 +281,11 @@ class PolicyTrainer:
 
     # ---- forward ------------------------------------------------------------------------------------------
     def _forward(self, params: Any, mb: TrainBatch, return_hidden: bool) -> ForwardOut:
-        model = nnx.merge(self.graphdef, self._cast_fn(params))
+        params = self._cast_fn(params)
+        if self.fsdp:  # the LM head gathered once (a data-sharded contraction would give every row's logits)
+            head = "lm_head" if "lm_head" in params else "embed"
+            params[head] = self._gather(params)[head]
+        model = nnx.merge(self.graphdef, params)
         return response_logprobs(
             model,
             mb,
@@ -359,7 +294,39 @@ class PolicyTrainer:
             return_hidden=return_hidden,
             attn_impl=self.attn_impl,
             remat=self.remat,
+            scan_layers=self.scan_layers,
+            shard_rows=self._shard_rows,
+            gather_layer=self._gather if self.fsdp else None,
+            mlp_chunk=self.mlp_chunk,
+            shard_carry=self._shard_carry,
         )
+
+    def _shard_carry(self, x: jax.Array) -> jax.Array:
+        """The residual stream [B, T, H] between layers: rows over the data axis, tokens over the model axis
+        (tensor parallelism replicates it there: what the backward keeps per layer is split, not copied)."""
+        names = (self.rules["batch"], self.rules["kv_heads"])
+        spec = [
+            a if a is not None and n % self.mesh.shape[a] == 0 else None
+            for a, n in zip(names, x.shape[:2], strict=True)
+        ]
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec, None)))
+
+    def _gather(self, params: Any) -> Any:
+        """FSDP's all-gather: `params` constrained to the tensor-parallel layout (data axis dropped)."""
+        return jax.lax.with_sharding_constraint(params, shd.param_shardings(params, self.mesh))
+
+    def _shard_rows(self, tree: Any) -> Any:
+        """Rows (leading axis) of every array over the data axis where they divide it, the other axes left to
+        the compiler (a cache's KV heads stay on the model axis)."""
+        axis = self.rules["batch"]
+
+        def one(x: jax.Array) -> jax.Array:
+            if axis is None or x.shape[0] % self.mesh.shape[axis]:
+                return x
+            spec = P(axis, *(P.UNCONSTRAINED,) * (x.ndim - 1))
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+        return jax.tree.map(one, tree)
 
     def _logprobs_fn(self, params: Any, micro: TrainBatch, return_hidden: bool = False) -> ForwardOut:
         return jax.lax.map(lambda mb: self._forward(params, mb, return_hidden), micro)
