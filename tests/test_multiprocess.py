@@ -365,22 +365,44 @@ def restore_on_one_device(workdir: pathlib.Path, step: int, like=None) -> dict:
 
 
 def assert_same_state(a: dict, b: dict, what: str) -> None:
-    """All of the state but the selector's rewards, which are measured speeds (wall clock)."""
+    """All of the state but the selector's rewards, which are measured speeds (wall clock): integer leaves
+    (steps, rng, counters) bitwise; float leaves within float32 rounding, because the update's gradient sums
+    over rows sharded across the data axis add in another order across processes (measured after 2 steps:
+    AdamW moments 1.5e-7 relative apart, parameters up to 8.5e-7 absolute where Adam divides a near-zero
+    gradient by its near-zero second moment, on weights of ~1e-2; tokens, rewards, SD metrics: bitwise)."""
     la = {k: v for k, v in leaves(a).items() if not k.startswith("/bandit/state/")}
     lb = {k: v for k, v in leaves(b).items() if not k.startswith("/bandit/state/")}
     assert la.keys() == lb.keys() and any(k.startswith("/params/") for k in la)
     for k in la:
-        np.testing.assert_array_equal(la[k], lb[k], err_msg=f"{what}: {k} (bitwise)")
+        x, y = np.asarray(la[k]), np.asarray(lb[k])
+        if np.issubdtype(x.dtype, np.floating):
+            # <= 0.1% of the entries may be Adam steps whose direction the rounding decided (one measured:
+            # 2.3e-5 on a weight of 1.3e-2), none further apart than opposite steps in both steps (4 x lr 1e-2)
+            off = ~np.isclose(x, y, rtol=1e-5, atol=2e-6)
+            assert off.mean() <= 1e-3, f"{what}: {k}: {off.sum()} of {off.size} entries differ"
+            np.testing.assert_allclose(x, y, rtol=0, atol=4 * 0.01, err_msg=f"{what}: {k}")
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=f"{what}: {k} (bitwise)")
+
+
+# Metrics that are sums over the update's rows, which are sharded over the data axis: across processes the
+# all-reduce adds them in another order than on one process, so they agree to rounding, not bit for bit
+# (measured: loss/pg 7.5e-9 vs 0.0 at step 2); the state they update is compared bitwise below.
+REDUCED = ("loss/pg", "optim/grad_norm")
 
 
 def assert_same_metrics(one: pathlib.Path, other: pathlib.Path, steps: int, metrics: tuple[str, ...]) -> None:
-    """Each step logged exactly once in both runs, with equal values."""
+    """Each step logged exactly once in both runs, with equal values: bitwise, but for the cross-device sums
+    in REDUCED (within float32 rounding of their scale)."""
     ma, mb = read_metrics(one / "metrics.jsonl"), read_metrics(other / "metrics.jsonl")
     assert [m["step"] for m in ma] == [m["step"] for m in mb] == list(range(1, steps + 1))
     for ra, rb in zip(ma, mb, strict=True):
         chosen = tuple(k for k in ra if k.startswith("bandit/") and k.endswith(("/chosen", "/count")))
         for k in metrics + chosen:
-            assert ra[k] == rb[k], (other.name, ra["step"], k)  # bitwise (JSON floats round-trip exactly)
+            if k in REDUCED:
+                np.testing.assert_allclose(ra[k], rb[k], rtol=1e-5, atol=1e-7, err_msg=f"{other.name} {k}")
+            else:
+                assert ra[k] == rb[k], (other.name, ra["step"], k)  # bitwise (JSON floats round-trip exactly)
 
 
 def wait_for_step(
@@ -448,8 +470,9 @@ def test_two_processes_equal_one(tmp_path) -> None:
     `one` 1 process x 4 devices, uninterrupted; `a` 1 process killed after step 1, resumed as 2 processes x
     2 devices; `b` 2 processes whose process 1 dies after step 1 (process 0 exits, bounded, saying so),
     resumed as 1 process. Step 2 of `a` and step 1 of `b` ran on two processes; every step's rewards, losses,
-    SD and spot metrics and every checkpoint (policy, optimizer, spot-trained drafter, rng) equal `one`'s, so
-    checkpoints cross from 2 processes to 1 and back, and a dead peer costs only the steps since the last."""
+    SD and spot metrics and every checkpoint (policy, optimizer, spot-trained drafter, rng) equal `one`'s
+    (floats to float32 rounding: `assert_same_state`), so checkpoints cross from 2 processes to 1 and back,
+    and a dead peer costs only the steps since the last."""
     config = "smoke.py:steps=2,spec=true"
     runs = {k: tmp_path / k for k in ("one", "a", "b")}
     args = {k: main_args(w, *TLT, "--config.checkpoint_every=1", config=config) for k, w in runs.items()}

@@ -16,6 +16,7 @@ import numpy as np
 from tlt_jax.rl.batch import TrainBatch, length_sorted_micro
 from tlt_jax.rl.plan import StepPlan
 from tlt_jax.rl.trainer import PolicyTrainer
+from tlt_jax.sharding import to_host, to_host_tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +47,9 @@ def old_logprobs(trainer: PolicyTrainer, batch: TrainBatch, plan: StepPlan) -> t
         micro = trainer.put_micro(batch)
         if plan.kl_coef > 0:
             ref = trainer.logprobs(micro, params=trainer.ref_params).logp
-            batch = batch.replace(ref_logp=np.asarray(ref).reshape(batch.ref_logp.shape))
+            batch = batch.replace(ref_logp=to_host(ref).reshape(batch.ref_logp.shape))
         if not fused:
-            old = np.asarray(trainer.logprobs(micro).logp)
+            old = to_host(trainer.logprobs(micro).logp)  # rows may span processes
             batch = batch.replace(old_logp=old.reshape(batch.old_logp.shape))
             train_logp = old.reshape(plan.rows, -1)
     return batch, train_logp
@@ -77,5 +78,5 @@ def update_policy(
         update_metrics.append(um)
         trained_cols += sum(mb.response.size for mb in parts.micro)
         if trainer.loss.fuse_old_logprobs:
-            train_logp[rows] = parts.unsort([np.asarray(x) for x in logps], batch.num_response)
+            train_logp[rows] = parts.unsort(list(to_host_tree(list(logps))), batch.num_response)
     return UpdateResult(update_metrics, skipped, trained_cols, batch.num_response, train_logp)
