@@ -377,7 +377,7 @@ def assert_same_state(a: dict, b: dict, what: str) -> None:
         x, y = np.asarray(la[k]), np.asarray(lb[k])
         if np.issubdtype(x.dtype, np.floating):
             # <= 0.1% of the entries may be Adam steps whose direction the rounding decided (one measured:
-            # 2.3e-5 on a weight of 1.3e-2), none further apart than opposite steps in both steps (4 x lr 1e-2)
+            # 2.3e-5 on a weight of 1.3e-2), none further apart than opposite steps at both steps (4 x lr)
             off = ~np.isclose(x, y, rtol=1e-5, atol=2e-6)
             assert off.mean() <= 1e-3, f"{what}: {k}: {off.sum()} of {off.size} entries differ"
             np.testing.assert_allclose(x, y, rtol=0, atol=4 * 0.01, err_msg=f"{what}: {k}")
