@@ -194,6 +194,7 @@ def paper_grpo(
     # what makes the 32K-token update fit 72 GiB (memory plan, issue 35): layers scanned and recomputed (remat
     # dots_with_no_batch_dims_saveable needed 235 GiB of temporaries at 32K), masters / AdamW sharded over
     # every device, the MLP in 2,048-token chunks
+    c.trainer.scan_layers = True  # compile time nearly flat in depth; remat holds under scan
     c.trainer.remat = "nothing_saveable"
     c.trainer.fsdp = True
     c.trainer.mlp_chunk = 2048

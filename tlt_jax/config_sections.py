@@ -307,9 +307,11 @@ class TrainerSection(Section):
     # per-layer rematerialisation in the update's backward pass: none | nothing_saveable | dots_saveable |
     # dots_with_no_batch_dims_saveable (jax.checkpoint_policies: what a layer keeps; the rest is recomputed)
     remat: str = "none"
-    # the update's layers as one lax.scan over stacked parameters (compile time independent of depth;
-    # per-layer remat then holds on XLA:CPU too); False: the unrolled stack. The rollout's is always unrolled.
-    scan_layers: bool = True
+    # the update's layers as one lax.scan over stacked parameters (compile time nearly flat in depth;
+    # per-layer remat then holds on XLA:CPU too): the paper configs' (config_lib.paper_grpo). Off by default:
+    # with trainer.train_layers < all, the scan runs the frozen layers' backward too, and the CPU configs'
+    # update took 2x as long (docs/benchmarks.md, 2026-11-26). The rollout's stack is always unrolled.
+    scan_layers: bool = False
     # the update's MLP in token chunks of this size (long responses: no [rows, T, 2F] buffers; 0: at once)
     mlp_chunk: int = 0
 

@@ -218,10 +218,10 @@ def test_trainer_config_keys_reach_the_trainer() -> None:
     mesh = shd.make_mesh(1, 1, jax.devices()[:1])
     opts = TrainerOptions(micro_batch_size=2, attn_impl="reference", remat="nothing_saveable")
     t = PolicyTrainer(Transformer(CFG, nnx.Rngs(0)), mesh, PolicyLossConfig(), OptimConfig(), opts)
-    assert (t.attn_impl, t.remat, t.scan_layers) == ("reference", "nothing_saveable", True)
+    assert (t.attn_impl, t.remat, t.scan_layers) == ("reference", "nothing_saveable", False)
     config = config_schema.base_config()
-    config.model.random, config.trainer.scan_layers = config_lib.tiny_random_model("llama"), False
-    assert not trainer_options(config_schema.parse(config, check_paths=False)).scan_layers
+    config.model.random, config.trainer.scan_layers = config_lib.tiny_random_model("llama"), True
+    assert trainer_options(config_schema.parse(config, check_paths=False)).scan_layers
 
 
 def test_trainer_forward_and_backward_hold_no_t_by_s_scores() -> None:

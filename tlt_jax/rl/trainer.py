@@ -89,7 +89,7 @@ class TrainerOptions:
     train_layers: int = 0
     attn_impl: str = "auto"
     remat: str = "none"
-    scan_layers: bool = True
+    scan_layers: bool = False
     mlp_chunk: int = 0
 
 
