@@ -27,8 +27,6 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import ml_collections as mlc
 import numpy as np
 import orbax.checkpoint as ocp
@@ -48,7 +46,7 @@ from tlt_jax.models.build import model_config_from
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
 from tlt_jax.rl.speculation import drafter_dir, has_drafter
-from tlt_jax.utils.export_io import read_only_manager
+from tlt_jax.utils.export_io import read_only_manager, restore_leaves
 from tlt_jax.utils.tracking import CONFIG_FILE
 
 # (folder, the checkpoint-tree prefixes that hold the drafter's params, first match wins, what it is)
@@ -127,21 +125,7 @@ def find_drafter(workdir: str | pathlib.Path) -> DrafterSource:
 def read_drafter(src: DrafterSource) -> dict[str, Any]:
     """The drafter's params as a nested dict of numpy arrays (nnx's trailing "value" level dropped), restored
     alone from the checkpoint (the other leaves are never read)."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    item: dict[str, Any] = {}
-    for path, v in src.leaves.items():
-        node = item
-        *parents, last = (src.prefix + path).split("/")
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[last] = jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=device)
-    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), item)
-    mngr = read_only_manager(src.directory)
-    try:
-        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-        state = mngr.restore(src.step, args=ocp.args.Composite(state=args))["state"]
-    finally:
-        mngr.close()
+    state = restore_leaves(src.directory, src.step, {src.prefix + k: v for k, v in src.leaves.items()})
     for k in src.prefix.split("/")[:-1]:
         state = state[k]
     return _plain(state)

@@ -34,8 +34,6 @@ import shutil
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import ml_collections as mlc
 import numpy as np
 import orbax.checkpoint as ocp
@@ -47,7 +45,7 @@ from tlt_jax.models.hf_export import EXPORT_DTYPES, hf_config, params_to_hf, wri
 from tlt_jax.models.tokenizer import Tokenizer
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
 from tlt_jax.utils.checkpoint import flatten_paths
-from tlt_jax.utils.export_io import read_only_manager, write_atomically
+from tlt_jax.utils.export_io import read_only_manager, restore_leaves, write_atomically
 from tlt_jax.utils.tracking import CONFIG_FILE
 
 _PARAMS, _FROZEN = "params/", "frozen/"
@@ -125,21 +123,7 @@ def find_policy(workdir: str | pathlib.Path, step: int | None = None) -> PolicyS
 
 def _restore(src: PolicySource, leaves: dict[str, Any]) -> dict[str, np.ndarray]:
     """The saved `leaves` (checkpoint path -> spec) as numpy arrays by path; no other leaf is read."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    item: dict[str, Any] = {}
-    for path, v in leaves.items():
-        node = item
-        *parents, last = path.split("/")
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[last] = jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=device)
-    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), item)
-    mngr = read_only_manager(src.directory)
-    try:
-        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-        state = mngr.restore(src.step, args=ocp.args.Composite(state=args))["state"]
-    finally:
-        mngr.close()
+    state = restore_leaves(src.directory, src.step, leaves)
     return {p: np.asarray(x) for p, x in flatten_paths(state)[0]}
 
 

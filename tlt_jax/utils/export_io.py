@@ -8,8 +8,11 @@ import os
 import pathlib
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -54,3 +57,23 @@ def write_atomically(
         raise
     shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def restore_leaves(directory: pathlib.Path, step: int, leaves: Mapping[str, Mapping[str, Any]]) -> Any:
+    """The checkpoint `step`'s leaves named in `leaves` ("a/b/c" -> {"shape", "dtype"}), restored alone onto
+    the first device as a nested dict (no other leaf is read; the run may still be writing)."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    item: dict[str, Any] = {}
+    for path, v in leaves.items():
+        node = item
+        *parents, last = path.split("/")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=device)
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), item)
+    mngr = read_only_manager(directory)
+    try:
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        return mngr.restore(step, args=ocp.args.Composite(state=args))["state"]
+    finally:
+        mngr.close()
