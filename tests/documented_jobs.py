@@ -118,8 +118,9 @@ def shrink(
     c.spot.max_steps_per_rollout = min(c.spot.max_steps_per_rollout, 2)
     c.spot.after_rollout_steps = min(c.spot.after_rollout_steps, 2)
     c.spot.window, c.spot.context, c.spot.ce_tokens = 64, 32, 32
-    if warmup_dir is not None:
-        c.drafter.path = str(warmup_dir)
+    # a job without the smoke warm-up sees no drafter (as on a fresh clone), whatever the repository's own
+    # workdirs/drafter_tlt holds (a SmolLM2 drafter after `make warmup` does not fit the tiny model)
+    c.drafter.path = str(warmup_dir) if warmup_dir is not None else ""
     return c
 
 

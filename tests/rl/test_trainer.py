@@ -19,14 +19,8 @@ from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl.batch import TrainBatch, build_train_batch
 from tlt_jax.rl.config import trainer_options
-from tlt_jax.rl.trainer import (
-    ForwardOut,
-    OptimConfig,
-    PolicyLossConfig,
-    PolicyTrainer,
-    TrainerOptions,
-    response_logprobs,
-)
+from tlt_jax.rl.forward import ForwardOut, response_logprobs
+from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions
 from tlt_jax.utils.config_checks import SectionError
 
 CFG = tiny_config(num_layers=2)

@@ -52,6 +52,7 @@ from safetensors.numpy import load_file, save_file
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter, drafter_config
+from tlt_jax.models.hf_export import decoder_fields
 from tlt_jax.utils.export_io import write_atomically
 
 HF_CONFIG_FILE = "config.json"
@@ -91,22 +92,10 @@ def eagle_config(cfg: ModelConfig, dtype: str, draft_vocab_size: int | None = No
     family = "Qwen2" if cfg.architecture == "qwen2" else "Llama"
     out: dict[str, Any] = {
         "architectures": [f"{family}ForCausalLMEagle", "EagleLlamaForCausalLM"],
-        "model_type": cfg.architecture,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
+        **decoder_fields(cfg, dtype),
         "num_hidden_layers": 1,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "qkv_bias": cfg.qkv_bias,
-        "torch_dtype": dtype,
     }
     if draft_vocab_size is not None:
         out["draft_vocab_size"] = int(draft_vocab_size)

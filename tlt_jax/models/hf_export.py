@@ -98,10 +98,10 @@ def params_to_hf(cfg: ModelConfig, flat: Mapping[str, np.ndarray]) -> dict[str, 
     return {k: np.asarray(v) for k, v in out.items()}
 
 
-def hf_config(cfg: ModelConfig, dtype: str, bos: int | None, eos: list[int]) -> dict[str, Any]:
-    """config.json of a LlamaForCausalLM / Qwen2ForCausalLM with `cfg`'s architecture."""
-    out: dict[str, Any] = {
-        "architectures": [_FAMILY[cfg.architecture]],
+def decoder_fields(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+    """The HF config.json fields of a Llama/Qwen2 decoder of `cfg`'s shape (the policy's export and, with one
+    layer, the EAGLE drafter's)."""
+    return {
         "model_type": cfg.architecture,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -116,6 +116,14 @@ def hf_config(cfg: ModelConfig, dtype: str, bos: int | None, eos: list[int]) -> 
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": dtype,
+    }
+
+
+def hf_config(cfg: ModelConfig, dtype: str, bos: int | None, eos: list[int]) -> dict[str, Any]:
+    """config.json of a LlamaForCausalLM / Qwen2ForCausalLM with `cfg`'s architecture."""
+    out: dict[str, Any] = {
+        "architectures": [_FAMILY[cfg.architecture]],
+        **decoder_fields(cfg, dtype),
         "bos_token_id": bos,
         "eos_token_id": eos[0] if len(eos) == 1 else list(eos),
         "use_cache": True,

@@ -41,9 +41,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.batch import TrainBatch, split_micro
-from tlt_jax.rl.forward import ForwardOut, chunked_logp_entropy, response_logprobs
-
-__all__ = ["ForwardOut", "chunked_logp_entropy", "response_logprobs"]  # the forward, re-exported
+from tlt_jax.rl.forward import ForwardOut, response_logprobs
 from tlt_jax.rl.schedules import lr_schedule
 
 
