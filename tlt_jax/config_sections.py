@@ -100,6 +100,11 @@ class RolloutSection(Section):
     min_cache_bucket: int = 64
     prompt_bucket: int = 16
     compact: bool = True
+    # continuous batching: at most this many rows decode at once per data shard (a power of two; the rest
+    # wait in a queue and are inserted into slots as rows finish); 0: chosen from kv_budget_gib, and with
+    # that 0 too, every row of the step runs at once
+    max_running_rows: int = 0
+    kv_budget_gib: float = 0.0  # per-device KV-cache budget that picks max_running_rows (0: no budget)
     attn_impl: str = "auto"  # Pallas on GPU, Mosaic on TPU, the CPU FFI kernel on one CPU device, else jnp
     # dots in the rollout programs: "auto" = full float32 for float32 models whatever the process default
     # (lossless coupled verification on GPUs, whose default is TF32), the process default for bfloat16
@@ -126,6 +131,12 @@ class RolloutSection(Section):
                 f"config.rollout.matmul_precision={self.matmul_precision!r}: use one of {MATMUL_PRECISIONS} "
                 "(auto: full float32 dots for float32 models, the process default for bfloat16)."
             )
+        r = self.max_running_rows
+        if r < 0 or (r & (r - 1)) or self.kv_budget_gib < 0:
+            out.append(
+                f"config.rollout.max_running_rows={r} / kv_budget_gib={self.kv_budget_gib}: need a power of "
+                "two (or 0: from the budget) and a budget >= 0 GiB (0: none)."
+            )
         for key, need in (("chunk_steps", " (decode steps per device call)"), ("min_cache_bucket", ""),
                           ("prompt_bucket", ""), ("hidden_window", "")):  # fmt: skip
             if getattr(self, key) < 1:
@@ -144,6 +155,8 @@ class RolloutSection(Section):
             min_cache_bucket=self.min_cache_bucket,
             prompt_bucket=self.prompt_bucket,
             compact=self.compact,
+            max_running_rows=self.max_running_rows,
+            kv_budget_gib=self.kv_budget_gib,
             attn_impl=self.attn_impl,
             matmul_precision=self.matmul_precision,
             stop_strings=tuple(self.stop_strings),

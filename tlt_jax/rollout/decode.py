@@ -406,6 +406,13 @@ def gather_rows(state: DecodeState, rows: jax.Array, pad: jax.Array) -> DecodeSt
     return state
 
 
+def insert_rows(state: DecodeState, new: DecodeState, slots: jax.Array) -> DecodeState:
+    """Continuous batching: write the freshly prefilled rows `new` into the state's rows `slots` (out-of-range
+    slots: padding rows, dropped). `new`'s cache buckets are padded to the state's first."""
+    new = resize_cache(new, state.cache.capacity)
+    return jax.tree_util.tree_map(lambda a, b: a.at[slots].set(b.astype(a.dtype), mode="drop"), state, new)
+
+
 def resize_cache(state: DecodeState, seq_len: int) -> DecodeState:
     """Grow (or shrink) the target's and the drafter's cache-length bucket to `seq_len`."""
     state = state.replace(cache=state.cache.resize(seq_len))

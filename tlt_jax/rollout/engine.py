@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -36,7 +37,7 @@ from tlt_jax.kernels import small_m_linear
 from tlt_jax.models.build import TextCodec
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rollout import decode, scheduler, spmd
+from tlt_jax.rollout import admission, decode, scheduler, spmd
 from tlt_jax.rollout.hooks import IdleWork, RolloutHooks
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.ngram import NgramBank, NgramParams
@@ -44,6 +45,8 @@ from tlt_jax.rollout.programs import ProgramCache, pow2_at_least, program_precis
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import AcceptRule, SpecMode, Strategy, resolve_acceptance
 from tlt_jax.rollout.types import ChunkRecord, DecodeState, Rollout
+
+CACHE_ALIGN = 512  # the top cache bucket is a multiple of this (key blocks of the attention kernels)
 
 
 def _drafter_weight_dtype(name: str, model: Transformer) -> jnp.dtype | None:
@@ -104,6 +107,12 @@ class RolloutEngine:
         self.spec_mode: str | None = None  # the mode SpecConfig configured (if enabled)
         if config.spec.enabled:
             self.spec_mode = self.add_mode(config.spec.drafter, config.spec.strategy)
+        model_axis = self.mesh.shape["model"]
+        per_token = admission.kv_bytes_per_token(model.cfg, model_axis, int(drafter is not None))
+        self.max_running_rows, self.admission_line = admission.running_rows_cap(
+            config.max_running_rows, config.kv_budget_gib, per_token, self.top_cache_bucket()
+        )
+        logging.info("%s", self.admission_line)
 
     # ---- params -------------------------------------------------------------------------------------
     def set_params(self, params: Any) -> None:
@@ -186,10 +195,15 @@ class RolloutEngine:
         return self.local_bucket(-(-n // self.data_size)) * self.data_size
 
     def cache_bucket(self, need: int) -> int:
-        """Power-of-two cache length >= need, capped at max_cache_len (+ the slots a speculative round may
-        write past a row's end, so verification never writes out of bounds)."""
+        """Power-of-two cache length >= need, up to the top bucket: max_cache_len + the slots a speculative
+        round may write past a row's end (so verification never writes out of bounds), rounded up to a
+        multiple of 512 (the attention kernels' key blocks; the power of two when that is smaller): at the
+        paper's 34,816 that is 35,328, not 65,536."""
+        return min(pow2_at_least(need, self.config.min_cache_bucket), self.top_cache_bucket())
+
+    def top_cache_bucket(self) -> int:
         cap = self.config.max_cache_len + self._max_lookahead()
-        return min(pow2_at_least(need, self.config.min_cache_bucket), pow2_at_least(cap))
+        return min(pow2_at_least(cap), -(-cap // CACHE_ALIGN) * CACHE_ALIGN)
 
     # ---- device programs ------------------------------------------------------------------------------
     def _constrain(self, tree: Any) -> Any:
@@ -378,6 +392,11 @@ class RolloutEngine:
                     "config.rollout.max_new_tokens, or shorten the prompt."
                 )
 
+    def prompt_bucket(self, prompts: Sequence[Sequence[int]]) -> int:
+        """The padded prompt length of a rollout's prefills (every insert of the rollout uses the same)."""
+        longest = max(len(p) for p in prompts)
+        return min(pow2_at_least(longest, self.config.prompt_bucket), self.config.max_cache_len)
+
     def prefill(
         self,
         prompts: Sequence[Sequence[int]],
@@ -387,20 +406,27 @@ class RolloutEngine:
         sampling: SamplingParams,
         max_new_tokens: int,
         drafter_params: Any | None = None,
+        seq_ids: np.ndarray | None = None,
     ) -> tuple[DecodeState, jax.Array | None]:
-        """Prefill unique prompts once, repeat their cache rows n times, sample each row's first token.
+        """Prefill the rows' unique prompts once, repeat their cache rows, sample each row's first token.
 
-        Rows are sequence-major (row i = prompt i // n, sample i % n), padded to a batch bucket with done
-        rows; row blocks of B / data_size rows live on one data-axis device each. With a drafter configured
-        the drafter cache is prefilled too. Returns the state and, with `record_hidden`, the prompts' hidden
-        states [P_bucket, T_bucket, H].
+        seq_ids: the sequence of each row of the batch (sequence i = prompt i // n, sample i % n; -1: a
+        padding row, done from the start), shard-major: row blocks of B / data_size rows live on one
+        data-axis device each. Default: every sequence, padded to a batch bucket. Each row's PRNG stream is
+        `split(key, len(prompts) * n)[seq_id]`, whatever batch it is prefilled in. With a drafter configured
+        the drafter cache is prefilled too. Returns the state and, with `record_hidden`, the hidden states of
+        the batch's unique prompts (`admission.unique_prompts(seq_ids, n)` order) [P_bucket, T_bucket, H].
         """
         cfg = self.config
         self.validate_prompts(prompts, max_new_tokens)
-        tokens, lens, rows, pad, seq_ids, keys = self._prefill_rows(prompts, n, key)
-        (pb, tb), b, longest = tokens.shape, len(rows), max(len(p) for p in prompts)
-        max_total = longest + max_new_tokens
-        s = self.cache_bucket(min(max(tb, longest + cfg.chunk_steps + 1), max_total))
+        if seq_ids is None:
+            total = len(prompts) * n
+            rows = np.arange(self.batch_bucket(total))
+            seq_ids = np.where(rows < total, rows, -1)
+        tokens, lens, rows, keys = self._prefill_inputs(prompts, n, np.asarray(seq_ids), key)
+        (pb, tb), b = tokens.shape, len(rows)
+        longest = int(lens.max())
+        s = self.cache_bucket(min(max(tb, longest + cfg.chunk_steps + 1), longest + max_new_tokens))
         s = max(s, self.cache_bucket(tb))
         use_drafter, use_prompt = self.needs()
         prog = decode.PrefillProgram(
@@ -420,6 +446,7 @@ class RolloutEngine:
             return self._constrain(state), hidden
 
         put = lambda x: jax.device_put(x, shd.batch_sharding(self.mesh, np.ndim(x), b))  # noqa: E731
+        pad = np.asarray(seq_ids) < 0
         dparams = self.drafter_params if drafter_params is None else drafter_params
         args = (
             self.params,
@@ -430,7 +457,7 @@ class RolloutEngine:
             put(keys),
             put(np.full((b,), max_new_tokens, np.int32)),
             put(pad),
-            put(seq_ids),
+            put(np.asarray(seq_ids, np.int32)),
             self.eos_ids,
         )
         key_ = (
@@ -443,35 +470,42 @@ class RolloutEngine:
             max_new_tokens,
             use_drafter,
             use_prompt,
-            cfg.record_hidden,
         )
+        key_ = (*key_, cfg.record_hidden)
         return self.programs.run(key_, fn, args)[0]
 
-    def _prefill_rows(
-        self, prompts: Sequence[Sequence[int]], n: int, key: jax.Array
+    def _prefill_inputs(
+        self, prompts: Sequence[Sequence[int]], n: int, seq_ids: np.ndarray, key: jax.Array
     ) -> tuple[np.ndarray, ...]:
-        """The host arrays of a prefill: the unique prompts [P_bucket, T_bucket] and their lengths [P_bucket]
-        (buckets: powers of two; padding prompts have length 1), then per row of the batch bucket
-        (sequence-major; padding rows past len(prompts) * n): its prompt, padding flag, sequence id (-1 for
-        padding) and PRNG key data (`key` split into one key per sequence)."""
-        cfg = self.config
-        num_p, total = len(prompts), len(prompts) * n
-        prompt_lens = np.asarray([len(p) for p in prompts], np.int32)
-        pb = pow2_at_least(num_p)
-        tb = min(pow2_at_least(int(prompt_lens.max()), cfg.prompt_bucket), cfg.max_cache_len)
+        """The host arrays of a prefill: the rows' unique prompts [P_bucket, T_bucket] (T_bucket: the
+        rollout's `prompt_bucket`) and their lengths [P_bucket] (padding prompts have length 1), then per row
+        its unique prompt's index and its PRNG key data (padding rows: zeros)."""
+        uniq = admission.unique_prompts(seq_ids, n)
+        pb, tb = pow2_at_least(len(uniq)), self.prompt_bucket(prompts)
         tokens = np.zeros((pb, tb), np.int32)
         lens = np.ones((pb,), np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
-            lens[i] = len(p)
-        b = self.batch_bucket(total)
-        rows = np.zeros((b,), np.int32)
-        rows[:total] = np.repeat(np.arange(num_p), n)
-        pad = np.arange(b) >= total
-        seq_ids = np.where(pad, -1, np.arange(b)).astype(np.int32)
-        keys = np.zeros((b, 2), np.uint32)
-        keys[:total] = np.asarray(jax.random.key_data(jax.random.split(key, total)))
-        return tokens, lens, rows, pad, seq_ids, keys
+        for j, i in enumerate(uniq):
+            tokens[j, : len(prompts[i])] = prompts[i]
+            lens[j] = len(prompts[i])
+        live = seq_ids >= 0
+        rows = np.zeros(seq_ids.shape, np.int32)
+        rows[live] = np.searchsorted(uniq, seq_ids[live] // n)
+        all_keys = np.asarray(jax.random.key_data(jax.random.split(key, len(prompts) * n)))
+        keys = np.zeros((len(seq_ids), 2), np.uint32)
+        keys[live] = all_keys[seq_ids[live]]
+        return tokens, lens, rows, keys
+
+    def insert(self, state: DecodeState, new: DecodeState, slots: np.ndarray) -> DecodeState:
+        """Continuous batching: write the prefilled rows `new` (shard-major, `slots` their LOCAL slot per
+        shard; out-of-range slots: padding rows) into `state` (donated), growing its cache bucket first when
+        the new rows' is larger."""
+        if new.cache.capacity > state.cache.capacity:
+            state = self.resize_cache(state, new.cache.capacity)
+        fn = spmd.insert_program(self.mesh, state, new, self._constrain)
+        bs = shd.batch_sharding(self.mesh, 1, len(slots))
+        args = (state, new, jax.device_put(slots.astype(np.int32), bs))
+        key = ("insert", state.done.shape[0], len(slots), state.cache.capacity, new.cache.capacity)
+        return self.programs.run(key, fn, args, donate=(0,))[0]
 
     # ---- the host loop --------------------------------------------------------------------------------
     def generate(

@@ -29,7 +29,7 @@ class Harvester:
         prompts: Sequence[Sequence[int]],
         n: int,
         max_new: int,
-        prompt_hidden: list[np.ndarray] | None,
+        record_hidden: bool,
         hooks: RolloutHooks,
     ):
         self.tokenizer = engine.tokenizer
@@ -44,9 +44,19 @@ class Harvester:
         self.reason = ["length"] * total
         self.harvested = np.zeros((total,), bool)
         self.stop_cut: dict[int, int] = {}
-        self.prompt_hidden = prompt_hidden
-        self.hidden: list[np.ndarray | None] | None = [None] * total if prompt_hidden is not None else None
+        # the prompts' hidden states arrive with each prefill (`add_prompt_hidden`), before their rows run
+        self.prompt_hidden: list[np.ndarray] | None = [None] * len(prompts) if record_hidden else None  # type: ignore[list-item]
+        self.hidden: list[np.ndarray | None] | None = [None] * total if record_hidden else None
         self.hooks = hooks
+
+    def add_prompt_hidden(self, prompt_ids: np.ndarray, hidden: jax.Array | None) -> None:
+        """Keep a prefill's prompt hidden states [P_bucket, T, H] (row j: prompt `prompt_ids[j]`)."""
+        if self.prompt_hidden is None or hidden is None:
+            return
+        h = shd.to_host(hidden)
+        for j, i in enumerate(prompt_ids):
+            if self.prompt_hidden[int(i)] is None:
+                self.prompt_hidden[int(i)] = h[j, : len(self.prompts[int(i)])]
 
     @property
     def num_finished(self) -> int:

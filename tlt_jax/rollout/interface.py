@@ -38,6 +38,10 @@ class EngineConfig:
     min_cache_bucket: int = 64  # cache-length buckets are powers of two from here up to max_cache_len
     prompt_bucket: int = 16  # prompt lengths are padded to powers of two >= this
     compact: bool = True  # compact live rows into smaller batch buckets as sequences finish
+    # continuous batching (`rollout.admission`): at most this many running rows per data shard (a power of
+    # two), the rest queued and inserted into slots as rows finish; 0: from kv_budget_gib (0 too: no cap)
+    max_running_rows: int = 0
+    kv_budget_gib: float = 0.0  # per-device KV-cache budget (GiB) that picks max_running_rows when it is 0
     # "auto" | "reference" | "pallas" | "pallas_tpu" | "cpu_ffi" (see tlt_jax.kernels.tree_attention)
     attn_impl: str = "auto"
     stop_strings: tuple[str, ...] = ()
@@ -61,6 +65,12 @@ class EngineConfig:
         for name in ("max_new_tokens", "chunk_steps", "hidden_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1 (config.rollout.{name}).")
+        r = self.max_running_rows
+        if r < 0 or (r & (r - 1)) or self.kv_budget_gib < 0:
+            raise ValueError(
+                f"max_running_rows={r} / kv_budget_gib={self.kv_budget_gib}: need a power of two (or 0) and "
+                "a budget >= 0 (config.rollout.max_running_rows / kv_budget_gib)."
+            )
         if self.max_new_tokens >= self.max_cache_len:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} leaves no room for a prompt in max_cache_len="
@@ -82,6 +92,7 @@ class EngineLike(Protocol):
     modes: dict[str, SpecMode]  # the registered speculative modes by name
     spec_mode: str | None  # the mode `config.spec` registered, if enabled
     drafter_params: Any  # the EAGLE drafter's current weights (None without a drafter)
+    max_running_rows: int  # continuous batching's cap per data shard (0: none)
     draft_vocab: jax.Array | None  # the drafter head's reduced vocabulary
 
     def model(self, params: Any | None = None) -> Transformer: ...
@@ -111,7 +122,10 @@ class EngineLike(Protocol):
         sampling: SamplingParams,
         max_new_tokens: int,
         drafter_params: Any | None = None,
+        seq_ids: np.ndarray | None = None,
     ) -> tuple[DecodeState, jax.Array | None]: ...
+
+    def insert(self, state: DecodeState, new: DecodeState, slots: np.ndarray) -> DecodeState: ...
 
     def decode_chunk(
         self,

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from tlt_jax import sharding as shd
+from tlt_jax.rollout.admission import RowQueue, plan_insert, unique_prompts
 from tlt_jax.rollout.harvest import Harvester
 from tlt_jax.rollout.hooks import ChunkView, HookList, RolloutHooks, RolloutInfo, ThresholdPolicy, as_hooks
 from tlt_jax.rollout.interface import EngineLike
@@ -76,61 +77,109 @@ def _prefill(
     hook: RolloutHooks,
     stats: RolloutStats,
 ) -> _HostLoop:
-    """Prefill the prompts (the drafter's weights read once here: the rollout drafts with one snapshot) and
-    set up the loop: the harvester (with the prompts' hidden states when recorded), each row's sequence id
-    (-1: padding row) and, for n-gram modes, the sibling bank."""
+    """Prefill the first rows (all of them, or `max_running_rows` per data shard with the rest queued; the
+    drafter's weights read once here: the rollout drafts with one snapshot) and set up the loop: the
+    harvester, each slot's sequence id (-1: padding) and, for n-gram modes, the sibling bank."""
     t0 = time.perf_counter()
-    num_p = len(prompts)
+    num_p, d = len(prompts), engine.data_size
+    total = num_p * n
+    local = engine.local_bucket(-(-total // d))
+    if engine.max_running_rows:
+        local = min(local, engine.max_running_rows)
+    first = min(total, local * d)
+    seq_ids = np.where(np.arange(local * d) < first, np.arange(local * d), -1)
     dparams = engine.drafter_params  # one snapshot of the drafter for the whole rollout
+    harvest = Harvester(engine, prompts, n, max_new, engine.config.record_hidden, hook)
     state, prompt_h = engine.prefill(
-        prompts, n=n, key=key, sampling=sampling, max_new_tokens=max_new, drafter_params=dparams
-    )
+        prompts, n=n, key=key, sampling=sampling, max_new_tokens=max_new, drafter_params=dparams,
+        seq_ids=seq_ids,
+    )  # fmt: skip
+    harvest.add_prompt_hidden(unique_prompts(seq_ids, n), prompt_h)
     jax.block_until_ready(state)
-    prompt_hidden = None
-    if prompt_h is not None:
-        ph = shd.to_host(prompt_h)
-        prompt_hidden = [ph[i, : len(p)] for i, p in enumerate(prompts)]
-    harvest = Harvester(engine, prompts, n, max_new, prompt_hidden, hook)
-    seq_ids = np.where(np.arange(state.done.shape[0]) >= num_p * n, -1, np.arange(state.done.shape[0]))
-    bank = NgramBank.empty(num_p * n, n, max_new) if engine.needs()[1] else None
+    bank = NgramBank.empty(total, n, max_new) if engine.needs()[1] else None
     if bank is not None:
         bank = shd.put_global(bank, engine.replicated)
     stats.add_time("prefill", time.perf_counter() - t0)
     max_total = int(max(len(p) for p in prompts)) + max_new
-    return _HostLoop(engine, hook, harvest, stats, sampling, dparams, state, seq_ids, bank, max_total)
+    rollout = _Rollout(prompts, n, key, sampling, max_new, dparams, max_total)
+    return _HostLoop(engine, hook, harvest, stats, rollout, state, seq_ids, bank, RowQueue(first, total))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rollout:
+    """What is fixed for one rollout: its prompts, samples per prompt, key, sampling, token budget, the
+    drafter's weights (read once at the prefill) and the longest sequence it can reach (no row's cache needs
+    more)."""
+
+    prompts: Sequence[Sequence[int]]
+    n: int
+    key: jax.Array
+    sampling: SamplingParams
+    max_new: int
+    dparams: Any
+    max_total: int
 
 
 @dataclasses.dataclass
 class _HostLoop:
-    """The rollout between chunks: the device state, each row's sequence id (-1: padding) and the n-gram
-    bank change every chunk; the rest is fixed for the rollout. `step` runs one iteration of the loop."""
+    """The rollout between chunks: the device state, each slot's sequence id (-1: padding or empty), the
+    n-gram bank and the queue of rows not yet running change every chunk. `step` runs one iteration."""
 
     engine: EngineLike
     hook: RolloutHooks
     harvest: Harvester
     stats: RolloutStats
-    sampling: SamplingParams
-    dparams: Any  # the drafter's weights, read once at the prefill
+    rollout: _Rollout
     state: DecodeState
     seq_ids: np.ndarray
     bank: NgramBank | None
-    max_total: int  # the longest prompt + max_new: no row's cache needs more
+    queue: RowQueue
 
     def step(self) -> bool:
-        """Harvest, compact, choose the mode, grow the cache, run one chunk; False once all have finished."""
+        """Harvest, insert queued rows or compact, choose the mode, grow the cache, run one chunk; False once
+        all have finished. While rows wait in the queue the chunk decodes plain (the queue is pressure: SD
+        only pays once few rows run, as in the paper) and the hooks are not asked."""
         t0 = time.perf_counter()
         self.state, done, lengths = self.harvest.collect(self.state, self.seq_ids)
+        if len(self.queue):
+            done, lengths = self._insert(done, lengths)
         d = self.engine.data_size
         b_local = self.state.done.shape[0] // d
         live_shard = (~done).reshape(d, b_local).sum(axis=1)
         if live_shard.sum() == 0:
             return False
-        done, lengths, b_local = self._compact(done, lengths, live_shard, b_local)
-        mode = self._choose_mode(int(live_shard.sum()))
+        queued = len(self.queue) > 0
+        if not queued:
+            done, lengths, b_local = self._compact(done, lengths, live_shard, b_local)
+        mode = "plain" if queued else self._choose_mode(int(live_shard.sum()))
         self._grow_cache(mode, done, lengths)
         self.stats.add_time("host", time.perf_counter() - t0)
-        self._run_chunk(mode, done, b_local)
+        self._run_chunk(mode, done, b_local, early_exit=not queued)
         return True
+
+    def _insert(self, done: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill queued rows into the free slots of every shard (`admission.plan_insert`); returns the
+        slots' done flags and lengths after it."""
+        plan = plan_insert(self.seq_ids, done, self.engine.data_size, self.queue)
+        if plan is None:
+            return done, lengths
+        t0 = time.perf_counter()
+        r = self.rollout
+        new, prompt_h = self.engine.prefill(
+            r.prompts, n=r.n, key=r.key, sampling=r.sampling, max_new_tokens=r.max_new,
+            drafter_params=r.dparams, seq_ids=plan.seq_ids,
+        )  # fmt: skip
+        self.harvest.add_prompt_hidden(unique_prompts(plan.seq_ids, r.n), prompt_h)
+        self.state = self.engine.insert(self.state, new, plan.slots)
+        d = self.engine.data_size
+        local, sids, slots = (x.reshape(d, -1) for x in (self.seq_ids, plan.seq_ids, plan.slots))
+        for i in range(d):
+            keep = sids[i] >= 0
+            local[i, slots[i, keep]] = sids[i, keep]
+        self.seq_ids = local.reshape(-1)
+        done, lengths = shd.to_host_tree((self.state.done, self.state.cache.lengths))
+        self.stats.add_time("insert", time.perf_counter() - t0)
+        return done, lengths
 
     def _compact(
         self, done: np.ndarray, lengths: np.ndarray, live_shard: np.ndarray, b_local: int
@@ -167,23 +216,25 @@ class _HostLoop:
             (1, 1) if mode == "plain" else (engine.modes[mode].tokens_per_step, engine.modes[mode].lookahead)
         )
         need = min(
-            int(lengths[~done].max()) + engine.config.chunk_steps * per_step + ahead, self.max_total + ahead
+            int(lengths[~done].max()) + engine.config.chunk_steps * per_step + ahead,
+            self.rollout.max_total + ahead,
         )
         s_new = engine.cache_bucket(need)
         if s_new != self.state.cache.capacity:
             self.state = engine.resize_cache(self.state, s_new)
 
-    def _run_chunk(self, mode: str, done: np.ndarray, b_local: int) -> None:
-        """Run the chunk (exiting early once half the local bucket has finished, when compacting; with idle
-        work from the hooks fused in on a data axis > 1), record its timeline and report it to the hooks."""
+    def _run_chunk(self, mode: str, done: np.ndarray, b_local: int, early_exit: bool) -> None:
+        """Run the chunk (exiting early once half the local bucket has finished, when compacting and
+        `early_exit`; with idle work from the hooks fused in on a data axis > 1), record its timeline and
+        report it to the hooks."""
         engine, stats, d = self.engine, self.stats, self.engine.data_size
-        exit_live = b_local // 2 if engine.config.compact and b_local > 1 else -1
+        exit_live = b_local // 2 if early_exit and engine.config.compact and b_local > 1 else -1
         before = self.harvest.tokens_so_far(self.state, self.seq_ids)
         work = (
             self.hook.idle_work(tuple(int(x) for x in (~done).reshape(d, -1).sum(axis=1))) if d > 1 else None
         )
         self.state, record, self.bank = engine.decode_chunk(
-            self.state, mode, self.sampling, self.bank, exit_live, self.dparams, work
+            self.state, mode, self.rollout.sampling, self.bank, exit_live, self.rollout.dparams, work
         )
         record = dataclasses.replace(
             record, new_tokens=self.harvest.tokens_so_far(self.state, self.seq_ids) - before

@@ -2,6 +2,7 @@
 
 - `gather_program`: compaction WITHIN each data shard (local row indices), so rows never move between
   devices and a device whose rows have all finished becomes idle instead of receiving others' rows.
+- `insert_program`: continuous batching's insert of prefilled rows into free slots, within each data shard.
 - `tick_program`: the spot trainer's tick, ONE SPMD program in which the devices with live rows run the
   decode chunk and the others run idle-device work (drafter micro-steps). Each device takes its own branch
   of a per-device `lax.cond`; collectives (the work's gradient psum, the chunk's counters) stay outside it.
@@ -40,6 +41,20 @@ def gather_program(mesh: Mesh, state: DecodeState, constrain: Callable[[Any], An
         decode.gather_rows, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=specs
     )
     return lambda st, rows, pad: constrain(body(st, rows, pad))
+
+
+def insert_program(
+    mesh: Mesh, state: DecodeState, new: DecodeState, constrain: Callable[[Any], Any]
+) -> Callable:
+    """(state, new rows, slots) -> the state with `new`'s rows written at `slots` (LOCAL indices per shard,
+    shard-major, as `new`'s rows are laid out): continuous batching's insert, within each data shard."""
+    if mesh.shape["data"] == 1:
+        return lambda st, nw, slots: constrain(decode.insert_rows(st, nw, slots))
+    specs, new_specs = state_specs(state, mesh), state_specs(new, mesh)
+    body = jax.shard_map(
+        decode.insert_rows, mesh=mesh, in_specs=(specs, new_specs, P("data")), out_specs=specs
+    )
+    return lambda st, nw, slots: constrain(body(st, nw, slots))
 
 
 def tick_program(
