@@ -107,7 +107,7 @@ def time_chunk(
     ngram = None
     if eng.needs()[1]:
         ngram = jax.device_put(NgramBank.empty(bank[0], bank[1], max_new), eng.replicated)
-    _, rec, _ = eng.decode_chunk(state, mode, sampling, ngram, -1)
+    _, rec, _, _ = eng.decode_chunk(state, mode, sampling, ngram, -1)
     return float("nan") if rec.compiled else rec.seconds / max(rec.steps, 1)
 
 

@@ -126,7 +126,7 @@ def compile_layout(
     layout = "naive" if not engine.config.share_programs else "shared"
     for b, mode in layout_programs(engine, layout, batches):
         sub = rows_of(state, b, cache, engine)
-        sub, record, bank = engine.decode_chunk(sub, mode, sp, bank, exit_live=-1)
+        sub, record, bank, _ = engine.decode_chunk(sub, mode, sp, bank, exit_live=-1)
         assert record.steps == 0, record  # every row is done: nothing ran
     return [i for i in engine.programs.infos("chunk") if i.key[4]]  # key[4]: the program's modes (plain: ())
 

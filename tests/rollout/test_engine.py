@@ -216,3 +216,30 @@ def test_engine_config_names_a_bad_attention_implementation() -> None:
     with pytest.raises(ValueError, match=r"attn_impl='flash'.*'pallas_tpu'.*rollout\.attn_impl"):
         EngineConfig(attn_impl="flash")
     assert EngineConfig(attn_impl="pallas_tpu").attn_impl == "pallas_tpu"
+
+
+def test_stop_strings_cut_at_the_first_prefix_that_contains_one(model):
+    """Stop strings, checked incrementally between chunks of 2 steps: each response is the shortest prefix of
+    the unstopped response (same key: same samples) whose text contains a stop string, ended "stop"; two-
+    character strings taken from the middle of responses, so they straddle chunk boundaries."""
+    from tlt_jax.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    sp, key = SamplingParams(temperature=1.0), jax.random.key(5)
+    free = _engine(model, chunk_steps=2).generate(PROMPTS, n=2, key=key, sampling=sp)
+    stops = tuple({tok.decode(free.response(i)[10:12]) for i in (0, 3)})  # tokens 10, 11: two chunks
+    assert all(len(s) == 2 for s in stops)
+    cfg = EngineConfig(
+        max_new_tokens=24, max_cache_len=96, chunk_steps=2, min_cache_bucket=16, stop_strings=stops
+    )
+    out = RolloutEngine(model, cfg, eos_ids=[EOS], tokenizer=tok).generate(PROMPTS, n=2, key=key, sampling=sp)
+    for i in range(len(free.lengths)):
+        full = free.response(i)
+        cut = next(
+            (c for c in range(1, len(full) + 1) if any(s in tok.decode(full[:c]) for s in stops)), None
+        )
+        if cut is None:
+            assert out.response(i) == full and out.finish_reason[i] == free.finish_reason[i]
+        else:
+            assert out.response(i) == full[:cut] and out.finish_reason[i] == "stop", i
+    assert out.finish_reason.count("stop") >= 2

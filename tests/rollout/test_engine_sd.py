@@ -250,7 +250,7 @@ def test_caches_after_speculative_rounds_equal_a_fresh_pass(greedy_engine):
     bank = NgramBank.empty(4, 2, 64)
     accepted = 0
     for mode in ("plain", names[0], names[1], names[2]):  # plain, EAGLE chain, EAGLE tree, n-gram tree
-        state, rec, bank = engine.decode_chunk(state, mode, GREEDY, bank)
+        state, rec, bank, _ = engine.decode_chunk(state, mode, GREEDY, bank)
         if mode != "plain":
             accepted += rec.accepted_tokens - rec.verify_rounds  # drafts accepted
         assert _check_caches(engine, state, prompts, 2) >= (4 if mode != names[2] else 1)
@@ -268,7 +268,7 @@ def test_caches_after_sampled_chain_rounds_equal_a_fresh_pass(greedy_engine):
     assert engine.modes[mode].rejection
     prompts = [[62, 54, 52, 4], PROMPTS[1]]
     state, _ = engine.prefill(prompts, n=2, key=jax.random.key(3), sampling=sp, max_new_tokens=40)
-    state, rec, _ = engine.decode_chunk(state, mode, sp)
+    state, rec, _, _ = engine.decode_chunk(state, mode, sp)
     assert rec.accepted_tokens > rec.verify_rounds, "no sampled draft was accepted"
     assert _check_caches(engine, state, prompts, 2) >= 1
 

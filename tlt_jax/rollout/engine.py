@@ -44,8 +44,9 @@ from tlt_jax.rollout.ngram import NgramBank, NgramParams
 from tlt_jax.rollout.programs import ProgramCache, pow2_at_least, program_precision
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import AcceptRule, SpecMode, Strategy, resolve_acceptance
-from tlt_jax.rollout.types import ChunkRecord, DecodeState, Rollout
+from tlt_jax.rollout.types import ChunkRecord, DecodeState, Rollout, RowSummary
 
+FETCH_BLOCK = 8  # finished rows leave the device in gathers of this many rows (one program per batch bucket)
 CACHE_ALIGN = 512  # the top cache bucket is a multiple of this (key blocks of the attention kernels)
 
 
@@ -267,10 +268,11 @@ class RolloutEngine:
         exit_live: int = -1,
         drafter_params: Any | None = None,
         work: IdleWork | None = None,
-    ) -> tuple[DecodeState, ChunkRecord, NgramBank | None]:
+    ) -> tuple[DecodeState, ChunkRecord, NgramBank | None, RowSummary]:
         """Run one chunk of `mode` on `state` (donated). The cache must already hold the chunk's growth
-        (`generate` resizes between chunks). Returns the new state, the chunk's record (seconds included)
-        and the bank (n-gram modes need one: `NgramBank.empty`). drafter_params: the rollout's snapshot of
+        (`generate` resizes between chunks). Returns the new state, the chunk's record (seconds included),
+        the bank (n-gram modes need one: `NgramBank.empty`) and the rows' summary, fetched in the same
+        single device-to-host transfer as the chunk's counters. drafter_params: the rollout's snapshot of
         the drafter's weights (default: the engine's current ones). work: idle-device work fused into the
         chunk's program (`hooks.IdleWork`); its outputs go to `work.on_done`."""
         prog = self.chunk_program(mode, sampling, shards=1 if work is not None else None)
@@ -316,13 +318,45 @@ class RolloutEngine:
         t0 = time.perf_counter()  # after compiling: the chunk's seconds are its execution only
         result = program(*args)
         out = result if work is None else result[0]  # the fused tick returns (chunk out, drafter work out)
-        fetched = shd.to_host_tree((out.running, out.emitted, out.rows, out.hist))  # all processes' rows
+        st = out.state
+        # one transfer per chunk: the counters and the rows' summary (all processes' rows)
+        fetched, rows = shd.to_host_tree(
+            ((out.running, out.emitted, out.rows, out.hist), (st.done, st.cache.lengths, st.num_generated))
+        )
         dt = time.perf_counter() - t0
         if work is not None:
             work.on_done(result[1], dt)
         compile_s = t0 - t_compile if compiled else 0.0
         record = self._chunk_record(mode, prog, (b, cap), fetched, dt, compiled, compile_s)
-        return out.state, record, (out.bank if bank_in is not None else bank)
+        return out.state, record, (out.bank if bank_in is not None else bank), RowSummary(*rows)
+
+    def row_summary(self, state: DecodeState) -> RowSummary:
+        """The rows' done flags, lengths and token counts (one transfer; after a prefill or an insert)."""
+        return RowSummary(*shd.to_host_tree((state.done, state.cache.lengths, state.num_generated)))
+
+    def fetch_rows(
+        self, state: DecodeState, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Tokens, log-probs and recorded hidden states (None without) of the rows `rows` only: a gather on
+        the devices in blocks of FETCH_BLOCK rows, then a transfer of those rows (a finished row leaves the
+        device without the whole batch's [B, N] tokens or [B, W, H] hidden states crossing)."""
+        b = state.done.shape[0]
+        k = min(FETCH_BLOCK, b)
+        arrays = (state.out_tokens, state.out_logp, state.out_hidden)
+        fn = lambda arr, idx: self._replicate(jax.tree.map(lambda x: x[idx], arr))  # noqa: E731
+        parts = []
+        for i in range(0, len(rows), k):
+            idx = np.zeros((k,), np.int32)
+            chunk = rows[i : i + k]
+            idx[: len(chunk)] = chunk
+            key = ("fetch", b, k, state.out_tokens.shape[1], state.out_hidden is not None)
+            got = self.programs.run(key, fn, (arrays, jax.device_put(idx, self.replicated)))[0]
+            n = len(chunk)
+            parts.append(jax.tree.map(lambda x: x[:n], shd.to_host_tree(got)))  # noqa: B023
+        toks, logp, hid = (
+            None if parts[0][j] is None else np.concatenate([p[j] for p in parts]) for j in range(3)
+        )
+        return toks, logp, hid
 
     def _chunk_record(
         self,

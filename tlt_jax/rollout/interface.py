@@ -25,7 +25,7 @@ from tlt_jax.rollout.ngram import NgramBank
 from tlt_jax.rollout.programs import MATMUL_PRECISIONS
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import AcceptRule, SpecConfig, SpecMode, Strategy
-from tlt_jax.rollout.types import ChunkRecord, DecodeState
+from tlt_jax.rollout.types import ChunkRecord, DecodeState, RowSummary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +136,13 @@ class EngineLike(Protocol):
         exit_live: int = -1,
         drafter_params: Any | None = None,
         work: IdleWork | None = None,
-    ) -> tuple[DecodeState, ChunkRecord, NgramBank | None]: ...
+    ) -> tuple[DecodeState, ChunkRecord, NgramBank | None, RowSummary]: ...
+
+    def row_summary(self, state: DecodeState) -> RowSummary: ...
+
+    def fetch_rows(
+        self, state: DecodeState, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]: ...
 
     def gather_rows(self, state: DecodeState, sel: np.ndarray, pad: np.ndarray) -> DecodeState: ...
 

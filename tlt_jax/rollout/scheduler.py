@@ -25,7 +25,7 @@ from tlt_jax.rollout.hooks import ChunkView, HookList, RolloutHooks, RolloutInfo
 from tlt_jax.rollout.interface import EngineLike
 from tlt_jax.rollout.ngram import NgramBank
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.types import DecodeState, Rollout, RolloutStats
+from tlt_jax.rollout.types import DecodeState, Rollout, RolloutStats, RowSummary
 
 
 def generate(
@@ -95,14 +95,16 @@ def _prefill(
         seq_ids=seq_ids,
     )  # fmt: skip
     harvest.add_prompt_hidden(unique_prompts(seq_ids, n), prompt_h)
-    jax.block_until_ready(state)
+    rows = engine.row_summary(state)
     bank = NgramBank.empty(total, n, max_new) if engine.needs()[1] else None
     if bank is not None:
         bank = shd.put_global(bank, engine.replicated)
     stats.add_time("prefill", time.perf_counter() - t0)
     max_total = int(max(len(p) for p in prompts)) + max_new
     rollout = _Rollout(prompts, n, key, sampling, max_new, dparams, max_total)
-    return _HostLoop(engine, hook, harvest, stats, rollout, state, seq_ids, bank, RowQueue(first, total))
+    return _HostLoop(
+        engine, hook, harvest, stats, rollout, state, rows, seq_ids, bank, RowQueue(first, total)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +124,9 @@ class _Rollout:
 
 @dataclasses.dataclass
 class _HostLoop:
-    """The rollout between chunks: the device state, each slot's sequence id (-1: padding or empty), the
-    n-gram bank and the queue of rows not yet running change every chunk. `step` runs one iteration."""
+    """The rollout between chunks: the device state, its rows' summary (`RowSummary`: fetched once per chunk,
+    with the chunk's counters), each slot's sequence id (-1: padding or empty), the n-gram bank and the queue
+    of rows not yet running change every chunk. `step` runs one iteration."""
 
     engine: EngineLike
     hook: RolloutHooks
@@ -131,6 +134,7 @@ class _HostLoop:
     stats: RolloutStats
     rollout: _Rollout
     state: DecodeState
+    rows: RowSummary
     seq_ids: np.ndarray
     bank: NgramBank | None
     queue: RowQueue
@@ -140,29 +144,28 @@ class _HostLoop:
         all have finished. While rows wait in the queue the chunk decodes plain (the queue is pressure: SD
         only pays once few rows run, as in the paper) and the hooks are not asked."""
         t0 = time.perf_counter()
-        self.state, done, lengths = self.harvest.collect(self.state, self.seq_ids)
+        self.state, self.rows = self.harvest.collect(self.state, self.seq_ids, self.rows)
         if len(self.queue):
-            done, lengths = self._insert(done, lengths)
+            self._insert()
         d = self.engine.data_size
         b_local = self.state.done.shape[0] // d
-        live_shard = (~done).reshape(d, b_local).sum(axis=1)
+        live_shard = (~self.rows.done).reshape(d, b_local).sum(axis=1)
         if live_shard.sum() == 0:
             return False
         queued = len(self.queue) > 0
         if not queued:
-            done, lengths, b_local = self._compact(done, lengths, live_shard, b_local)
+            b_local = self._compact(live_shard, b_local)
         mode = "plain" if queued else self._choose_mode(int(live_shard.sum()))
-        self._grow_cache(mode, done, lengths)
+        self._grow_cache(mode)
         self.stats.add_time("host", time.perf_counter() - t0)
-        self._run_chunk(mode, done, b_local, early_exit=not queued)
+        self._run_chunk(mode, b_local, early_exit=not queued)
         return True
 
-    def _insert(self, done: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Prefill queued rows into the free slots of every shard (`admission.plan_insert`); returns the
-        slots' done flags and lengths after it."""
-        plan = plan_insert(self.seq_ids, done, self.engine.data_size, self.queue)
+    def _insert(self) -> None:
+        """Prefill queued rows into the free slots of every shard (`admission.plan_insert`)."""
+        plan = plan_insert(self.seq_ids, self.rows.done, self.engine.data_size, self.queue)
         if plan is None:
-            return done, lengths
+            return
         t0 = time.perf_counter()
         r = self.rollout
         new, prompt_h = self.engine.prefill(
@@ -177,27 +180,24 @@ class _HostLoop:
             keep = sids[i] >= 0
             local[i, slots[i, keep]] = sids[i, keep]
         self.seq_ids = local.reshape(-1)
-        done, lengths = shd.to_host_tree((self.state.done, self.state.cache.lengths))
+        self.rows = self.engine.row_summary(self.state)
         self.stats.add_time("insert", time.perf_counter() - t0)
-        return done, lengths
 
-    def _compact(
-        self, done: np.ndarray, lengths: np.ndarray, live_shard: np.ndarray, b_local: int
-    ) -> tuple[np.ndarray, np.ndarray, int]:
+    def _compact(self, live_shard: np.ndarray, b_local: int) -> int:
         """Gather each shard's live rows into the smallest local bucket that holds the fullest shard (when
-        `config.compact` and it is smaller); returns the rows' done flags, lengths and the local bucket."""
+        `config.compact` and it is smaller); returns the local bucket."""
         engine, d = self.engine, self.engine.data_size
         new_local = engine.local_bucket(int(live_shard.max()))
         if engine.config.compact and new_local < b_local:
             if self.bank is not None:
                 self.bank = engine.update_bank(self.bank, self.state)
-            sel, pad = _shard_selection((~done).reshape(d, b_local), new_local)
+            sel, pad = _shard_selection((~self.rows.done).reshape(d, b_local), new_local)
             self.state = engine.gather_rows(self.state, sel, pad.reshape(-1))
             glob = (np.arange(d)[:, None] * b_local + sel.reshape(d, new_local)).reshape(-1)
             self.seq_ids = np.where(pad.reshape(-1), -1, self.seq_ids[glob])
-            done, lengths = done[glob] | pad.reshape(-1), lengths[glob]
+            self.rows = self.rows.take(glob, pad.reshape(-1))
             b_local = new_local
-        return done, lengths, b_local
+        return b_local
 
     def _choose_mode(self, n_live: int) -> str:
         """The hooks' mode for the next chunk ("plain" when none chooses); it must be a registered mode."""
@@ -208,7 +208,7 @@ class _HostLoop:
             )
         return mode
 
-    def _grow_cache(self, mode: str, done: np.ndarray, lengths: np.ndarray) -> None:
+    def _grow_cache(self, mode: str) -> None:
         """Resize the cache to the bucket the chunk needs: the longest live row plus the chunk's tokens and
         lookahead, capped at the longest sequence the rollout can reach."""
         engine = self.engine
@@ -216,29 +216,26 @@ class _HostLoop:
             (1, 1) if mode == "plain" else (engine.modes[mode].tokens_per_step, engine.modes[mode].lookahead)
         )
         need = min(
-            int(lengths[~done].max()) + engine.config.chunk_steps * per_step + ahead,
+            int(self.rows.lengths[~self.rows.done].max()) + engine.config.chunk_steps * per_step + ahead,
             self.rollout.max_total + ahead,
         )
         s_new = engine.cache_bucket(need)
         if s_new != self.state.cache.capacity:
             self.state = engine.resize_cache(self.state, s_new)
 
-    def _run_chunk(self, mode: str, done: np.ndarray, b_local: int, early_exit: bool) -> None:
+    def _run_chunk(self, mode: str, b_local: int, early_exit: bool) -> None:
         """Run the chunk (exiting early once half the local bucket has finished, when compacting and
         `early_exit`; with idle work from the hooks fused in on a data axis > 1), record its timeline and
         report it to the hooks."""
         engine, stats, d = self.engine, self.stats, self.engine.data_size
         exit_live = b_local // 2 if early_exit and engine.config.compact and b_local > 1 else -1
-        before = self.harvest.tokens_so_far(self.state, self.seq_ids)
-        work = (
-            self.hook.idle_work(tuple(int(x) for x in (~done).reshape(d, -1).sum(axis=1))) if d > 1 else None
-        )
-        self.state, record, self.bank = engine.decode_chunk(
+        before = self.rows.tokens(self.seq_ids)
+        live_before = (~self.rows.done).reshape(d, -1).sum(axis=1)
+        work = self.hook.idle_work(tuple(int(x) for x in live_before)) if d > 1 else None
+        self.state, record, self.bank, self.rows = engine.decode_chunk(
             self.state, mode, self.rollout.sampling, self.bank, exit_live, self.rollout.dparams, work
         )
-        record = dataclasses.replace(
-            record, new_tokens=self.harvest.tokens_so_far(self.state, self.seq_ids) - before
-        )
+        record = dataclasses.replace(record, new_tokens=self.rows.tokens(self.seq_ids) - before)
         stats.add_time("decode" if mode == "plain" else "speculative", record.seconds)
         if record.compiled:
             stats.add_time("compile", record.compile_seconds)
@@ -246,8 +243,7 @@ class _HostLoop:
         stats.sd_per_step.extend([mode != "plain"] * record.steps)
         stats.seconds_per_step.extend([record.seconds / max(record.steps, 1)] * record.steps)
         stats.chunks.append(record)
-        done_now = shd.to_host(self.state.done).reshape(d, -1)
-        live = tuple(int(x) for x in (~done_now).sum(axis=1))
+        live = tuple(int(x) for x in (~self.rows.done).reshape(d, -1).sum(axis=1))
         self.hook.on_chunk(ChunkView(record, live, self.harvest.num_finished))
 
 
