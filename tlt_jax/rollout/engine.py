@@ -144,6 +144,11 @@ class RolloutEngine:
     def compile_count(self) -> int:
         return self.programs.compile_count
 
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling this engine's programs so far."""
+        return self.programs.compile_seconds
+
     # ---- speculative modes ----------------------------------------------------------------------------
     def add_mode(
         self,

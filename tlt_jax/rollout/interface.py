@@ -93,6 +93,7 @@ class EngineLike(Protocol):
     spec_mode: str | None  # the mode `config.spec` registered, if enabled
     drafter_params: Any  # the EAGLE drafter's current weights (None without a drafter)
     max_running_rows: int  # continuous batching's cap per data shard (0: none)
+    compile_seconds: float  # seconds spent compiling the engine's programs so far
     draft_vocab: jax.Array | None  # the drafter head's reduced vocabulary
 
     def model(self, params: Any | None = None) -> Transformer: ...

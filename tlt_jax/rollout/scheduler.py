@@ -80,7 +80,7 @@ def _prefill(
     """Prefill the first rows (all of them, or `max_running_rows` per data shard with the rest queued; the
     drafter's weights read once here: the rollout drafts with one snapshot) and set up the loop: the
     harvester, each slot's sequence id (-1: padding) and, for n-gram modes, the sibling bank."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), engine.compile_seconds
     num_p, d = len(prompts), engine.data_size
     total = num_p * n
     local = engine.local_bucket(-(-total // d))
@@ -99,7 +99,7 @@ def _prefill(
     bank = NgramBank.empty(total, n, max_new) if engine.needs()[1] else None
     if bank is not None:
         bank = shd.put_global(bank, engine.replicated)
-    stats.add_time("prefill", time.perf_counter() - t0)
+    _add_timed(stats, "prefill", time.perf_counter() - t0, engine.compile_seconds - c0)
     max_total = int(max(len(p) for p in prompts)) + max_new
     rollout = _Rollout(prompts, n, key, sampling, max_new, dparams, max_total)
     return _HostLoop(
@@ -146,7 +146,9 @@ class _HostLoop:
         t0 = time.perf_counter()
         self.state, self.rows = self.harvest.collect(self.state, self.seq_ids, self.rows)
         if len(self.queue):
+            t_insert = time.perf_counter()
             self._insert()
+            t0 += time.perf_counter() - t_insert  # the insert has its own phase
         d = self.engine.data_size
         b_local = self.state.done.shape[0] // d
         live_shard = (~self.rows.done).reshape(d, b_local).sum(axis=1)
@@ -166,7 +168,7 @@ class _HostLoop:
         plan = plan_insert(self.seq_ids, self.rows.done, self.engine.data_size, self.queue)
         if plan is None:
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), self.engine.compile_seconds
         r = self.rollout
         new, prompt_h = self.engine.prefill(
             r.prompts, n=r.n, key=r.key, sampling=r.sampling, max_new_tokens=r.max_new,
@@ -181,7 +183,7 @@ class _HostLoop:
             local[i, slots[i, keep]] = sids[i, keep]
         self.seq_ids = local.reshape(-1)
         self.rows = self.engine.row_summary(self.state)
-        self.stats.add_time("insert", time.perf_counter() - t0)
+        _add_timed(self.stats, "insert", time.perf_counter() - t0, self.engine.compile_seconds - c0)
 
     def _compact(self, live_shard: np.ndarray, b_local: int) -> int:
         """Gather each shard's live rows into the smallest local bucket that holds the fullest shard (when
@@ -245,6 +247,13 @@ class _HostLoop:
         stats.chunks.append(record)
         live = tuple(int(x) for x in (~self.rows.done).reshape(d, -1).sum(axis=1))
         self.hook.on_chunk(ChunkView(record, live, self.harvest.num_finished))
+
+
+def _add_timed(stats: RolloutStats, phase: str, seconds: float, compile_seconds: float) -> None:
+    """Add a phase's seconds, less the compilation inside it (which goes to "compile")."""
+    stats.add_time(phase, seconds - compile_seconds)
+    if compile_seconds > 0:
+        stats.add_time("compile", compile_seconds)
 
 
 def _shard_selection(live_db: np.ndarray, new_local: int) -> tuple[np.ndarray, np.ndarray]:
