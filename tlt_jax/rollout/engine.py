@@ -123,12 +123,35 @@ class RolloutEngine:
     def set_drafter_params(self, params: Any) -> None:
         """Swap in new drafter weights (same shapes/shardings: no recompilation). They take effect at the next
         `generate`: a rollout drafts with one snapshot of the drafter throughout."""
+        self.drafter_params = self._snapshot_drafter(params)
+
+    def _snapshot_drafter(self, params: Any) -> Any:
+        """The drafter's weights cast and copied: their owner (the spot trainer) keeps training, and
+        donating, the arrays it handed over."""
         if self.drafter_graphdef is None:
             raise ValueError("this engine has no drafter: pass RolloutEngine(..., drafter=Drafter(...))")
-        # a copy: the caller (the spot trainer) keeps training, and donates, the arrays it pushed
-        self.drafter_params = jax.device_put(
-            self._cast_drafter(params), self._drafter_shardings, may_alias=False
-        )
+        return jax.device_put(self._cast_drafter(params), self._drafter_shardings, may_alias=False)
+
+    def release_weights(self) -> None:
+        """Drop the engine's own weights: its owner (the learner: the policy's and the spot trainer's train
+        states) passes them to every `generate` instead, so no second copy lives between rollouts."""
+        self.params, self.drafter_params = None, None
+
+    def rollout_weights(self, params: Any | None, drafter_params: Any | None) -> tuple[Any, Any]:
+        """(policy, drafter) weights of one rollout: the ones given, else the engine's own. Given drafter
+        weights are snapshotted (cast, and copied: their owner keeps training, and donating, them while the
+        rollout drafts with the snapshot)."""
+        policy = self.params if params is None else jax.device_put(params, self._param_shardings)
+        if policy is None:
+            raise ValueError("this engine released its weights (release_weights): pass generate(params=...)")
+        draft = self.drafter_params
+        if drafter_params is not None:
+            if self.drafter_graphdef is None:
+                raise ValueError("this engine has no drafter: pass RolloutEngine(..., drafter=Drafter(...))")
+            draft = jax.device_put(
+                self._cast_drafter(drafter_params), self._drafter_shardings, may_alias=False
+            )
+        return policy, draft
 
     def _cast_drafter(self, params: Any) -> Any:
         """The drafter's weight matrices in `drafter_weight_dtype` (norm scales and biases stay as is)."""
@@ -273,6 +296,7 @@ class RolloutEngine:
         exit_live: int = -1,
         drafter_params: Any | None = None,
         work: IdleWork | None = None,
+        params: Any | None = None,
     ) -> tuple[DecodeState, ChunkRecord, NgramBank | None, RowSummary]:
         """Run one chunk of `mode` on `state` (donated). The cache must already hold the chunk's growth
         (`generate` resizes between chunks). Returns the new state, the chunk's record (seconds included),
@@ -304,7 +328,7 @@ class RolloutEngine:
         arm = 0 if mode == "plain" else [m.name for m in prog.modes].index(mode)
         dparams = self.drafter_params if drafter_params is None else drafter_params
         args = (
-            self.params,
+            self.params if params is None else params,
             dparams if use_drafter else None,
             state,
             self.eos_ids,
@@ -446,6 +470,7 @@ class RolloutEngine:
         max_new_tokens: int,
         drafter_params: Any | None = None,
         seq_ids: np.ndarray | None = None,
+        params: Any | None = None,
     ) -> tuple[DecodeState, jax.Array | None]:
         """Prefill the rows' unique prompts once, repeat their cache rows, sample each row's first token.
 
@@ -488,7 +513,7 @@ class RolloutEngine:
         pad = np.asarray(seq_ids) < 0
         dparams = self.drafter_params if drafter_params is None else drafter_params
         args = (
-            self.params,
+            self.params if params is None else params,
             dparams if use_drafter else None,
             jnp.asarray(tokens),
             jnp.asarray(lens),
@@ -556,13 +581,18 @@ class RolloutEngine:
         sampling: SamplingParams,
         max_new_tokens: int | None = None,
         hooks: RolloutHooks | Iterable[RolloutHooks | None] | None = None,
+        params: Any | None = None,
+        drafter_params: Any | None = None,
     ) -> Rollout:
         """Sample `n` responses for each prompt; `hooks` observe the rollout and choose each chunk's mode
-        (`rollout.scheduler.generate`: the host loop). The drafter's weights are read once: the whole
+        (`rollout.scheduler.generate`: the host loop). params / drafter_params: this rollout's weights
+        (default: the engine's own; `rollout_weights`). The drafter's weights are read once: the whole
         rollout drafts with one snapshot."""
+        weights = self.rollout_weights(params, drafter_params)
         return scheduler.generate(
-            self, prompts, n=n, key=key, sampling=sampling, max_new_tokens=max_new_tokens, hooks=hooks
-        )
+            self, prompts, n=n, key=key, sampling=sampling, max_new_tokens=max_new_tokens, hooks=hooks,
+            weights=weights,
+        )  # fmt: skip
 
     def update_bank(self, bank: NgramBank, state: DecodeState) -> NgramBank:
         key = ("bank", bank.tokens.shape, bank.group_size, state.done.shape[0])

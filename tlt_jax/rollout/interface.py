@@ -124,6 +124,7 @@ class EngineLike(Protocol):
         max_new_tokens: int,
         drafter_params: Any | None = None,
         seq_ids: np.ndarray | None = None,
+        params: Any | None = None,
     ) -> tuple[DecodeState, jax.Array | None]: ...
 
     def insert(self, state: DecodeState, new: DecodeState, slots: np.ndarray) -> DecodeState: ...
@@ -137,6 +138,7 @@ class EngineLike(Protocol):
         exit_live: int = -1,
         drafter_params: Any | None = None,
         work: IdleWork | None = None,
+        params: Any | None = None,
     ) -> tuple[DecodeState, ChunkRecord, NgramBank | None, RowSummary]: ...
 
     def row_summary(self, state: DecodeState) -> RowSummary: ...

@@ -37,15 +37,19 @@ def generate(
     sampling: SamplingParams,
     max_new_tokens: int | None,
     hooks: RolloutHooks | Iterable[RolloutHooks | None] | None,
+    weights: tuple[Any, Any],
 ) -> Rollout:
     """Sample `n` responses for each prompt with `engine` (a `RolloutEngine`, which calls this; see the module
-    docstring): prefill, then one `_HostLoop.step` per chunk until every sequence has finished."""
+    docstring) and `weights` (policy, drafter: `RolloutEngine.rollout_weights`): prefill, then one
+    `_HostLoop.step` per chunk until every sequence has finished."""
     max_new = max_new_tokens or engine.config.max_new_tokens
     t_start = time.perf_counter()
     stats = RolloutStats()
     hook = _rollout_hooks(engine, hooks)
     hook.on_start(RolloutInfo(len(prompts), n, max_new, engine.data_size, tuple(engine.modes)))
-    loop = _prefill(engine, prompts, n, key, sampling, max_new, hook, stats)
+    max_total = int(max(len(p) for p in prompts)) + max_new
+    rollout = _Rollout(prompts, n, key, sampling, max_new, *weights, max_total)
+    loop = _prefill(engine, prompts, rollout, hook, stats)
     while loop.step():
         pass
     rollout = loop.harvest.rollout(stats)
@@ -68,56 +72,46 @@ def _rollout_hooks(
 
 
 def _prefill(
-    engine: EngineLike,
-    prompts: Sequence[Sequence[int]],
-    n: int,
-    key: jax.Array,
-    sampling: SamplingParams,
-    max_new: int,
-    hook: RolloutHooks,
-    stats: RolloutStats,
+    engine: EngineLike, prompts: Sequence[Sequence[int]], r: _Rollout, hook: RolloutHooks, stats: RolloutStats
 ) -> _HostLoop:
-    """Prefill the first rows (all of them, or `max_running_rows` per data shard with the rest queued; the
-    drafter's weights read once here: the rollout drafts with one snapshot) and set up the loop: the
-    harvester, each slot's sequence id (-1: padding) and, for n-gram modes, the sibling bank."""
+    """Prefill the first rows (all of them, or `max_running_rows` per data shard with the rest queued) with
+    the rollout's weights and set up the loop: the harvester, each slot's sequence id (-1: padding) and, for
+    n-gram modes, the sibling bank."""
     t0, c0 = time.perf_counter(), engine.compile_seconds
-    num_p, d = len(prompts), engine.data_size
-    total = num_p * n
+    n, d = r.n, engine.data_size
+    total = len(prompts) * n
     local = engine.local_bucket(-(-total // d))
     if engine.max_running_rows:
         local = min(local, engine.max_running_rows)
     first = min(total, local * d)
     seq_ids = np.where(np.arange(local * d) < first, np.arange(local * d), -1)
-    dparams = engine.drafter_params  # one snapshot of the drafter for the whole rollout
-    harvest = Harvester(engine, prompts, n, max_new, engine.config.record_hidden, hook)
+    harvest = Harvester(engine, prompts, n, r.max_new, engine.config.record_hidden, hook)
     state, prompt_h = engine.prefill(
-        prompts, n=n, key=key, sampling=sampling, max_new_tokens=max_new, drafter_params=dparams,
-        seq_ids=seq_ids,
+        prompts, n=n, key=r.key, sampling=r.sampling, max_new_tokens=r.max_new, drafter_params=r.dparams,
+        seq_ids=seq_ids, params=r.params,
     )  # fmt: skip
     harvest.add_prompt_hidden(unique_prompts(seq_ids, n), prompt_h)
     rows = engine.row_summary(state)
-    bank = NgramBank.empty(total, n, max_new) if engine.needs()[1] else None
+    bank = NgramBank.empty(total, n, r.max_new) if engine.needs()[1] else None
     if bank is not None:
         bank = shd.put_global(bank, engine.replicated)
     _add_timed(stats, "prefill", time.perf_counter() - t0, engine.compile_seconds - c0)
-    max_total = int(max(len(p) for p in prompts)) + max_new
-    rollout = _Rollout(prompts, n, key, sampling, max_new, dparams, max_total)
-    return _HostLoop(
-        engine, hook, harvest, stats, rollout, state, rows, seq_ids, bank, RowQueue(first, total)
-    )
+    queue = RowQueue(first, total)
+    return _HostLoop(engine, hook, harvest, stats, r, state, rows, seq_ids, bank, queue)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Rollout:
     """What is fixed for one rollout: its prompts, samples per prompt, key, sampling, token budget, the
-    drafter's weights (read once at the prefill) and the longest sequence it can reach (no row's cache needs
-    more)."""
+    policy's and the drafter's weights (one snapshot for the whole rollout) and the longest sequence it can
+    reach (no row's cache needs more)."""
 
     prompts: Sequence[Sequence[int]]
     n: int
     key: jax.Array
     sampling: SamplingParams
     max_new: int
+    params: Any
     dparams: Any
     max_total: int
 
@@ -172,7 +166,7 @@ class _HostLoop:
         r = self.rollout
         new, prompt_h = self.engine.prefill(
             r.prompts, n=r.n, key=r.key, sampling=r.sampling, max_new_tokens=r.max_new,
-            drafter_params=r.dparams, seq_ids=plan.seq_ids,
+            drafter_params=r.dparams, seq_ids=plan.seq_ids, params=r.params,
         )  # fmt: skip
         self.harvest.add_prompt_hidden(unique_prompts(plan.seq_ids, r.n), prompt_h)
         self.state = self.engine.insert(self.state, new, plan.slots)
@@ -235,8 +229,9 @@ class _HostLoop:
         live_before = (~self.rows.done).reshape(d, -1).sum(axis=1)
         work = self.hook.idle_work(tuple(int(x) for x in live_before)) if d > 1 else None
         self.state, record, self.bank, self.rows = engine.decode_chunk(
-            self.state, mode, self.rollout.sampling, self.bank, exit_live, self.rollout.dparams, work
-        )
+            self.state, mode, self.rollout.sampling, self.bank, exit_live, self.rollout.dparams, work,
+            self.rollout.params,
+        )  # fmt: skip
         record = dataclasses.replace(record, new_tokens=self.rows.tokens(self.seq_ids) - before)
         stats.add_time("decode" if mode == "plain" else "speculative", record.seconds)
         if record.compiled:
