@@ -84,6 +84,19 @@ def test_capped_rollout_over_two_data_shards(target, drafter):
     assert max(capped.stats.running_per_step) <= 8
 
 
+def test_rows_that_end_at_their_first_token(target, drafter):
+    """max_new_tokens=1: every inserted row is done at its prefill; the queue still drains."""
+    key = jax.random.key(7)
+    free = _engine(target, drafter, "none", cap=0).generate(
+        PROMPTS, n=8, key=key, sampling=SAMPLING, max_new_tokens=1
+    )
+    capped = _engine(target, drafter, "none", cap=4).generate(
+        PROMPTS, n=8, key=key, sampling=SAMPLING, max_new_tokens=1
+    )
+    np.testing.assert_array_equal(capped.tokens, free.tokens)
+    assert (capped.lengths == 1).all()
+
+
 def test_insert_plan_fills_free_slots_in_sequence_order():
     queue = admission.RowQueue(next=4, total=9)
     slot_seq = np.array([0, 1, -1, -1, 2, 3, -1, -1])  # 2 shards x 4 slots

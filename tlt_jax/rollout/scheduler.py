@@ -146,8 +146,8 @@ class _HostLoop:
         d = self.engine.data_size
         b_local = self.state.done.shape[0] // d
         live_shard = (~self.rows.done).reshape(d, b_local).sum(axis=1)
-        if live_shard.sum() == 0:
-            return False
+        if live_shard.sum() == 0:  # inserted rows may all end at their first token: harvest them next step
+            return self.harvest.num_finished < len(self.harvest.harvested)
         queued = len(self.queue) > 0
         if not queued:
             b_local = self._compact(live_shard, b_local)
