@@ -13,14 +13,19 @@ decode. Before a step's first update the current drafter is scored on the freshe
 
 Where the updates run (`SpotConfig.mode`):
 - "idle_devices": rollout rows are sharded over the mesh's data axis; after each chunk the engine knows which
-  devices have no live row. When some are idle and some busy, `idle_work` hands the engine a per-device
-  function that it fuses into the next chunk: ONE SPMD program in `jax.shard_map` in which busy devices run
-  the decode chunk and idle devices run `micro_steps` drafter micro-batches; the idle devices' gradient sums
-  are psum'd (busy devices contribute exact zeros) and the update is applied once, replicated. Preemption:
+  data groups (the model-axis devices of one data index) have no live row. When some are idle and some busy,
+  `idle_work` hands the engine a per-group function that it fuses into the next chunk: ONE SPMD program in
+  `jax.shard_map`, manual over "data" only, in which busy groups run the decode chunk and idle groups run
+  `micro_steps` drafter micro-batches; the idle groups' gradient sums are psum'd over "data" (busy groups
+  contribute exact zeros) and the update is applied once, replicated. On a model axis > 1 the policy keeps
+  its tensor-parallel sharding (the model axis stays automatic inside the program): decoding groups run
+  tensor-parallel as in a plain chunk, and a training group holds the drafter replicated over its model axis
+  while the target's embedding and head it trains against stay vocabulary-sharded over it (on XLA:CPU
+  that needs greedy decoding and whole KV heads per device: `rollout/spmd.py`). Preemption:
   when the rollout ends there is no next chunk, so training stops at the end of a tick's micro-steps. The
   host's part (the staleness probe, packing the micro-batches) is not overlapped and goes into
   `spot/added_seconds`.
-- "between_chunks": one device has no idle devices; after each chunk that ended with at most `threshold`
+- "between_chunks": a data axis of 1 has no idle groups; after each chunk that ended with at most `threshold`
   running rows, `steps_per_chunk` optimizer steps run before the next chunk. Their time is the spot
   trainer's cost and is reported (`spot/added_seconds`), never hidden.
 - "after_rollout": `after_rollout_steps` steps once the rollout has ended (cost reported likewise).
@@ -165,11 +170,12 @@ class SpotTrainer(RolloutHooks):
     """Online drafter training inside the RL loop (see the module docstring). A rollout hook."""
 
     def __init__(self, cfg: SpotConfig, drafter: Drafter, engine: EngineLike):
-        if cfg.mode == "idle_devices" and (engine.data_size < 2 or engine.mesh.shape["model"] != 1):
+        if cfg.mode == "idle_devices" and engine.data_size < 2:
             raise ValueError(
-                "config.spot.mode=idle_devices needs a data axis of >= 2 devices and no model axis; this "
-                f"mesh is data={engine.data_size}, model={engine.mesh.shape['model']}. On one device use "
-                "spot.mode=between_chunks (or after_rollout)."
+                "config.spot.mode=idle_devices needs a data axis of >= 2 devices (groups of the model axis "
+                f"go idle by data index); this mesh is data={engine.data_size}, "
+                f"model={engine.mesh.shape['model']}. With data=1 use spot.mode=between_chunks (or "
+                "after_rollout)."
             )
         if cfg.mode != "off" and not engine.config.record_hidden:
             raise ValueError(
@@ -243,7 +249,7 @@ class SpotTrainer(RolloutHooks):
         self._updates: list[dict[str, float]] = []  # normalised metrics of each update
         self._fresh: list[DrafterSample] = []
         self._rollout_steps = 0
-        self._idle_at_start = 0  # devices with no live row at the start of the next chunk
+        self._idle_at_start = 0  # devices (of data groups) with no live row at the start of the next chunk
 
     def metrics(self) -> dict[str, float]:
         """This step's spot-training metrics (loss / accuracy of its updates, staleness, cost, buffer)."""
@@ -324,10 +330,11 @@ class SpotTrainer(RolloutHooks):
         self.stats["spot/added_seconds"] += time.perf_counter() - t0
 
     def on_chunk(self, view: ChunkView) -> None:
-        # idle device-seconds on offer: the devices that had no live row when this chunk started (counted by
-        # `idle_work`, which the scheduler calls before every chunk on a data axis > 1), for the chunk's
-        # duration; a device whose rows end inside a chunk is counted from the next one. `used_device_s`
-        # counts the same devices when they trained, so used <= idle, and used / idle is the share taken.
+        # idle device-seconds on offer: the devices of the data groups that had no live row when this chunk
+        # started (counted by `idle_work`, which the scheduler calls before every chunk on a data axis > 1;
+        # a group is the model axis' devices of one data index), for the chunk's duration; a group whose rows
+        # end inside a chunk is counted from the next one. `used_device_s` counts the same devices when they
+        # trained, so used <= idle, and used / idle is the share taken.
         self.stats["spot/idle_device_s"] += self._idle_at_start * view.record.seconds
         self._idle_at_start = 0
         if self.cfg.mode == "between_chunks" and 0 < view.live_rows <= self.cfg.threshold:
@@ -338,10 +345,15 @@ class SpotTrainer(RolloutHooks):
         if self.cfg.mode == "after_rollout":
             self._host_steps(self.cfg.after_rollout_steps)
 
-    # ---- several devices: micro-steps on idle devices, fused into the next chunk ----
+    # ---- a data axis > 1: micro-steps on idle data groups, fused into the next chunk ----
     def idle_work(self, live_per_shard: tuple[int, ...]) -> IdleWork | None:
+        """The drafter micro-steps for the data groups with no live row (None: no tick this chunk). Runs per
+        data group inside the engine's tick (`spmd.tick_program`); on a model axis > 1 the group's devices
+        compute it together (GSPMD over the model axis: the drafter replicated, the target's embedding and
+        head vocabulary-sharded) and every collective but the final psum over "data" stays in the group."""
         active = [n == 0 for n in live_per_shard]
-        self._idle_at_start = sum(active) if not all(active) else 0
+        group = self.engine.mesh.shape["model"]  # devices per data group
+        self._idle_at_start = group * sum(active) if not all(active) else 0
         if self.cfg.mode != "idle_devices" or not any(active) or all(active) or not self._budget_left():
             return None
         t0 = time.perf_counter()  # host work before the fused chunk (probe, packing) is added to the step
@@ -356,7 +368,7 @@ class SpotTrainer(RolloutHooks):
         self.stats["spot/added_seconds"] += time.perf_counter() - t0
         graphdef, tx, loss_cfg = self.trainer.graphdef, self.tx, self.loss_cfg
 
-        def per_device(ops: tuple, active_here: jax.Array) -> tuple:
+        def per_group(ops: tuple, active_here: jax.Array) -> tuple:
             state, batch, embed_w, head_w = ops
             dev = jax.lax.axis_index("data")
             zero = jax.tree.map(
@@ -383,21 +395,21 @@ class SpotTrainer(RolloutHooks):
                 return jax.tree.map(jnp.add, acc, (g, m))
 
             g, m = jax.lax.fori_loop(0, k, micro, zero)
-            norm = optax.global_norm(g)  # this device's own gradient (exact zero when busy)
+            norm = optax.global_norm(g)  # this group's own gradient (exact zero when busy)
             g, m = jax.lax.psum((g, m), "data")
             return tr.apply_mean_grads(tx, state, g, m["num_tokens"]), m, norm[None]
 
         def on_done(outputs: tuple, seconds: float) -> None:
             self.state, sums, norms = outputs
-            self.last_device_grad_norms = shd.to_host(norms)  # [D], sharded over the data axis
+            self.last_device_grad_norms = shd.to_host(norms)  # [data], one per data group
             self._record(normalize_metrics(sums))
             self._rollout_steps += 1
             self.stats["spot/steps"] += 1
-            self.stats["spot/used_device_s"] += sum(active) * seconds
+            self.stats["spot/used_device_s"] += group * sum(active) * seconds
 
         operands = (self.state, stacked, self.embed_w, self.head_w)
         key = ("spot", k, self.cfg.rows, self.cfg.seq_len, self.embed_w.shape, self.head_w.shape)
-        return IdleWork(key, per_device, operands, (P(), P("data"), P(), P()), (P(), P(), P("data")), on_done)
+        return IdleWork(key, per_group, operands, (P(), P("data"), P(), P()), (P(), P(), P("data")), on_done)
 
     # ---- checkpoint ----
     def state_dict(self) -> dict[str, Any]:

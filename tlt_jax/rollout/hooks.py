@@ -87,11 +87,12 @@ class FinishedSequences:
 class IdleWork:
     """Work for the idle data-axis devices, fused into the next chunk's SPMD program.
 
-    fn(operands, active) runs on EVERY device inside `jax.shard_map` over the mesh's "data" axis (collectives
-    over "data" allowed outside per-device branches); `active` is true on devices with no live row. Its
-    operands and outputs are laid out by `in_specs` / `out_specs` (PartitionSpec pytree prefixes). `key` names
-    the work's static shapes (part of the program's cache key); `on_done(outputs, seconds)` receives the
-    outputs on the host after the fused chunk ran.
+    fn(operands, active) runs on EVERY data group inside `jax.shard_map` over the mesh's "data" axis
+    (collectives over "data" allowed outside per-group branches; on a model axis > 1 the model axis stays
+    automatic, so a group's devices run it together); `active` is true on groups with no live row. Its
+    operands and outputs are laid out by `in_specs` / `out_specs` (PartitionSpec pytree prefixes naming
+    "data" only). `key` names the work's static shapes (part of the program's cache key);
+    `on_done(outputs, seconds)` receives the outputs on the host after the fused chunk ran.
     """
 
     key: Hashable
