@@ -31,8 +31,8 @@ from tlt_jax.rollout.sampling import SamplingParams
 
 # greedy decoding of a tiny untied model (4 KV heads: whole heads per device on both meshes). The first four
 # prompts' responses hit an EOS id within 3 to 7 tokens, the last four never (24 tokens), so on either mesh
-# the first data groups go idle while the last still decode. Greedy: sampled decoding's `categorical` reverses
-# the vocabulary-sharded weights, a collective-permute that deadlocks on XLA:CPU inside a per-group branch
+# the first data groups go idle while the last still decode (greedy: a fixed pattern of idle groups; the
+# sampled rollout is the last test)
 PROMPTS = [[1, p, p + 1] for p in (6, 14, 50, 54, 2, 10, 18, 22)]
 EOS = [20, 38]
 SP = SamplingParams(temperature=0.0)
@@ -160,3 +160,25 @@ def test_idle_groups_train_while_tensor_parallel_groups_decode(model: Transforme
     results = [line.split(" all-gather(")[0] for line in hlo.splitlines() if " all-gather(" in line]
     gathered = {shape for r in results for shape in re.findall(r"\w+\[[\d,]*\]", r)}  # tuples too
     assert not split & gathered, (split, gathered)
+
+
+@pytest.mark.devices(8)
+def test_sampled_rollout_with_tensor_parallel_ticks(model: Transformer):
+    """Temperature 1 on 2 x 4: sampling's categorical runs inside a decoding group's branch next to a training
+    group (a reversed vocabulary-sharded array there was a collective-permute, which deadlocks XLA:CPU inside
+    one group's branch); a third of the vocabulary ends a row, so groups go idle at different chunks. The
+    tokens are those of the same rollout without the spot trainer."""
+    eos = list(range(2, 128, 3))
+    cfg = EngineConfig(
+        max_new_tokens=24, max_cache_len=96, chunk_steps=2, min_cache_bucket=32, record_hidden=True
+    )
+    mesh = shd.make_mesh(2, 4, jax.devices()[:8])
+    eng = RolloutEngine(model, cfg, eos_ids=eos, mesh=mesh, drafter=Drafter(model.cfg, nnx.Rngs(1)))
+    sp = SamplingParams(temperature=1.0)
+    reference = eng.generate(PROMPTS, n=2, key=jax.random.key(4), sampling=sp)
+    spot = SpotTrainer(SpotConfig(mode="idle_devices", **SPOT), Drafter(model.cfg, nnx.Rngs(1)), eng)
+    ticks = record_ticks(spot)
+    spot.begin_step(1)
+    out = eng.generate(PROMPTS, n=2, key=jax.random.key(4), sampling=sp, hooks=[spot])
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    assert ticks and int(spot.state.step) == len(ticks), ("no tick trained", reference.lengths.tolist())

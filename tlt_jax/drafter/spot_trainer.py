@@ -21,7 +21,7 @@ Where the updates run (`SpotConfig.mode`):
   its tensor-parallel sharding (the model axis stays automatic inside the program): decoding groups run
   tensor-parallel as in a plain chunk, and a training group holds the drafter replicated over its model axis
   while the target's embedding and head it trains against stay vocabulary-sharded over it (on XLA:CPU
-  that needs greedy decoding and whole KV heads per device: `rollout/spmd.py`). Preemption:
+  that needs whole KV heads per device: `rollout/spmd.py`). Preemption:
   when the rollout ends there is no next chunk, so training stops at the end of a tick's micro-steps. The
   host's part (the staleness probe, packing the micro-batches) is not overlapped and goes into
   `spot/added_seconds`.

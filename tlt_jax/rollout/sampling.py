@@ -126,7 +126,10 @@ def categorical(key: jax.Array, weights_bv: jax.Array, block: int = 256) -> jax.
         """Index of the first c > x (c non-decreasing); if rounding left none, the last positive entry."""
         n = c.shape[-1]
         i = jnp.sum(c <= x[:, None], axis=-1)
-        last = n - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
+        # no reversed array (`positive[:, ::-1]`): on a vocab-sharded array the partitioner turns a reverse
+        # into a collective-permute, which XLA:CPU cannot run inside one data group's branch of the spot tick
+        last = jnp.max(jnp.where(positive, jnp.arange(n), 0), axis=-1)
+        last = jnp.where(jnp.any(positive, axis=-1), last, n - 1)
         return jnp.where(i < n, i, last).astype(jnp.int32)
 
     i = first_above(cum, u, mass > 0)

@@ -13,9 +13,9 @@
   SPMD program with a per-device branch overlaps (docs/benchmarks.md).
   Limit (XLA:CPU, measured with jax 0.10.2): a collective-permute's rendezvous waits for EVERY device of the
   program, so one inside a group's branch deadlocks (aborts after 40 s). GSPMD emits them where the model
-  axis splits a KV head (num_kv_heads not a multiple of the model axis) and for sampled decoding
-  (`sampling.categorical` reverses the vocabulary-sharded weights); greedy decoding with whole KV heads per
-  device has none. All-reduces and all-gathers wait only for their group and work.
+  axis splits a KV head (num_kv_heads not a multiple of the model axis), and emitted one for sampling
+  while `sampling.categorical` reversed the vocabulary-sharded weights (it no longer does); with whole KV
+  heads per device there are none. All-reduces and all-gathers wait only for their group and work.
 """
 
 from __future__ import annotations
