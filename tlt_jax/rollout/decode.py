@@ -335,6 +335,88 @@ class PrefillProgram:
     record_prompt_hidden: bool
 
 
+@flax.struct.dataclass
+class PromptCache:
+    """A rollout's unique prompts after their forward pass, kept so rows can start from it at any time
+    (continuous batching inserts rows of a prompt whose siblings started long before, without a second
+    forward): the KV cache [P, ...], the EAGLE drafter's cache (or None), the last position's hidden state
+    [P, H] and logits [P, V], the tokens / lengths (the n-gram drafter's history) and, when recorded,
+    the prompts' hidden states [P, T, H]."""
+
+    cache: KVCache
+    drafter_cache: KVCache | None
+    hidden: jax.Array
+    logits: jax.Array
+    tokens: jax.Array
+    lens: jax.Array
+    prompt_hidden: jax.Array | None
+
+
+def prefill_prompts(
+    prog: PrefillProgram, params: Any, dparams: Any, tokens_pt: jax.Array, lens_p: jax.Array
+) -> PromptCache:
+    """The forward pass of the P unique prompts [P, T] (lengths [P]) into a cache of `prog.cache_len`."""
+    model = nnx.merge(prog.target, params)
+    p, t = tokens_pt.shape
+    cache = KVCache.init(model.cfg, p, prog.cache_len)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
+    out = model(tokens_pt, pos, cache, logits_index_bk=(lens_p - 1)[:, None], attn_impl=prog.attn_impl)
+    dcache = None
+    if prog.drafter is not None:
+        drafter = nnx.merge(prog.drafter, dparams)
+        init = drafter.init_cache(p, prog.cache_len)
+        dcache = drafter_prefill(drafter, model, init, tokens_pt, out.hidden, lens_p, prog.attn_impl)
+    return PromptCache(
+        cache=out.cache.advance(lens_p),
+        drafter_cache=dcache,
+        hidden=out.hidden[jnp.arange(p), lens_p - 1],
+        logits=out.logits[:, 0],
+        tokens=tokens_pt,
+        lens=lens_p,
+        prompt_hidden=out.hidden if prog.record_prompt_hidden else None,
+    )
+
+
+def start_rows(
+    prog: PrefillProgram,
+    pc: PromptCache,
+    rows_b: jax.Array,
+    keys_b: jax.Array,
+    budget_b: jax.Array,
+    pad_b: jax.Array,
+    seq_b: jax.Array,
+    eos_ids: jax.Array,
+) -> DecodeState:
+    """B rows starting from their prompts (`rows_b` indexes the prompt cache): the prompt's caches repeated
+    and grown to `prog.cache_len`, each row's first token sampled with its own key."""
+    b = rows_b.shape[0]
+    aux = None
+    if prog.drafter is not None or prog.carry_prompt:
+        fields: dict[str, Any] = {"seq_id": seq_b}
+        if prog.drafter is not None:
+            fields["drafter_cache"] = pc.drafter_cache.take_rows(rows_b).resize(prog.cache_len)
+            fields["hidden"] = pc.hidden[rows_b]
+        if prog.carry_prompt:
+            fields["prompt"] = pc.tokens[rows_b]
+            fields["prompt_len"] = pc.lens[rows_b]
+        aux = SpecAux(**fields)
+    window = min(prog.hidden_window, prog.max_new)
+    state = DecodeState(
+        cache=pc.cache.take_rows(rows_b).resize(prog.cache_len),
+        last_token=jnp.zeros((b,), jnp.int32),
+        out_tokens=jnp.zeros((b, prog.max_new), jnp.int32),
+        out_logp=jnp.zeros((b, prog.max_new), jnp.float32),
+        num_generated=jnp.zeros((b,), jnp.int32),
+        done=pad_b,
+        seq_keys=keys_b,
+        max_new=budget_b,
+        aux=aux,
+        out_hidden=jnp.zeros((b, window, pc.hidden.shape[-1]), pc.hidden.dtype) if window > 0 else None,
+    )
+    tok, lp = sample_rows(row_keys(state), pc.logits[rows_b], prog.sampling)
+    return record_tokens(state, tok[:, None], lp[:, None], (~pad_b).astype(jnp.int32), eos_ids)
+
+
 def prefill(
     prog: PrefillProgram,
     params: Any,
@@ -349,52 +431,11 @@ def prefill(
     eos_ids: jax.Array,
 ) -> tuple[DecodeState, jax.Array | None]:
     """Prefill the P unique prompts once, repeat their cache rows into B rows (`rows_b`), sample each row's
-    first token with its own key. Returns the state and, with `record_prompt_hidden`, the prompts' final
-    hidden states [P, T, H]."""
-    model = nnx.merge(prog.target, params)
-    cfg = model.cfg
-    p, t = tokens_pt.shape
-    cache = KVCache.init(cfg, p, prog.cache_len)
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
-    out = model(tokens_pt, pos, cache, logits_index_bk=(lens_p - 1)[:, None], attn_impl=prog.attn_impl)
-    cache = out.cache.advance(lens_p).take_rows(rows_b)
-    b = rows_b.shape[0]
-    aux = None
-    if prog.drafter is not None or prog.carry_prompt:
-        fields: dict[str, Any] = {"seq_id": seq_b}
-        if prog.drafter is not None:
-            drafter = nnx.merge(prog.drafter, dparams)
-            dcache = drafter_prefill(
-                drafter,
-                model,
-                drafter.init_cache(p, prog.cache_len),
-                tokens_pt,
-                out.hidden,
-                lens_p,
-                prog.attn_impl,
-            )
-            fields["drafter_cache"] = dcache.take_rows(rows_b)
-            fields["hidden"] = out.hidden[jnp.arange(p), lens_p - 1][rows_b]
-        if prog.carry_prompt:
-            fields["prompt"] = tokens_pt[rows_b]
-            fields["prompt_len"] = lens_p[rows_b]
-        aux = SpecAux(**fields)
-    window = min(prog.hidden_window, prog.max_new)
-    state = DecodeState(
-        cache=cache,
-        last_token=jnp.zeros((b,), jnp.int32),
-        out_tokens=jnp.zeros((b, prog.max_new), jnp.int32),
-        out_logp=jnp.zeros((b, prog.max_new), jnp.float32),
-        num_generated=jnp.zeros((b,), jnp.int32),
-        done=pad_b,
-        seq_keys=keys_b,
-        max_new=budget_b,
-        aux=aux,
-        out_hidden=jnp.zeros((b, window, cfg.hidden_size), out.hidden.dtype) if window > 0 else None,
-    )
-    tok, lp = sample_rows(row_keys(state), out.logits[rows_b, 0], prog.sampling)
-    state = record_tokens(state, tok[:, None], lp[:, None], (~pad_b).astype(jnp.int32), eos_ids)
-    return state, (out.hidden if prog.record_prompt_hidden else None)
+    first token with its own key (`prefill_prompts`, then `start_rows`). Returns the state and, with
+    `record_prompt_hidden`, the prompts' final hidden states [P, T, H]."""
+    pc = prefill_prompts(prog, params, dparams, tokens_pt, lens_p)
+    state = start_rows(prog, pc, rows_b, keys_b, budget_b, pad_b, seq_b, eos_ids)
+    return state, pc.prompt_hidden
 
 
 def gather_rows(state: DecodeState, rows: jax.Array, pad: jax.Array) -> DecodeState:

@@ -42,11 +42,11 @@ from tlt_jax.rollout.hooks import IdleWork, RolloutHooks
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.ngram import NgramBank, NgramParams
 from tlt_jax.rollout.programs import ProgramCache, pow2_at_least, program_precision
+from tlt_jax.rollout.row_programs import RowPrograms
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import AcceptRule, SpecMode, Strategy, resolve_acceptance
 from tlt_jax.rollout.types import ChunkRecord, DecodeState, Rollout, RowSummary
 
-FETCH_BLOCK = 8  # finished rows leave the device in gathers of this many rows (one program per batch bucket)
 CACHE_ALIGN = 512  # the top cache bucket is a multiple of this (key blocks of the attention kernels)
 
 
@@ -57,7 +57,7 @@ def _drafter_weight_dtype(name: str, model: Transformer) -> jnp.dtype | None:
     return jnp.dtype(name)
 
 
-class RolloutEngine:
+class RolloutEngine(RowPrograms):
     """Generates `n` samples per prompt with a Transformer (optionally speculative); see the module docstring.
 
     drafter: an EAGLE `Drafter` for the "eagle" speculative modes (its weights: `set_drafter_params`).
@@ -359,34 +359,6 @@ class RolloutEngine:
         record = self._chunk_record(mode, prog, (b, cap), fetched, dt, compiled, compile_s)
         return out.state, record, (out.bank if bank_in is not None else bank), RowSummary(*rows)
 
-    def row_summary(self, state: DecodeState) -> RowSummary:
-        """The rows' done flags, lengths and token counts (one transfer; after a prefill or an insert)."""
-        return RowSummary(*shd.to_host_tree((state.done, state.cache.lengths, state.num_generated)))
-
-    def fetch_rows(
-        self, state: DecodeState, rows: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """Tokens, log-probs and recorded hidden states (None without) of the rows `rows` only: a gather on
-        the devices in blocks of FETCH_BLOCK rows, then a transfer of those rows (a finished row leaves the
-        device without the whole batch's [B, N] tokens or [B, W, H] hidden states crossing)."""
-        b = state.done.shape[0]
-        k = min(FETCH_BLOCK, b)
-        arrays = (state.out_tokens, state.out_logp, state.out_hidden)
-        fn = lambda arr, idx: self._replicate(jax.tree.map(lambda x: x[idx], arr))  # noqa: E731
-        parts = []
-        for i in range(0, len(rows), k):
-            idx = np.zeros((k,), np.int32)
-            chunk = rows[i : i + k]
-            idx[: len(chunk)] = chunk
-            key = ("fetch", b, k, state.out_tokens.shape[1], state.out_hidden is not None)
-            got = self.programs.run(key, fn, (arrays, jax.device_put(idx, self.replicated)))[0]
-            n = len(chunk)
-            parts.append(jax.tree.map(lambda x: x[:n], shd.to_host_tree(got)))  # noqa: B023
-        toks, logp, hid = (
-            None if parts[0][j] is None else np.concatenate([p[j] for p in parts]) for j in range(3)
-        )
-        return toks, logp, hid
-
     def _chunk_record(
         self,
         mode: str,
@@ -439,137 +411,6 @@ class RolloutEngine:
             state.out_hidden is not None,
         )
         return self.programs.run(key, fn, (state,))[0]
-
-    # ---- prompts, prefill -----------------------------------------------------------------------------
-    def validate_prompts(self, prompts: Sequence[Sequence[int]], max_new: int) -> None:
-        if not prompts:
-            raise ValueError("generate() got no prompts")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token (e.g. BOS).")
-            if len(p) + max_new > self.config.max_cache_len:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new} it needs "
-                    f"{len(p) + max_new} cache slots but max_cache_len={self.config.max_cache_len}. Raise "
-                    f"config.rollout.max_cache_len to >= {len(p) + max_new}, lower "
-                    "config.rollout.max_new_tokens, or shorten the prompt."
-                )
-
-    def prompt_bucket(self, prompts: Sequence[Sequence[int]]) -> int:
-        """The padded prompt length of a rollout's prefills (every insert of the rollout uses the same)."""
-        longest = max(len(p) for p in prompts)
-        return min(pow2_at_least(longest, self.config.prompt_bucket), self.config.max_cache_len)
-
-    def prefill(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        n: int,
-        key: jax.Array,
-        sampling: SamplingParams,
-        max_new_tokens: int,
-        drafter_params: Any | None = None,
-        seq_ids: np.ndarray | None = None,
-        params: Any | None = None,
-    ) -> tuple[DecodeState, jax.Array | None]:
-        """Prefill the rows' unique prompts once, repeat their cache rows, sample each row's first token.
-
-        seq_ids: the sequence of each row of the batch (sequence i = prompt i // n, sample i % n; -1: a
-        padding row, done from the start), shard-major: row blocks of B / data_size rows live on one
-        data-axis device each. Default: every sequence, padded to a batch bucket. Each row's PRNG stream is
-        `split(key, len(prompts) * n)[seq_id]`, whatever batch it is prefilled in. With a drafter configured
-        the drafter cache is prefilled too. Returns the state and, with `record_hidden`, the hidden states of
-        the batch's unique prompts (`admission.unique_prompts(seq_ids, n)` order) [P_bucket, T_bucket, H].
-        """
-        cfg = self.config
-        self.validate_prompts(prompts, max_new_tokens)
-        if seq_ids is None:
-            total = len(prompts) * n
-            rows = np.arange(self.batch_bucket(total))
-            seq_ids = np.where(rows < total, rows, -1)
-        tokens, lens, rows, keys = self._prefill_inputs(prompts, n, np.asarray(seq_ids), key)
-        (pb, tb), b = tokens.shape, len(rows)
-        longest = int(lens.max())
-        s = self.cache_bucket(min(max(tb, longest + cfg.chunk_steps + 1), longest + max_new_tokens))
-        s = max(s, self.cache_bucket(tb))
-        use_drafter, use_prompt = self.needs()
-        prog = decode.PrefillProgram(
-            target=self.graphdef,
-            drafter=self.drafter_graphdef if use_drafter else None,
-            sampling=sampling,
-            attn_impl=cfg.attn_impl,
-            cache_len=s,
-            max_new=max_new_tokens,
-            carry_prompt=use_prompt,
-            hidden_window=cfg.hidden_window if cfg.record_hidden else 0,
-            record_prompt_hidden=cfg.record_hidden,
-        )
-
-        def fn(*args):  # noqa: ANN002, ANN202
-            state, hidden = decode.prefill(prog, *args)
-            return self._constrain(state), hidden
-
-        put = lambda x: jax.device_put(x, shd.batch_sharding(self.mesh, np.ndim(x), b))  # noqa: E731
-        pad = np.asarray(seq_ids) < 0
-        dparams = self.drafter_params if drafter_params is None else drafter_params
-        args = (
-            self.params if params is None else params,
-            dparams if use_drafter else None,
-            jnp.asarray(tokens),
-            jnp.asarray(lens),
-            put(rows),
-            put(keys),
-            put(np.full((b,), max_new_tokens, np.int32)),
-            put(pad),
-            put(np.asarray(seq_ids, np.int32)),
-            self.eos_ids,
-        )
-        key_ = (
-            "prefill",
-            dataclasses.astuple(sampling),
-            pb,
-            tb,
-            b,
-            s,
-            max_new_tokens,
-            use_drafter,
-            use_prompt,
-        )
-        key_ = (*key_, cfg.record_hidden)
-        return self.programs.run(key_, fn, args)[0]
-
-    def _prefill_inputs(
-        self, prompts: Sequence[Sequence[int]], n: int, seq_ids: np.ndarray, key: jax.Array
-    ) -> tuple[np.ndarray, ...]:
-        """The host arrays of a prefill: the rows' unique prompts [P_bucket, T_bucket] (T_bucket: the
-        rollout's `prompt_bucket`) and their lengths [P_bucket] (padding prompts have length 1), then per row
-        its unique prompt's index and its PRNG key data (padding rows: zeros)."""
-        uniq = admission.unique_prompts(seq_ids, n)
-        pb, tb = pow2_at_least(len(uniq)), self.prompt_bucket(prompts)
-        tokens = np.zeros((pb, tb), np.int32)
-        lens = np.ones((pb,), np.int32)
-        for j, i in enumerate(uniq):
-            tokens[j, : len(prompts[i])] = prompts[i]
-            lens[j] = len(prompts[i])
-        live = seq_ids >= 0
-        rows = np.zeros(seq_ids.shape, np.int32)
-        rows[live] = np.searchsorted(uniq, seq_ids[live] // n)
-        all_keys = np.asarray(jax.random.key_data(jax.random.split(key, len(prompts) * n)))
-        keys = np.zeros((len(seq_ids), 2), np.uint32)
-        keys[live] = all_keys[seq_ids[live]]
-        return tokens, lens, rows, keys
-
-    def insert(self, state: DecodeState, new: DecodeState, slots: np.ndarray) -> DecodeState:
-        """Continuous batching: write the prefilled rows `new` (shard-major, `slots` their LOCAL slot per
-        shard; out-of-range slots: padding rows) into `state` (donated), growing its cache bucket first when
-        the new rows' is larger."""
-        if new.cache.capacity > state.cache.capacity:
-            state = self.resize_cache(state, new.cache.capacity)
-        fn = spmd.insert_program(self.mesh, state, new, self._constrain)
-        bs = shd.batch_sharding(self.mesh, 1, len(slots))
-        args = (state, new, jax.device_put(slots.astype(np.int32), bs))
-        key = ("insert", state.done.shape[0], len(slots), state.cache.capacity, new.cache.capacity)
-        return self.programs.run(key, fn, args, donate=(0,))[0]
 
     # ---- the host loop --------------------------------------------------------------------------------
     def generate(

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from tlt_jax.kernels.tree_attention import IMPLS as ATTN_IMPLS
 from tlt_jax.models.build import TextCodec
 from tlt_jax.models.llama import Transformer
+from tlt_jax.rollout.decode import PromptCache
 from tlt_jax.rollout.hooks import IdleWork
 from tlt_jax.rollout.ngram import NgramBank
 from tlt_jax.rollout.programs import MATMUL_PRECISIONS
@@ -126,6 +127,26 @@ class EngineLike(Protocol):
         seq_ids: np.ndarray | None = None,
         params: Any | None = None,
     ) -> tuple[DecodeState, jax.Array | None]: ...
+
+    def prompt_cache(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        params: Any | None = None,
+        drafter_params: Any | None = None,
+    ) -> PromptCache: ...
+
+    def start_rows(
+        self,
+        pc: PromptCache,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int,
+        seq_ids: np.ndarray,
+        key: jax.Array,
+        sampling: SamplingParams,
+        max_new_tokens: int,
+    ) -> DecodeState: ...
 
     def insert(self, state: DecodeState, new: DecodeState, slots: np.ndarray) -> DecodeState: ...
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from tlt_jax import sharding as shd
 from tlt_jax.rollout.admission import RowQueue, plan_insert, unique_prompts
+from tlt_jax.rollout.decode import PromptCache
 from tlt_jax.rollout.harvest import Harvester
 from tlt_jax.rollout.hooks import ChunkView, HookList, RolloutHooks, RolloutInfo, ThresholdPolicy, as_hooks
 from tlt_jax.rollout.interface import EngineLike
@@ -86,11 +87,16 @@ def _prefill(
     first = min(total, local * d)
     seq_ids = np.where(np.arange(local * d) < first, np.arange(local * d), -1)
     harvest = Harvester(engine, prompts, n, r.max_new, engine.config.record_hidden, hook)
-    state, prompt_h = engine.prefill(
-        prompts, n=n, key=r.key, sampling=r.sampling, max_new_tokens=r.max_new, drafter_params=r.dparams,
-        seq_ids=seq_ids, params=r.params,
-    )  # fmt: skip
-    harvest.add_prompt_hidden(unique_prompts(seq_ids, n), prompt_h)
+    if first < total:  # rows will queue: every prompt once into the cache the inserts start rows from
+        r = dataclasses.replace(r, prompts_kv=engine.prompt_cache(prompts, r.max_new, r.params, r.dparams))
+        harvest.add_prompt_hidden(np.arange(len(prompts)), r.prompts_kv.prompt_hidden)
+        state = r.start(engine, seq_ids)
+    else:
+        state, prompt_h = engine.prefill(
+            prompts, n=n, key=r.key, sampling=r.sampling, max_new_tokens=r.max_new, drafter_params=r.dparams,
+            seq_ids=seq_ids, params=r.params,
+        )  # fmt: skip
+        harvest.add_prompt_hidden(unique_prompts(seq_ids, n), prompt_h)
     rows = engine.row_summary(state)
     bank = NgramBank.empty(total, n, r.max_new) if engine.needs()[1] else None
     if bank is not None:
@@ -114,6 +120,14 @@ class _Rollout:
     params: Any
     dparams: Any
     max_total: int
+    prompts_kv: PromptCache | None = None  # with a queue: every prompt's forward, kept for the inserts
+
+    def start(self, engine: EngineLike, seq_ids: np.ndarray) -> DecodeState:
+        """Rows `seq_ids` started from the prompt cache (continuous batching)."""
+        return engine.start_rows(
+            self.prompts_kv, self.prompts, n=self.n, seq_ids=seq_ids, key=self.key, sampling=self.sampling,
+            max_new_tokens=self.max_new,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -163,12 +177,7 @@ class _HostLoop:
         if plan is None:
             return
         t0, c0 = time.perf_counter(), self.engine.compile_seconds
-        r = self.rollout
-        new, prompt_h = self.engine.prefill(
-            r.prompts, n=r.n, key=r.key, sampling=r.sampling, max_new_tokens=r.max_new,
-            drafter_params=r.dparams, seq_ids=plan.seq_ids, params=r.params,
-        )  # fmt: skip
-        self.harvest.add_prompt_hidden(unique_prompts(plan.seq_ids, r.n), prompt_h)
+        new = self.rollout.start(self.engine, plan.seq_ids)
         self.state = self.engine.insert(self.state, new, plan.slots)
         d = self.engine.data_size
         local, sids, slots = (x.reshape(d, -1) for x in (self.seq_ids, plan.seq_ids, plan.slots))
