@@ -17,7 +17,7 @@ import shutil
 import sys
 from typing import TYPE_CHECKING, Any
 
-from gpu import gpu_bundle, gpu_measure, gpu_state
+from gpu import gpu_bundle, gpu_measure, gpu_regime, gpu_state
 from gpu.gpu_parse import (
     PhaseResult,
     as_number,
@@ -324,6 +324,7 @@ def _drafter_result(wd: pathlib.Path, status: str, note: str = "", error: str = 
 
 PHASE_FUNCS = {
     "env": phase_env,
+    "regime_7b": gpu_regime.phase_regime_7b,
     "kernel_tests": phase_kernel_tests,
     "tree_attention": phase_tree_attention,
     "rollout_tests": phase_rollout_tests,
@@ -331,6 +332,7 @@ PHASE_FUNCS = {
     "decode": phase_decode,
     "identity": gpu_measure.phase_identity,
     "compile": gpu_measure.phase_compile,
+    "update_7b": gpu_regime.phase_update_7b,
     "verify_cost": gpu_measure.phase_verify_cost,
     "drafter": phase_drafter,
     "sd": gpu_measure.phase_sd,

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from experiments.lib.harness import pyplot
+from gpu import gpu_regime
 from gpu.gpu_phases import PHASE_FUNCS
 
 MAX_FILES = 8
@@ -66,6 +67,7 @@ def targets(results: dict[str, dict[str, Any]]) -> dict[str, str]:
         "decode_fast": _verdict(ratio_fast, isinstance(ratio_fast, float) and ratio_fast > DECODE_TARGET),
         "sd": _verdict(sd, isinstance(sd, float) and sd >= SD_TARGET),
         "identity": _verdict(same, isinstance(same, float) and same >= IDENTITY_TARGET),
+        **gpu_regime.regime_targets(results),
     }
 
 
@@ -327,6 +329,7 @@ def report_md(results: dict[str, dict[str, Any]], tgt: dict[str, str], device: s
         rows.append([name, r.get("call"), r.get("status"), f"{r.get('seconds', 0):.0f}", nums])
     lines += _table(["phase", "call", "status", "seconds", "numbers"], rows)
     lines += ["", "Targets (docs/gpu.md): " + ", ".join(f"{k} **{v}**" for k, v in tgt.items()), ""]
+    lines += gpu_regime.regime_md(results)
     lines += identity_md(results.get("identity", {}))
     lines += tree_attention_md(results.get("tree_attention", {}).get("details", {}))
     lines += compile_md(results.get("compile", {}))

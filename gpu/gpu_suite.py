@@ -4,6 +4,9 @@ budget, and leaves JSON + PNG results under --out ($OUT on the device machine) a
 
 Phases (docs/gpu.md says what each measures and the targets they are judged by):
   env             versions, device, memory bandwidth (device copy) and bf16 matmul rate, Pallas backends
+  regime_7b       gpu/regime_7b.py: Qwen2.5-7B shapes, random bf16 weights on the device: plain decode at
+                  batch 1..128 x cache 4K/32K vs the paper and the roofline, a speculative round in plain
+                  steps (TV 4..64, batch 1..32) split draft/verify/accept, the drafter's step, compile times
   kernel_tests    tests/kernels/test_tree_attention.py with the kernel compiled by Triton (not interpreted)
   tree_attention  experiments/bench/bench_tree_attention.py --tune: block sizes (split-K included) tuned,
                   kernel vs jnp reference
@@ -12,19 +15,21 @@ Phases (docs/gpu.md says what each measures and the targets they are judged by):
   decode          experiments/bench/bench_decode.py, bfloat16 then float32, vs HF's dynamic-cache, fast paths
   identity        experiments/checks/sd_identity.py: SD rollouts identical to plain ones (bfloat16, float32)
   compile         experiments/bench/compile_time.py --quick: compile time, first run vs rerun (if it exists)
+  update_7b       gpu/regime_7b.py update: the 7B-width update micro-step at 8K / 32K tokens per row, as
+                  many layers as fit, peak memory vs the plan
   verify_cost     experiments/bench/bench_verify_cost.py --quick --breakdown: a verify round's phases (if
                   supported)
   drafter         the drafter warm-up (configs/drafter_warmup.py:gpu), cut at a checkpoint if out of time
   sd              experiments/bench/bench_sd.py with that drafter: batch x tokens_to_verify (Table 4's shape)
   e2e             experiments/paper/e2e_speedup.py --quick, when the script exists
 
-The 98 MB model cannot travel in one call (64 MiB), so the work is split into calls; each of the first two
-carries one part of `make gpu-bundle`'s .gpu_bundle, which the suite copies into its state folder on arrival
-(the repository, carried paths included, is a fresh copy at every call; --call picks the phases):
-  --call 1  (390 s)  env, kernel_tests, tree_attention, rollout_tests   carry .gpu_bundle/a (wheels, part 1)
-  --call 2  (570 s)  env, model, decode, identity                       carry .gpu_bundle/b (part 2)
-  --call 3  (570 s)  env, model, compile, verify_cost                   carry nothing
-  --call 4  (540 s)  env, model, drafter, sd, e2e   (only with >= 10 min of device time left)
+A task is lent a GPU for 15 minutes of device time in all (start, transfers and idle time included), so the
+plan is two calls (gpu_regime.PLAN: <= 12 minutes with the machine's start, printed at every call); the 98
+MB model cannot travel in one call (64 MiB), so each call carries one part of `make gpu-bundle`'s
+.gpu_bundle, which the suite copies into its state folder on arrival:
+  --call 1  (285 s)  env, regime_7b, tree_attention            carry .gpu_bundle/a (wheels, model part 1)
+  --call 2  (285 s)  env, model, identity, compile, update_7b  carry .gpu_bundle/b (model part 2)
+  --call 3, --call 4 (570 / 540 s): the other phases, for a session with a longer lease
 State that later calls use (the bundle parts, the model, wheels, tuned block sizes, the drafter, the XLA and
 inductor caches, every phase's result) lives outside the repository (gpu_state.py: --state-dir, else
 $TLT_GPU_STATE, else /root/keep/gpu_suite); `--resume` runs the phases that have not finished yet.
@@ -32,6 +37,7 @@ $TLT_GPU_STATE, else /root/keep/gpu_suite); `--resume` runs the phases that have
     python3 -m gpu.gpu_suite --call 1 --out $OUT              # on the device machine
     python3 -m gpu.gpu_suite --resume --out $OUT              # whatever has not finished
     python -m gpu.gpu_suite --dry-run                          # CPU: tiny shapes, interpret mode
+    python -m gpu.gpu_suite --dry-run --phases regime_7b,update_7b   # the plan's new phases (make test)
     python -m gpu.gpu_suite --phases decode,sd --budget-s 300  # any subset
 
 Exit status 0 when no phase failed or timed out (partial and skipped phases are reported, not failures).
@@ -53,16 +59,15 @@ import time
 import traceback
 from typing import Any
 
-from gpu import gpu_bundle, gpu_report, gpu_state
+from gpu import gpu_bundle, gpu_regime, gpu_report, gpu_state
 from gpu import gpu_phases as ph
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PHASES = tuple(ph.PHASE_FUNCS)
-CALLS = {
-    "1": ("env", "kernel_tests", "tree_attention", "rollout_tests"),
-    "2": ("env", "model", "decode", "identity"),
-    "3": ("env", "model", "compile", "verify_cost"),
-    "4": ("env", "model", "drafter", "sd", "e2e"),
+CALLS = {  # calls 1 and 2: the 15-minute plan (gpu_regime.PLAN); 3 and 4: the rest, for a longer lease
+    **{call: tuple(p[0] for p in phases) for call, phases in gpu_regime.PLAN.items()},
+    "3": ("env", "kernel_tests", "rollout_tests", "model", "decode"),
+    "4": ("env", "model", "verify_cost", "drafter", "sd", "e2e"),
     "all": PHASES,
 }
 # Seconds on a GPU: (most a phase may take, least worth starting; also what is kept for each later phase).
@@ -83,8 +88,12 @@ LIMITS = {
     "drafter": (420, 60),
     "sd": (300, 90),
     "e2e": (300, 90),
+    "regime_7b": (215, 60),
+    "update_7b": (100, 40),
 }
-CALL_BUDGETS = {"1": 390.0, "2": 570.0, "3": 570.0, "4": 540.0, "all": 570.0}  # default --budget-s
+# default --budget-s; calls 1 and 2 (and their phases' caps) from the plan
+CALL_BUDGETS = {**gpu_regime.CALL_BUDGET_S, "3": 570.0, "4": 540.0, "all": 570.0}
+PLAN_LIMITS = {c: {p[0]: (p[1], p[2]) for p in phases} for c, phases in gpu_regime.PLAN.items()}
 DRY_CAP_S = 300.0  # per phase in a dry run: generous, so a slow CI machine is not a failure
 REPORT_RESERVE_S = 15.0  # kept for plots and the summary at the end of a call
 NEEDS_MODEL = ("decode", "identity", "compile", "verify_cost", "drafter", "sd", "e2e")
@@ -117,6 +126,8 @@ class Suite:
         self.extend_drafter: bool = args.extend_drafter
         self.drafter_config: str = args.drafter_config
         self.call: str = args.call
+        self.limits = {**LIMITS, **PLAN_LIMITS.get(args.call, {})}  # a plan call's own caps
+        self.regime_parts: str = getattr(args, "regime_parts", "")
         self.caps = {k: float(v) for k, v in (kv.split("=") for kv in args.limits.split(",") if kv)}
         self.t0 = time.perf_counter()
         self.budget_s: float = args.budget_s or CALL_BUDGETS[args.call]
@@ -147,10 +158,10 @@ class Suite:
 
     def timeout_for(self, name: str, later: tuple[str, ...]) -> float:
         """The phase's own cap, less what the later phases need at least; 0 when not worth starting."""
-        cap = self.caps.get(name, DRY_CAP_S if self.dry else LIMITS[name][0])
+        cap = self.caps.get(name, DRY_CAP_S if self.dry else self.limits[name][0])
         left = self.left() - REPORT_RESERVE_S
-        least = min(cap, 1.0 if self.dry else LIMITS[name][1])  # a --limits cap below the minimum is honoured
-        t = min(cap, left - sum(0.0 if self.dry else LIMITS[p][1] for p in later))
+        least = min(cap, 1.0 if self.dry else self.limits[name][1])  # a --limits cap below it is honoured
+        t = min(cap, left - sum(0.0 if self.dry else self.limits[p][1] for p in later))
         if t < least:  # earlier phases come first: take what is left rather than skip
             t = min(cap, left)
         return t if t >= least else 0.0
@@ -361,6 +372,7 @@ def run_suite(args: argparse.Namespace) -> int:
     call = "resume" if args.resume and not args.phases else args.call
     mode = "dry run (tiny shapes; interpret mode on CPU)" if suite.dry else f"call {call}"
     print(f"# gpu_suite: {mode}; phases {','.join(phases)}; budget {suite.budget_s:.0f}s; out {suite.out}")
+    print("\n".join(gpu_regime.plan_lines()), flush=True)
     meta: dict[str, Any] = {"call": call, "dry_run": suite.dry, "budget_s": suite.budget_s, **prepare(suite)}
     results = run_phases(suite, phases, call)
     meta["wall_s"] = time.perf_counter() - suite.t0
@@ -370,6 +382,8 @@ def run_suite(args: argparse.Namespace) -> int:
         print(f"# writing summary/report/plots failed: {type(e).__name__}: {e}", flush=True)
         summary = {"targets": {}}
     suite.log.close()
+    if suite.dry:  # the plan again, with what each phase took here
+        print("\n".join(gpu_regime.plan_lines({r.phase: r.seconds for r in results})), flush=True)
     for res in results:
         fields = " ".join(f"{k}={fmt(v)}" for k, v in res.metrics.items())
         print(f"RESULT gpu_suite.{res.phase} status={res.status} seconds={res.seconds:.0f} {fields}".rstrip())
@@ -404,6 +418,9 @@ def main() -> None:
     ap.add_argument("--bundle", default=str(gpu_bundle.BUNDLE), help="where this call's carried parts are")
     ap.add_argument("--site", default="", help="where the bundle's wheels go (default <state>/site)")
     ap.add_argument("--allow-cpu", action="store_true", help="run the full phases without a GPU (debugging)")
+    ap.add_argument(
+        "--regime-parts", default="", help=f"regime_7b's parts (default {gpu_regime.REGIME_PARTS})"
+    )
     ap.add_argument("--extend-drafter", action="store_true", help="train a finished drafter on (train.steps)")
     ap.add_argument(
         "--drafter-config", default="", help="configs/drafter_warmup.py arg (default gpu; tiny dry)"

@@ -27,11 +27,18 @@ Tables: Table 2 (batch 1 tokens/s without / with SD; paper Qwen-7B H100 164.65 /
 (batch 1..32 x TV 4..64, strategies as bench_sd's mapping; the paper's Qwen-32B TP4 cells beside), and
 `table4_projection.png` in `--out`.
 
+With `--measured JSON` (a GPU call's 7B costs: `docs/gpu_runs/<date>-<device>/summary.json` of the GPU
+suite's call 1, issue #38), the projection's costs are the measured plain steps and rounds at Qwen2.5-7B
+shape (fixed per-kernel costs included) instead of the roofline (`measured_costs.py`: the roofline only
+interpolates between measured cells); the output says which inputs are measured and which assumed.
+
     python -m experiments.models.project_sd
+    python -m experiments.models.project_sd --measured docs/gpu_runs/<date>-<device>/summary.json
     python -m experiments.models.project_sd --cpu-bench bench_sd.log --cpu-costs bench_costs.json
-Final line: `RESULT t2_speedup_ours=.. t2_speedup_paper=.. t2_speedup_paper_base=.. t2_plain_tok_s=..
-t2_speedup_<source>_fixed=.. t4_bs{1,32}_tv{16,64}_{paper,ours}=.. gpu_cells_within_10pct=k/n
-[cpu_cells_within_10pct=k/n]`.
+Final line: `RESULT [measured_t2_plain_tok_s=.. measured_t2_speedup_<source>=..
+measured_t4_bs{1,32}_tv{16,64}_<source>=..] t2_speedup_ours=.. t2_speedup_paper=.. t2_speedup_paper_base=..
+t2_plain_tok_s=.. t2_speedup_<source>_fixed=.. t4_bs{1,32}_tv{16,64}_{paper,ours}=..
+gpu_cells_within_10pct=k/n [cpu_cells_within_10pct=k/n]`.
 """
 
 from __future__ import annotations
@@ -379,6 +386,42 @@ def print_projection(gpu: dict[str, Any], cache: int) -> tuple[dict[str, float],
     return res, tables
 
 
+def print_measured(gpu: dict[str, Any], path: str, cache: int) -> tuple[dict[str, float], dict]:
+    """Tables 2 and 4 for Qwen2.5-7B with the costs a GPU call measured at 7B shape (`measured_costs`), the
+    acceptance sources as in the roofline projection; RESULT keys prefixed `measured_`."""
+    from experiments.models import measured_costs as mc
+
+    m = mc.load(path)
+    costs = mc.measured_costs(m)
+    print("\nPROJECTION FROM MEASURED COSTS (Qwen2.5-7B shapes, random weights on the device):")
+    print("\n".join(mc.describe(m, costs)))
+    sources = accept_sources(gpu)
+    plain = 1.0 / costs.plain(1, cache)
+    res: dict[str, float] = {"measured_t2_plain_tok_s": plain}
+    print(f"\nTable 2 (batch 1, cache {cache}): plain {plain:.0f} tok/s (paper {PAPER_T2['plain_tok_s']})")
+    print(f"{'source':>11} {'TV':>3} {'accept':>6} {'round':>6} {'SD tok/s':>9} {'speedup':>7}")
+    for name, acc in sources.items():
+        best = max(TVS, key=lambda tv: acc(tv) / costs.round(1, tv, cache))
+        rc = costs.round(1, best, cache) / costs.plain(1, cache)
+        sp = acc(best) / rc
+        print(f"{name:>11} {best:>3} {acc(best):>6.2f} {rc:>6.2f} {plain * sp:>9.0f} {sp:>6.2f}x")
+        res[f"measured_t2_speedup_{name}"] = sp
+    tables = {}
+    for name in ("ours", "paper"):
+        t = table4(costs, sources[name], cache)
+        tables[f"measured_{name}"] = t
+        print(f"\nTable 4 from measured costs, accept from {name}: speedup (round in plain steps)")
+        print(f"{'batch':>5} " + " ".join(f"{f'tv{tv}':>13}" for tv in TVS))
+        for b in BATCHES:
+            cells = [
+                f"{t[b, tv]:.2f}x ({costs.round(b, tv, cache) / costs.plain(b, cache):.2f})" for tv in TVS
+            ]
+            print(f"{b:>5} " + " ".join(f"{c:>13}" for c in cells))
+        for b, tv in PAPER_T4:
+            res[f"measured_t4_bs{b}_tv{tv}_{name}"] = t[b, tv]
+    return res, tables
+
+
 def plot_tables(tables: dict[str, dict[tuple[int, int], float]], path: pathlib.Path) -> None:
     """The projected Table 4 heatmaps, one per acceptance source, the paper's cells marked."""
     fig, axes = h.pyplot().subplots(1, len(tables), figsize=(5.5 * len(tables), 4))
@@ -406,6 +449,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ap.add_argument("--cpu-costs", default=None, help="step_costs.py --bench-shapes JSON for that run")
     ap.add_argument("--cache", type=int, default=4096, help="cache bucket of the projected steps")
+    ap.add_argument(
+        "--measured", default=None, help="a GPU call's 7B costs (summary.json of the suite's call 1)"
+    )
     args = ap.parse_args(argv)
     gpu = load_gpu_run(pathlib.Path(args.gpu_run))
     res: dict[str, Any] = {}
@@ -422,6 +468,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\nCPU validation skipped: pass --cpu-bench LOG --cpu-costs JSON (see the module docstring)")
     proj, tables = print_projection(this_gpu(gpu), args.cache)
     res = {**proj, **res}
+    if args.measured:
+        measured, mtables = print_measured(gpu, args.measured, args.cache)
+        res, tables = {**measured, **res}, {**tables, **mtables}
     out = h.out_dir(args)
     plot_tables(tables, out / "table4_projection.png")
     print(f"\nplot: {out / 'table4_projection.png'}")

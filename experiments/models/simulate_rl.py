@@ -34,7 +34,11 @@ chunk, SD below `--threshold` rows per device with the fastest strategy per buck
 sources (ours, the paper's; `--accept-scale` for a staleness curve), the rest of the step from the paper's
 85% rollout share, the spot trainer on idle devices (`--spot-step`). Prints plain vs TLT rollout and step
 times, E2E speedup, time at <= 32/8/2 running rows, idle and spot-used device-seconds, and the Fig 14 case
-study (128 requests, SD below 32); `simulate_rl_projection.png` in `--out`. Final line: `RESULT
+study (128 requests, SD below 32); `simulate_rl_projection.png` in `--out`. With `--measured JSON` (a GPU
+call's 7B costs, `docs/gpu_runs/<date>-<device>/summary.json` of the GPU suite's call 1) the steps and
+rounds are the measured ones (`measured_costs.py`; fixed per-kernel costs included, the roofline only
+interpolates between measured cells) and the spot drafter step is the measured one; the output lists which
+inputs are measured and which assumed. Final line: `RESULT
 e2e_speedup_<source>=.. rollout_speedup_<source>=.. ... fig14_rollout_speedup_<source>=..`.
 """
 
@@ -54,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from experiments.lib import harness as h
+from experiments.models import measured_costs as mc
 from experiments.models import project_sd as ps
 from experiments.models import rl_model as rm
 
@@ -341,10 +346,11 @@ def project_steps(args: argparse.Namespace, roof: Any, sources: dict, kw: dict) 
 
 
 def project(args: argparse.Namespace) -> None:
-    """Qwen2.5-7B GRPO steps on D x H100 (roofline costs), plain vs TLT for each acceptance source."""
+    """Qwen2.5-7B GRPO steps on D x H100 (roofline or --measured costs): plain vs TLT per accept source."""
 
     gpu = ps.load_gpu_run(pathlib.Path(args.gpu_run))
-    roof = ps.Roofline(ps.QWEN2_5_7B, gpu["bw"][1], gpu["flops"])
+    roof, costs, spot, args.spot_step = mc.projection_costs(gpu, args.measured, args.spot_step)
+    device = getattr(roof, "device", "") or gpu["device"]
     d = args.devices
     sources = project_sources(gpu)
     kw = dict(
@@ -362,15 +368,14 @@ def project(args: argparse.Namespace) -> None:
         else f"log-normal (median {args.median:.0f}, sigma {args.sigma})"
     )
     print(
-        f"PROJECTION (not measured): Qwen2.5-7B bf16 GRPO on {d} x {gpu['device']} (data parallel, one "
+        f"PROJECTION (not measured): Qwen2.5-7B bf16 GRPO on {d} x {device} (data parallel, one "
         f"replica each), {args.prompts} prompts x {args.samples} samples, prompt {args.prompt_len} tokens, "
-        f"responses {lengths} cut at {args.max_new}; costs: project_sd's roofline at "
-        f"{gpu['bw'][1] / 1e12:.2f} TB/s / {gpu['flops'] / 1e12:.0f} TFLOP/s with paged KV, host "
+        f"responses {lengths} cut at {args.max_new}; costs: {costs}, host "
         f"{1e3 * args.chunk_overhead:.1f} ms per chunk of 16 steps and {args.rollout_overhead} s per rollout "
         f"(the H100 e2e run's); SD below {args.threshold} running rows per device, the fastest of plain and "
         "TV 4..64 per bucket (converged BEG-MAB); the rest of the step = "
         f"{100 * (1 - PAPER['rollout_share']):.0f}% of the plain step (the paper's rollout share); spot "
-        f"drafter step {1e3 * args.spot_step:.0f} ms (assumed); {args.steps} RL steps, fresh lengths each, "
+        f"drafter step {1e3 * args.spot_step:.0f} ms ({spot}); {args.steps} RL steps, fresh lengths each, "
         f"accept - 1 scaled per step by {args.accept_scale}"
     )
     stats, last = project_steps(args, roof, sources, kw)
@@ -451,7 +456,17 @@ def main() -> None:
     ap.add_argument("--threshold", type=int, default=32, help="projection: SD below this many rows/device")
     ap.add_argument("--chunk-overhead", type=float, default=2.7e-3, help="projection: host s per chunk")
     ap.add_argument("--rollout-overhead", type=float, default=0.13, help="projection: host s per rollout")
-    ap.add_argument("--spot-step", type=float, default=0.056, help="projection: drafter step seconds")
+    ap.add_argument(
+        "--spot-step",
+        type=float,
+        default=None,
+        help=f"projection: drafter step s (default: --measured's, else {mc.SPOT_STEP_ASSUMED}, assumed)",
+    )
+    ap.add_argument(
+        "--measured",
+        default=None,
+        help="projection: a GPU call's 7B costs (the GPU suite's call 1 summary.json), not the roofline",
+    )
     ap.add_argument("--steps", type=int, default=3, help="projection: RL steps (fresh lengths each)")
     ap.add_argument("--lengths", default=None, help="projection: a rollouts.jsonl to resample lengths from")
     ap.add_argument("--lengths-cap", type=int, default=384, help="projection: that run's response cap")

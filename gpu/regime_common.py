@@ -1,0 +1,108 @@
+"""What gpu/regime_7b.py's parts share: the results file written after every measurement, the clock with
+per-part deadlines, the device's memory limit (simulated in a dry run) and peak, the dry run's tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+from typing import Any
+
+GIB = 2**30
+SHARES = {"decode": 0.35, "round": 0.3, "split": 0.15, "drafter": 0.2, "update": 1.0}
+TINY = dict(  # a dry run's Qwen2 (the 7B preset's code paths at unit-test sizes)
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+FIT_FRACTION = 0.95  # of the device's memory limit a cell's weights + KV may take before it is skipped
+SIMULATED_LIMIT: list[int] = []  # a dry run's device limit (bytes), set once the tiny model exists
+
+
+class Recorder:
+    """The worker's JSON, rewritten (atomically) after every measurement; a clock with per-part deadlines."""
+
+    def __init__(self, path: pathlib.Path, budget_s: float, meta: dict[str, Any]) -> None:
+        self.path, self.t0, self.budget_s = path, time.perf_counter(), budget_s
+        self.data: dict[str, Any] = {"meta": meta, "compile": [], "skipped": [], "errors": []}
+        self.part_deadline = self.t0 + budget_s
+        self.compile_guess = 0.0
+        self.save()
+
+    def left(self) -> float:
+        return self.t0 + self.budget_s - time.perf_counter()
+
+    def part_left(self) -> float:
+        return min(self.part_deadline, self.t0 + self.budget_s) - time.perf_counter()
+
+    def start_part(self, part: str, remaining: list[str]) -> None:
+        """This part's deadline: its share of the time left among the parts still to run."""
+        total = sum(SHARES[p] for p in remaining)
+        self.part_deadline = time.perf_counter() + self.left() * SHARES[part] / total
+        print(f"## part {part}: {self.part_left():.0f}s of {self.left():.0f}s left", flush=True)
+
+    def add(self, key: str, row: dict[str, Any]) -> None:
+        self.data.setdefault(key, []).append(row)
+        self.save()
+
+    def compiled(self, program: str, seconds: float) -> None:
+        """A program's first-call compile seconds (the guess for the next cell's compile follows it)."""
+        self.compile_guess = max(self.compile_guess, seconds)
+        self.add("compile", {"program": program, "seconds": round(seconds, 3)})
+
+    def skip(self, what: str, why: str, kind: str = "budget") -> None:
+        """A cell not run: for lack of time ("budget": the phase is partial) or because it cannot fit the
+        device ("memory": expected, e.g. 128 rows of 32K tokens on one GPU)."""
+        print(f"   skip {what}: {why}", flush=True)
+        self.add("skipped", {"what": what, "why": why, "kind": kind})
+
+    def affordable(self, what: str, need_s: float) -> bool:
+        """Whether `need_s` seconds are left in this part; else the cell is skipped with the reason."""
+        if self.part_left() >= need_s:
+            return True
+        self.skip(what, f"time budget: needs ~{need_s:.0f}s (compile ~{self.compile_guess:.0f}s + runs), "
+                  f"{max(self.part_left(), 0):.0f}s left in the part")  # fmt: skip
+        return False
+
+    def save(self) -> None:
+        self.data["meta"]["wall_s"] = round(time.perf_counter() - self.t0, 1)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        os.replace(tmp, self.path)
+
+
+# ---- the model, engine and synthetic states -------------------------------------------------------------
+
+
+def device_limit() -> int | None:
+    """Bytes the allocator may use on device 0 (None where the backend does not say, e.g. a CPU); a dry
+    run's simulated limit when one is set."""
+    import jax
+
+    if SIMULATED_LIMIT:
+        return SIMULATED_LIMIT[0]
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def peak_bytes() -> int | None:
+    import jax
+
+    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+
+
+def tree_bytes(tree: Any) -> int:
+    import jax
+    import numpy as np
+
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB, or MiB below one GiB (a dry run's sizes)."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"

@@ -1,0 +1,197 @@
+"""gpu/regime_7b.py's training parts at Qwen2.5-7B width: the EAGLE drafter's optimizer step (the spot
+trainer's `drafter.trainer.train_step` on config.spot's packed batch) and the policy update's accumulation
+over one micro-batch with as many layers as the memory plan says fit (peak memory against the plan)."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import ml_collections
+
+from gpu.regime_common import FIT_FRACTION, GIB, TINY, Recorder, device_limit, peak_bytes
+
+
+def load_7b_config(dry: bool) -> ml_collections.ConfigDict:
+    """configs/qwen2_5_7b.py with random weights (a dry run: its architecture at TINY sizes)."""
+    from tlt_jax import config_lib
+
+    config = config_lib.load_config_file(
+        pathlib.Path(__file__).resolve().parents[1] / "configs" / "qwen2_5_7b.py"
+    )
+    config.model.init = "random"
+    if dry:  # and a small packed batch for the drafter's step (640 tokens compile ~15 s on a busy CPU)
+        config.model.random.update(TINY)
+        config.spot.update(window=32, context=16, ce_tokens=32, ttt_positions=16)
+    return config
+
+
+def part_drafter(rec: Recorder, args: argparse.Namespace, dry: bool) -> None:
+    """One optimizer step of the EAGLE drafter at the target's width on config.spot's packed batch (rows x
+    (context + window) tokens): compile seconds, step ms (median of reps), peak memory."""
+    import functools
+    import statistics
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tlt_jax import config_schema
+    from tlt_jax.drafter import trainer as dtr
+    from tlt_jax.drafter.packing import PackedBatch
+    from tlt_jax.models.build import model_config_from
+    from tlt_jax.models.random_init import random_drafter
+
+    config = load_7b_config(dry)
+    cfg, spot = model_config_from(config), config_schema.section(config, "spot")
+    if not rec.affordable("drafter step", rec.compile_guess + 5.0):
+        return
+    graphdef, params = nnx.split(random_drafter(cfg, seed=1), nnx.Param)
+    tx = spot.optimizer()
+    state = dtr.TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), jax.random.key(0))
+    r, s, h = spot.rows, spot.seq_len, cfg.hidden_size
+    k = jax.random.key(2)
+    batch = PackedBatch(
+        tokens=jax.random.randint(k, (r, s), 0, cfg.vocab_size, jnp.int32),
+        hidden=jax.random.normal(k, (r, s, h), jnp.float32),
+        segment_ids=jnp.ones((r, s), jnp.int32),
+        positions=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s)),
+        loss_mask=jnp.ones((r, s), jnp.bool_),
+    )
+    embed = 0.02 * jax.random.normal(k, (cfg.vocab_size, h), cfg.dtype)
+    head = (
+        embed
+        if cfg.tie_embeddings
+        else 0.02 * jax.random.normal(jax.random.fold_in(k, 1), (cfg.vocab_size, h), cfg.dtype)
+    )
+    fn = functools.partial(dtr.train_step, graphdef=graphdef, tx=tx, loss_cfg=spot.loss_config())
+    t = time.perf_counter()
+    step = jax.jit(fn, donate_argnums=(0,)).lower(state, batch, embed, head).compile()
+    rec.compiled(f"drafter_step_r{r}_s{s}", time.perf_counter() - t)
+    times = []
+    for _ in range(args.reps + 1):
+        t = time.perf_counter()
+        state, metrics = step(state, batch, embed, head)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t)
+    row = {"rows": r, "seq_len": s, "step_ms": 1e3 * statistics.median(times[1:]), "peak_bytes": peak_bytes()}
+    row["loss_finite"] = bool(jnp.isfinite(metrics["loss"])) if "loss" in metrics else None
+    print(f"   drafter step: {row['step_ms']:.1f} ms ({r} x {s} tokens)", flush=True)
+    rec.add("drafter", row)
+
+
+def update_config(dry: bool, rows: int) -> ml_collections.ConfigDict:
+    """configs/qwen2_5_7b.py's trainer on one device: one micro-batch of `rows` rows per step (one prompt x
+    `rows` samples, one mini-batch), everything else (scan, remat, FSDP, chunks, dtypes) as configured."""
+    config = load_7b_config(dry)
+    config.mesh.data, config.mesh.model = 1, 1
+    config.rl.prompts_per_step, config.rl.samples_per_prompt, config.rl.mini_batches = 1, rows, 1
+    config.trainer.micro_batch_size = rows
+    return config
+
+
+def update_program(
+    config: ml_collections.ConfigDict, layers: int, prompt_len: int, response_len: int
+) -> tuple[Any, Any, tuple]:
+    """(compiled accumulation, its ProgramInfo: XLA's accounting = the plan's figure, abstract args) of the
+    policy update over one micro-batch at `layers` decoder layers (`memory_plan.compile_update`'s body)."""
+    import jax
+
+    from tlt_jax import config_lib
+    from tlt_jax import memory_plan as mpp
+    from tlt_jax.models.build import model_config_from
+    from tlt_jax.rollout.programs import ProgramCache
+
+    mesh = config_lib.build_mesh(config)
+    am = mpp.abstract_models(model_config_from(config), mesh, layers)
+    t = mpp.abstract_trainer(config, am, mesh)
+    micro, weights = mpp.abstract_micro(config, mesh, prompt_len, response_len)
+
+    def accum(p: Any, acc: Any, m: Any, w: Any) -> tuple:
+        acc, aux = t._accum_fn(p, acc, m, w)
+        return jax.lax.with_sharding_constraint(acc, t.param_shardings), aux
+
+    cache = ProgramCache()
+    args = (t.params, t.params, micro, weights)
+    compiled = cache.compile(("update_accum", layers, response_len), accum, args, (1,))
+    return compiled, cache.infos()[0], args
+
+
+def materialise(abstract: Any) -> Any:
+    """Zeros of an abstract pytree on its shardings (the response mask and weights ones: every token
+    counts), without a host copy."""
+    import jax
+    import jax.numpy as jnp
+
+    def make() -> Any:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
+
+    out = jax.jit(make, out_shardings=jax.tree.map(lambda s: s.sharding, abstract))()
+    params, acc, micro, weights = out
+    micro = micro.replace(response_mask=jnp.ones_like(micro.response_mask))
+    return params, acc, micro, jnp.ones_like(weights)
+
+
+def fit_layers(
+    rec: Recorder, config: ml_collections.ConfigDict, prompt_len: int, response_len: int
+) -> tuple[int, dict]:
+    """The most decoder layers whose update program (plan: arguments + temporaries + outputs + code, from
+    two compiles at 1 and 2 layers, linear in depth: weights, gradients and saved activations are per
+    layer) fits FIT_FRACTION of the device; the model's depth where the limit is unknown (a CPU)."""
+    from tlt_jax.models.build import model_config_from
+
+    depth = model_config_from(config).num_layers
+    limit = device_limit()
+    if limit is None:
+        return depth, {"limit": None, "why": "no device memory limit (CPU): the model's depth"}
+    need = {}
+    for n in (1, 2):
+        t = time.perf_counter()
+        _, info, _ = update_program(config, n, prompt_len, response_len)
+        rec.compiled(f"update_plan_l{n}_{response_len}", time.perf_counter() - t)
+        need[n] = info.argument_bytes + info.footprint_bytes
+    slope, base = need[2] - need[1], 2 * need[1] - need[2]
+    n = depth if slope <= 0 else min(depth, int((FIT_FRACTION * limit - base) // slope))
+    return n, {"limit": limit, "plan_l1": need[1], "plan_l2": need[2], "per_layer": slope, "base": base}
+
+
+def part_update(rec: Recorder, args: argparse.Namespace, dry: bool) -> None:
+    """The update's accumulation over one micro-batch at --update-len response tokens per row, with as many
+    layers as fit: compile seconds, step seconds, measured peak against the plan's bytes."""
+    import jax
+
+    prompt_len = 16 if dry else 1024
+    config = update_config(dry, args.update_rows)
+    what = f"update {args.update_rows} x ({prompt_len} + {args.update_len})"
+    if not rec.affordable(what, 3 * rec.compile_guess + 10.0):
+        return
+    layers, fit = fit_layers(rec, config, prompt_len, args.update_len)
+    if layers < 1:
+        rec.skip(what, f"memory: not even one layer fits ({fit})", "memory")
+        return
+    t = time.perf_counter()
+    compiled, info, abstract = update_program(config, layers, prompt_len, args.update_len)
+    rec.compiled(f"update_accum_l{layers}_{args.update_len}", time.perf_counter() - t)
+    params, acc, micro, weights = materialise(abstract)
+    times = []
+    for _ in range(2):
+        t = time.perf_counter()
+        acc, aux = compiled(params, acc, micro, weights)
+        jax.block_until_ready((acc, aux))
+        times.append(time.perf_counter() - t)
+    plan = info.argument_bytes + info.footprint_bytes
+    peak = peak_bytes()
+    row = {"rows": args.update_rows, "prompt_len": prompt_len, "response_len": args.update_len}
+    row.update(layers=layers, first_call_s=times[0], step_s=times[-1], plan_bytes=plan, peak_bytes=peak)
+    row.update(temp_bytes=info.temp_bytes, argument_bytes=info.argument_bytes, fit=fit)
+    row["peak_over_plan"] = peak / plan if peak else None
+    print(
+        f"   {what} at {layers} layers: {times[-1]:.2f}s, plan {plan / GIB:.2f} GiB, peak {peak}", flush=True
+    )
+    rec.add("update", row)
+
+
+# ---- main -------------------------------------------------------------------------------------------
