@@ -327,6 +327,10 @@ class TrainerSection(Section):
     scan_layers: bool = False
     # the update's MLP in token chunks of this size (long responses: no [rows, T, 2F] buffers; 0: at once)
     mlp_chunk: int = 0
+    # sequence (context) parallelism of the update: each micro-batch's tokens split over the mesh's model axis
+    # (its TP devices, as the paper's Ulysses SP 4), the layers' weights gathered whole, K/V all-gathered for
+    # attention (tlt_jax.rl.trainer.SEQ_AXIS); off: tensor parallelism over that axis, as before
+    seq_parallel: bool = False
 
     def problems(self) -> list[str]:
         from tlt_jax.models.llama import CAUSAL_IMPLS, REMAT_POLICIES

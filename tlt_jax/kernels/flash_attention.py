@@ -28,10 +28,16 @@ Implementations (`flash_attention(impl=...)`):
   only under the caller's `pltpu.force_tpu_interpret_mode()` (the tests do).
 - "auto": pallas_tpu on TPU; cudnn on GPU for bf16/fp16 without segment ids and a head dim cuDNN takes
   (blockwise, with a warning, where cuDNN's own checks refuse the call while tracing); blockwise otherwise.
+
+Sequence (context) parallelism: `impl=SequenceParallel(mesh, axis, impl)` computes the same contract with the
+query tokens split over a mesh axis (`flash_attention_seq_parallel`): each device holds T / n queries and
+S / n key slots, all-gathers K and V (cheap with GQA: Hkv heads, not Hq) and runs `impl` on its query shard at
+its global offset; the transpose of the gather reduce-scatters dK and dV back to their slots.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -40,6 +46,8 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 from jax import lax
+from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
 
 FLASH_IMPLS = ("auto", "blockwise", "reference", "cudnn", "pallas_tpu")
 _NEG = -1e30  # finite "minus infinity": masked logits never make exp() of inf - inf
@@ -340,6 +348,85 @@ def flash_attention_pallas_tpu(
     return _from_slots(jnp.swapaxes(out, 1, 2), slots)
 
 
+# ---- sequence parallelism --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceParallel:
+    """`flash_attention(impl=SequenceParallel(mesh, axis, impl))`: the query tokens (and key slots) split over
+    `axis` of `mesh`, `impl` (a `FLASH_IMPLS` name) on each shard. Hashable: it can be a static argument."""
+
+    mesh: Mesh | AbstractMesh
+    axis: str
+    impl: str = "auto"
+
+    @property
+    def size(self) -> int:
+        """Devices one sequence is spread over."""
+        return int(self.mesh.shape[self.axis])
+
+    def shard(self, x: jax.Array, dim: int) -> jax.Array:
+        """`x` with dimension `dim` split over the axis (the others left to the compiler)."""
+        spec = [P.UNCONSTRAINED] * x.ndim
+        spec[dim] = self.axis
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh, P(*spec)))
+
+
+def flash_attention_seq_parallel(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_offset: jax.Array,
+    kv_length: jax.Array,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    *,
+    sp: SequenceParallel,
+    block_q: int = 512,
+    block_k: int = 512,
+) -> jax.Array:
+    """The contract with q's token axis and k/v's slot axis split over `sp.axis` (T and S multiples of its
+    size n), by a `jax.shard_map` manual over that axis only (rows stay with the compiler: the data axis).
+    Shard i holds queries [i T/n, (i+1) T/n), i.e. key slots from q_offset + i T/n, and gathers every key: the
+    causal mask, padding and segments are the contract's, evaluated at global slots, so each query's result
+    is the unsplit one's (the same key blocks in the same order). Memory per device: T/n queries and their
+    activations, the whole K/V of its rows ([B, Hkv, S, D], the gathered part of GQA attention); the causal
+    work is uneven (the last shard sees every key), which costs time, not memory. cudnn and pallas_tpu take a
+    shard's queries in slot space (module docstring): S / (T/n) times a shard's work, n times at least."""
+    n = sp.size
+    t, s = q.shape[1], k.shape[2]
+    if t % n or s % n:
+        raise ValueError(
+            f"sequence-parallel attention over {n} devices needs T={t} queries and S={s} key slots in "
+            f"multiples of {n} (pad the tokens: rl.forward.response_logprobs does)"
+        )
+    segs = q_segment_ids is not None
+
+    def body(q, k, v, q_offset, kv_length, *seg):  # noqa: ANN001, ANN202
+        # gathered in float32, so the gather's transpose (the reduce-scatter adding every shard's partial
+        # dK, dV) sums in float32 like the kernels' own accumulators; a bfloat16 reduce-scatter also crashes
+        # XLA:CPU under a shard_map manual over some axes (jax 0.10.2: "Invalid binary instruction opcode
+        # copy"). K/V are the small GQA part; the blockwise kernel takes them in float32 anyway.
+        k, v = (
+            lax.all_gather(x.astype(jnp.float32), sp.axis, axis=2, tiled=True).astype(x.dtype) for x in (k, v)
+        )
+        off = q_offset + lax.axis_index(sp.axis).astype(jnp.int32) * (t // n)
+        if seg:
+            seg = (seg[0], lax.all_gather(seg[1], sp.axis, axis=1, tiled=True))
+        return flash_attention(q, k, v, off, kv_length, *seg, impl=sp.impl, block_q=block_q, block_k=block_k)
+
+    tok, slots = P(None, sp.axis, None, None), P(None, None, sp.axis, None)
+    specs = (tok, slots, slots, P(), P()) + ((P(None, sp.axis),) * 2 if segs else ())
+    args = (q, k, v, q_offset.astype(jnp.int32), kv_length.astype(jnp.int32))
+    args += (q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)) if segs else ()
+    # check_vma off: the kernels' loop carries start as constants (and Pallas calls need it); every
+    # differentiable input is split over the axis, so no replicated input's cotangent needs a psum
+    fn = jax.shard_map(
+        body, mesh=sp.mesh, in_specs=specs, out_specs=tok, axis_names={sp.axis}, check_vma=False
+    )
+    return fn(*args)
+
+
 def resolve_impl(impl: str, q: jax.Array, segments: bool) -> str:
     """The implementation `impl` runs as on this backend ("auto" picked; an impossible choice raises)."""
     if impl not in FLASH_IMPLS:
@@ -365,15 +452,20 @@ def flash_attention(
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     *,
-    impl: str = "auto",
+    impl: str | SequenceParallel = "auto",
     block_q: int = 512,
     block_k: int = 512,
 ) -> jax.Array:
     """Causal training attention (module contract) by `impl`: auto | blockwise | reference | cudnn |
-    pallas_tpu. Differentiable in q, k, v by every implementation."""
+    pallas_tpu, or a `SequenceParallel` (the tokens split over a mesh axis). Differentiable in q, k, v by
+    every implementation."""
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("flash_attention: give both q_segment_ids and kv_segment_ids, or neither")
     segs = (q_segment_ids, kv_segment_ids)
+    if isinstance(impl, SequenceParallel):
+        return flash_attention_seq_parallel(
+            q, k, v, q_offset, kv_length, *segs, sp=impl, block_q=block_q, block_k=block_k
+        )
     chosen = resolve_impl(impl, q, q_segment_ids is not None)
     if chosen == "reference":
         return flash_attention_reference(q, k, v, q_offset, kv_length, *segs)

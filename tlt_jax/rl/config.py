@@ -164,6 +164,7 @@ def trainer_options(job: GrpoConfig) -> TrainerOptions:
         remat=tc.remat,
         scan_layers=tc.scan_layers,
         mlp_chunk=tc.mlp_chunk,
+        seq_parallel=tc.seq_parallel,
     )
 
 

@@ -1,6 +1,13 @@
 """The trainer's forward: response log-probs, entropies and hidden states of a GRPO batch
 (`response_logprobs`), each prompt once and its samples on top of its KV cache, logits chunked at any length
-(`chunked_logp_entropy`). See `tlt_jax.rl.trainer` for the batch layout and the programs that call it."""
+(`chunked_logp_entropy`). See `tlt_jax.rl.trainer` for the batch layout and the programs that call it.
+
+Sequence parallelism (`attn_impl` a `flash_attention.SequenceParallel`): the prompt and response columns are
+zero-padded on the right to multiples of the axis size n (causal attention: no real token sees a pad; their
+outputs are cut off), attention splits the tokens over the axis, and the log-probs are chunked within each
+device's token shard ([B, n, Nb / n], logits_chunk / n columns of every shard at a time), so the chunk loop
+runs over local columns and never gathers a row's hidden states. The rest of the layout is the caller's
+(`shard_rows`, `gather_layer`, `shard_carry`: the trainer's)."""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.kernels.flash_attention import SequenceParallel
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl.batch import TrainBatch
@@ -38,7 +46,7 @@ def response_logprobs(
     temperature: float,
     logits_chunk: int = 0,
     return_hidden: bool = False,
-    attn_impl: str | None = "auto",
+    attn_impl: str | SequenceParallel | None = "auto",
     remat: str = "none",
     scan_layers: bool = False,
     shard_rows: Any = None,
@@ -52,8 +60,9 @@ def response_logprobs(
     repeated n times and the responses run as one causal block after each prompt's real length, so the
     prompt's cost is paid once per group, not once per sample, and gradients flow through the shared prompt
     activations (summed over its samples). Returns per-token log-probs of the responses [G*n, Nb].
-    attn_impl: `flash_attention`'s implementation (auto | blockwise | reference | cudnn | pallas_tpu), or
-    None for the rollout's tree attention under a causal mask (materialises [T, S] scores; tests compare).
+    attn_impl: `flash_attention`'s implementation (auto | blockwise | reference | cudnn | pallas_tpu, or a
+    `SequenceParallel`: see the module docstring), or None for the rollout's tree attention under a causal
+    mask (materialises [T, S] scores; tests compare).
     shard_rows: applied to the repeated response rows' cache, tokens and hidden states (the trainer's sharding
     constraint spreading the rows of a micro-batch over the data axis even when its groups cannot be);
     gather_layer: the trainer's FSDP all-gather of each scanned layer's parameters (`Transformer`);
@@ -65,6 +74,9 @@ def response_logprobs(
     chex.assert_shape(batch.prompt_len, (g,))
     chex.assert_shape([batch.response, batch.response_mask], (g, n, nb))
     cfg = model.cfg
+    seq = attn_impl.size if isinstance(attn_impl, SequenceParallel) else 1
+    prompt, resp = _pad_columns(batch.prompt, seq), _pad_columns(batch.rows(batch.response), seq)
+    tp, nbp = prompt.shape[1], resp.shape[1]
     # causal attention (no mask given): the flash kernel, or (None) tree attention under a causal mask
     attn = dict(
         causal_impl=attn_impl,
@@ -78,36 +90,54 @@ def response_logprobs(
     # the prompt pass attends over exactly its Tp slots (query offset 0); the cache then grows for responses
     cache = KVCache.init(cfg, g, tp)
     pos_p = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (g, tp))
-    out_p = model(batch.prompt, pos_p, cache, **attn)
+    out_p = model(prompt, pos_p, cache, **attn)
     last = jnp.take_along_axis(out_p.hidden, (batch.prompt_len - 1)[:, None, None], axis=1)  # [G, 1, H]
     rows = jnp.repeat(jnp.arange(g), n)
-    cache = out_p.cache.resize(tp + nb).advance(batch.prompt_len).take_rows(rows)
-    resp = batch.rows(batch.response)
+    cache = out_p.cache.resize(tp + nbp).advance(batch.prompt_len).take_rows(rows)
     if shard_rows is not None:
         cache, resp = shard_rows(cache), shard_rows(resp)
-    pos_r = cache.lengths[:, None] + jnp.arange(nb, dtype=jnp.int32)[None, :]
+    pos_r = cache.lengths[:, None] + jnp.arange(nbp, dtype=jnp.int32)[None, :]
     out_r = model(resp, pos_r, cache, **attn)
     h = jnp.concatenate([last[rows], out_r.hidden[:, :-1]], axis=1)  # [B, Nb, H]: predicts response[:, j]
     if shard_rows is not None:
         h = shard_rows(h)
-    logp, ent = chunked_logp_entropy(model, h, resp, temperature, logits_chunk)
-    return ForwardOut(logp=logp, entropy=ent, hidden=h if return_hidden else None)
+    if seq == 1:
+        logp, ent = chunked_logp_entropy(model, h, resp, temperature, logits_chunk)
+        return ForwardOut(logp=logp, entropy=ent, hidden=h if return_hidden else None)
+    # chunked within each device's token shard: [B, n, Nb / n] with n over the sequence axis, logits_chunk / n
+    # columns of each shard at a time (a row's logits_chunk columns over the n devices: per device, the
+    # [rows, chunk, V / n] logits of tensor parallelism's vocabulary split)
+    b, hd = h.shape[0], h.shape[2]
+    hs = attn_impl.shard(h.reshape(b, seq, nbp // seq, hd), 1)
+    ts = attn_impl.shard(resp.reshape(b, seq, nbp // seq), 1)
+    chunk = max(logits_chunk // seq, 1) if logits_chunk else 0
+    logp, ent = chunked_logp_entropy(model, hs, ts, temperature, chunk)
+    logp, ent = (x.reshape(b, nbp)[:, :nb] for x in (logp, ent))
+    return ForwardOut(logp=logp, entropy=ent, hidden=h[:, :nb] if return_hidden else None)
+
+
+def _pad_columns(x: jax.Array, multiple: int) -> jax.Array:
+    """[R, T] tokens zero-padded on the right to a multiple of `multiple` columns (the same array at 1)."""
+    pad = -x.shape[1] % multiple
+    return x if not pad else jnp.pad(x, ((0, 0), (0, pad)))
 
 
 def chunked_logp_entropy(
     model: Transformer, h_bnh: jax.Array, targets_bn: jax.Array, temperature: float, chunk: int
 ) -> tuple[jax.Array, jax.Array]:
-    """Log-probs and entropies [B, Nb] of the targets, the logits computed `chunk` columns at a time under
-    `jax.checkpoint` (the backward pass recomputes each chunk's [B, chunk, V] logits, never holds [B, Nb, V]);
-    the last chunk is zero-padded, so any Nb is chunked. chunk=0 (or Nb <= chunk): all columns at once."""
-    b, nb = targets_bn.shape
+    """Log-probs and entropies [..., Nb] of the targets [..., Nb] (hidden states [..., Nb, H]), the logits
+    computed `chunk` columns at a time under `jax.checkpoint` (the backward pass recomputes each chunk's
+    [..., chunk, V] logits, never holds [..., Nb, V]); the last chunk is zero-padded, so any Nb is chunked.
+    chunk=0 (or Nb <= chunk): all columns at once."""
+    *lead, nb = targets_bn.shape
     if not chunk or nb <= chunk:
         return _logp_entropy(model, h_bnh, targets_bn, temperature)
-    c = -(-nb // chunk)
-    h = jnp.pad(h_bnh, ((0, 0), (0, c * chunk - nb), (0, 0)))
-    tgt = jnp.pad(targets_bn, ((0, 0), (0, c * chunk - nb)))
-    hc = jnp.moveaxis(h.reshape(b, c, chunk, -1), 1, 0)
-    tc = jnp.moveaxis(tgt.reshape(b, c, chunk), 1, 0)
+    c, k = -(-nb // chunk), len(lead)
+    pad = ((0, 0),) * k + ((0, c * chunk - nb),)
+    h = jnp.pad(h_bnh, pad + ((0, 0),))
+    tgt = jnp.pad(targets_bn, pad)
+    hc = jnp.moveaxis(h.reshape(*lead, c, chunk, h.shape[-1]), k, 0)
+    tc = jnp.moveaxis(tgt.reshape(*lead, c, chunk), k, 0)
     fn = jax.checkpoint(lambda x: _logp_entropy(model, x[0], x[1], temperature))
     logp, ent = jax.lax.map(fn, (hc, tc))
-    return tuple(jnp.moveaxis(x, 0, 1).reshape(b, c * chunk)[:, :nb] for x in (logp, ent))
+    return tuple(jnp.moveaxis(x, 0, k).reshape(*lead, c * chunk)[..., :nb] for x in (logp, ent))

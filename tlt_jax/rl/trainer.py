@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from optax.transforms import MaskedNode
 
 from tlt_jax import sharding as shd
+from tlt_jax.kernels.flash_attention import SequenceParallel
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
@@ -72,13 +73,26 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
 
 
+# Sequence (context) parallelism (`TrainerOptions.seq_parallel`) reuses the mesh's model axis: the rollout's
+# tensor-parallel group becomes the update's sequence-parallel group, as the paper's recipe runs Ulysses SP 4
+# on the devices of its TP-4 rollout. Why not a third `seq` axis: the rollout, the parameter and optimizer
+# layouts and the checkpoints stay on the one (data, model) mesh (no resharding between rollout and update,
+# no mesh the rollout would leave idle), and the two axes' devices are the same NVLink group either way.
+# With it on, every layer's tokens are split over the axis (a 33K-token row is 8K tokens per device on 4),
+# each scanned layer's weights are gathered whole (stored sharded over data x model: FSDP over all devices,
+# as the paper's FSDP2) and attention all-gathers K/V (GQA: 4 KV heads against 28 query heads for 7B), where
+# tensor parallelism all-gathers and reduce-scatters the [rows, T, H] activations twice per layer.
+SEQ_AXIS = "model"
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainerOptions:
     """How the trainer holds the policy: rows per micro-batch, a frozen reference copy (KL), the masters'
     dtype, FSDP (the hidden dim also split over the data axis), how many top layers train (0: all), and how
     its forward computes: attention (`flash_attention` impl) and per-layer rematerialisation (a
     `jax.checkpoint_policies` name, or "none"), in the update and the reference / old log-prob passes, with
-    the layers under `lax.scan` (`scan_layers`) or unrolled."""
+    the layers under `lax.scan` (`scan_layers`) or unrolled; `seq_parallel`: the update's tokens split over
+    the model axis instead of its weights (`SEQ_AXIS`)."""
 
     micro_batch_size: int
     with_reference: bool = False
@@ -89,6 +103,7 @@ class TrainerOptions:
     remat: str = "none"
     scan_layers: bool = False
     mlp_chunk: int = 0
+    seq_parallel: bool = False
 
 
 def policy_optimizer(oc: OptimConfig, trainable: Any = None) -> optax.GradientTransformation:
@@ -224,6 +239,9 @@ class PolicyTrainer:
         fsdp, train_layers = options.fsdp, options.train_layers
         self.fsdp, self.mlp_chunk = bool(fsdp), int(options.mlp_chunk)
         self.attn_impl, self.remat, self.scan_layers = options.attn_impl, options.remat, options.scan_layers
+        self.seq_parallel = bool(options.seq_parallel)
+        # the forward's attention: a SequenceParallel wrapping attn_impl when the tokens are split
+        self._attn = SequenceParallel(mesh, SEQ_AXIS, self.attn_impl) if self.seq_parallel else self.attn_impl
         # fsdp: the hidden ("embed") dim of every weight is also split over the data axis, so master weights
         # and AdamW moments are sharded over all devices (XLA gathers each weight where it is used).
         self.rules = {**shd.DEFAULT_RULES, "embed": "data"} if fsdp else dict(shd.DEFAULT_RULES)
@@ -280,7 +298,8 @@ class PolicyTrainer:
     # ---- forward ------------------------------------------------------------------------------------------
     def _forward(self, params: Any, mb: TrainBatch, return_hidden: bool) -> ForwardOut:
         params = self._cast_fn(params)
-        if self.fsdp:  # the LM head gathered once (a data-sharded contraction would give every row's logits)
+        gathers = self.fsdp or self.seq_parallel
+        if gathers:  # the LM head gathered once (a data-sharded contraction would give every row's logits)
             head = "lm_head" if "lm_head" in params else "embed"
             params[head] = self._gather(params)[head]
         model = nnx.merge(self.graphdef, params)
@@ -290,11 +309,11 @@ class PolicyTrainer:
             temperature=self.loss.temperature,
             logits_chunk=self.loss.logits_chunk,
             return_hidden=return_hidden,
-            attn_impl=self.attn_impl,
+            attn_impl=self._attn,
             remat=self.remat,
             scan_layers=self.scan_layers,
             shard_rows=self._shard_rows,
-            gather_layer=self._gather if self.fsdp else None,
+            gather_layer=self._gather if gathers else None,
             mlp_chunk=self.mlp_chunk,
             shard_carry=self._shard_carry,
         )
@@ -310,19 +329,32 @@ class PolicyTrainer:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec, None)))
 
     def _gather(self, params: Any) -> Any:
-        """FSDP's all-gather: `params` constrained to the tensor-parallel layout (data axis dropped)."""
+        """FSDP's all-gather: `params` constrained to the tensor-parallel layout (data axis dropped); with
+        sequence parallelism, whole on every device (the tokens, not the weights, are split)."""
+        if self.seq_parallel:
+            return jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P())), params
+            )
         return jax.lax.with_sharding_constraint(params, shd.param_shardings(params, self.mesh))
 
     def _shard_rows(self, tree: Any) -> Any:
         """Rows (leading axis) of every array over the data axis where they divide it, the other axes left to
-        the compiler (a cache's KV heads stay on the model axis)."""
+        the compiler (a cache's KV heads stay on the model axis); with sequence parallelism also the token
+        axis over `SEQ_AXIS`: tokens [B, T] and hidden states [B, T, H] at axis 1, a cache's [B, Hkv, S, D]
+        slots at axis 2 (the layout its attention takes them in)."""
         axis = self.rules["batch"]
+        free = P.UNCONSTRAINED
 
         def one(x: jax.Array) -> jax.Array:
-            if axis is None or x.shape[0] % self.mesh.shape[axis]:
+            spec = [free] * x.ndim
+            if axis is not None and x.shape[0] % self.mesh.shape[axis] == 0:
+                spec[0] = axis
+            tok = {2: 1, 3: 1, 4: 2}.get(x.ndim) if self.seq_parallel else None
+            if tok is not None and x.shape[tok] % self.mesh.shape[SEQ_AXIS] == 0:
+                spec[tok] = SEQ_AXIS
+            if all(a is free for a in spec):
                 return x
-            spec = P(axis, *(P.UNCONSTRAINED,) * (x.ndim - 1))
-            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
 
         return jax.tree.map(one, tree)
 
