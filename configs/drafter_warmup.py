@@ -7,7 +7,11 @@ Args (`--config configs/drafter_warmup.py:ARG`): none = SmolLM2-135M-Instruct (t
 "long" = the same target with 6x the data and 9x the training steps (768 prompts x 4 = 3072 sequences, 3600
 steps; ~2 h on the 2-core CPU): the drafter behind the >= 2x batch-1 speedup in docs/benchmarks.md;
 "tiny" / "runlocal" = a tiny random target with a byte tokenizer and the counting task (seconds; tests);
-"tlt" = the drafter for configs/tlt.py (its task, prompts and response cap; < 30 min here).
+"tlt" = the drafter for configs/tlt.py (its task, prompts and response cap; < 30 min here);
+"policy=/models/Qwen2.5-7B" (an HF directory) = the drafter for configs/qwen2_5_7b.py (pass this workdir as
+its drafter_path): that target in bfloat16 on one GPU (the warm-up's engine runs on one device), the paper
+config's task and temperature, the :gpu data and steps, 2,048-token responses; the drafter's shape
+follows the target's (one EAGLE layer of the target's hidden size and heads).
 Every field can be overridden, e.g. `--config.train.steps=400 --config.task.name=gsm_symbolic`.
 """
 
@@ -21,9 +25,42 @@ from tlt_jax import config_lib, config_schema
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+# policy=DIR: responses generated per prompt (the paper's rollouts reach 32K; the spot trainer trains on the
+# first 512 response tokens of each, so the warm-up's data needs no more than a few times that)
+RESPONSE_TOKENS = 2048
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    args = config_lib.parse_arg(arg, preset="", policy="")
+    if args.policy:
+        if args.preset:
+            raise ValueError(f"config arg {arg!r}: policy=DIR is a preset of its own (no {args.preset!r})")
+        return policy_config(args.policy)
+    return preset_config(args.preset)
+
+
+def policy_config(path: str) -> ml_collections.ConfigDict:
+    """The warm-up of a drafter for configs/qwen2_5_7b.py's target, read from the HF directory `path` (see the
+    module docstring): the paper config's task and temperature, sized for a GPU, not for this CPU."""
+    c = preset_config("gpu")
+    c.model.path = path
+    c.model.dtype = "bfloat16"
+    paper = config_lib.load_config_file(REPO_ROOT / "configs" / "qwen2_5_7b.py")
+    c.task = ml_collections.ConfigDict(paper.task.to_dict())
+    c.generation.temperature = paper.rollout.temperature
+    c.drafter_eval.temperature = paper.rollout.temperature
+    c.generation.max_new_tokens = RESPONSE_TOKENS
+    c.generation.max_cache_len = RESPONSE_TOKENS + 1024  # + the longest prompt
+    c.generation.chunk_steps = paper.rollout.chunk_steps
+    # 32 prompts x 4 = 128 rows per engine call: Qwen2.5-7B KV is 56 KiB per token (28 layers x K,V x 4 heads
+    # x 128 x bf16), so 128 rows x 3,072 tokens = 21 GiB beside 14.2 GiB of weights on one 80 GB GPU
+    c.generation.batch_prompts = 32
+    c.forward.seq_len = c.train.seq_len = c.drafter_eval.seq_len = RESPONSE_TOKENS
+    return c
+
+
+def preset_config(arg: str) -> ml_collections.ConfigDict:
+    """The SmolLM2 presets (none, long, gpu, tlt) and the tiny one (see the module docstring)."""
     # The schema's warm-up defaults (tlt_jax.drafter.warmup_config: generation, forward, train, drafter_eval)
     c = config_schema.base_config("drafter_warmup")
     c.model.path = str(DEFAULT_MODEL)  # the target: a .gguf file or HF model directory, OR model.random
@@ -92,5 +129,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.generation.temperature = tlt.rollout.temperature
         c.drafter_eval.temperature = tlt.rollout.temperature
     elif arg:
-        raise ValueError(f"unknown config arg {arg!r}: use none, 'tiny', 'runlocal', 'long', 'gpu' or 'tlt'")
+        raise ValueError(
+            f"unknown config arg {arg!r}: use none, 'tiny', 'runlocal', 'long', 'gpu', 'tlt' or policy=HF_DIR"
+        )
     return c

@@ -4,7 +4,10 @@ state are also sharded over the data axis (trainer.fsdp): 32B x 12 bytes does no
 
   python -m tlt_jax.main --config configs/qwen2_5_32b.py --config.model.path=/models/Qwen2.5-32B \\
       --workdir /ckpt/qwen32b          (run on every host; jax.distributed finds the others)
-Args: as configs/qwen2_5_7b.py (dataset, steps, runlocal).
+TLT is on as in configs/qwen2_5_7b.py (`config_lib.paper_tlt`: EAGLE drafter from `drafter_path` or
+--config.drafter.init_from, e.g. a published EAGLE-1 drafter for Qwen2.5-32B; n-gram until one is given; the
+spot trainer on idle TP groups, from a fresh drafter without one; BEG-MAB).
+Args: as configs/qwen2_5_7b.py (dataset, steps, evals, runlocal, drafter, drafter_path, spot, bandit).
 Random weights of the same shapes (timing and memory only; GRPO refuses them, it scores text):
 `--config.model.init=random`, built on the devices by `config_lib.build_model(config)`;
 `experiments/models/memory_plans.py` plans this config's per-device memory from abstract shapes.
@@ -14,10 +17,18 @@ from tlt_jax import config_lib, config_schema
 
 
 def get_config(arg: str | None = None):
-    arg = config_lib.parse_arg(arg, dataset="gsm_symbolic", steps=200, evals="", runlocal=False)
+    arg = config_lib.parse_arg(arg, **config_lib.PAPER_ARGS)
     c = config_lib.paper_grpo(config_schema.base_config(), arg.dataset, arg.steps, arg.evals)
+    config_lib.paper_tlt(c, arg.drafter, arg.drafter_path, arg.spot, arg.bandit)
     c.multiprocess = True
     c.mesh.data, c.mesh.model = -1, 8
+    # KV budget per 80 GB GPU on >= 2 nodes (one node, 1 x 8, holds 64.3 GiB of resident state: no room for
+    # the rollout): 72 GiB - 37.6 resident on 2 x 8 (`memory_plan.resident`: bf16 weights 7.6 + drafter 0.2,
+    # float32 masters 7.6, AdamW 15.3, reference 3.8, the spot trainer's drafter state 3.0) - 16 GiB kept for
+    # the programs (the 7B rollout plan's largest such need is 14.1 GiB; the 32B's, with 64 layers, is not
+    # planned) leaves 18.4 GiB. KV per row per device at the top cache bucket 35,328: (64 + 1 drafter layer)
+    # x K,V x 1 of 8 KV heads x 128 x bf16 x 35,328 = 1.10 GiB: 18 GiB holds 16 rows, a cap of 16 per group
+    c.rollout.kv_budget_gib = 18.0
     c.trainer.fsdp = True
     if arg.runlocal:
         config_lib.shrink_for_cpu(c, "qwen2")

@@ -141,3 +141,31 @@ def test_cluster_configs_validate_without_weights(name: str) -> None:
     assert not small.multiprocess  # runlocal: one process; the 32B config is multi-host (7B: per slice)
     if name == "qwen2_5_32b":
         assert c.multiprocess
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_7b", "qwen2_5_32b"])
+def test_paper_configs_run_tlt(name: str) -> None:
+    """Issue 36 item 5: drafter auto (EAGLE from drafter_path / init_from, n-gram until then), the spot
+    trainer on idle devices, BEG-MAB over plain and one EAGLE tree per paper bucket, a KV budget that caps
+    the running rows; runlocal trains between chunks (one CPU device), drafter=none is the plain baseline."""
+    c = load_config(name, "drafter_path=/ckpt/d")
+    assert (c.drafter.kind, c.drafter.path, c.spot.mode) == ("auto", "/ckpt/d", "idle_devices")
+    assert c.bandit.algorithm == "beg_mab" and not c.bandit.all_arms
+    assert c.bandit.arms == ("plain", *config_lib.PAPER_STRATEGIES) and c.rollout.kv_budget_gib > 0
+    assert config_lib.engine_config_from(c).record_hidden  # the spot trainer's data
+    small = load_config(name, "runlocal")
+    assert (small.spot.mode, small.rollout.kv_budget_gib) == ("between_chunks", 0.0)
+    base = load_config(name, "drafter=none")
+    assert (base.drafter.kind, base.spot.mode, base.bandit.algorithm) == ("none", "off", "off")
+
+
+def test_drafter_warmup_takes_a_policy_directory() -> None:
+    """configs/drafter_warmup.py:policy=DIR warms a drafter for configs/qwen2_5_7b.py's target: that HF
+    directory in bfloat16, the paper config's task and temperature."""
+    c = load_config("drafter_warmup", "policy=/models/Qwen2.5-7B")
+    paper = load_config("qwen2_5_7b")
+    job = config_schema.parse(c, check_paths=False, check_model=False)
+    assert job.model.path == "/models/Qwen2.5-7B" and job.model.dtype == "bfloat16"
+    assert c.task.to_dict() == paper.task.to_dict()
+    assert job.generation.temperature == paper.rollout.temperature
+    assert load_config("drafter_warmup", "tlt").model.path != c.model.path  # the presets are unchanged

@@ -23,7 +23,7 @@ LAYERS = [
     {"config_schema"},
     {"config_lib"},
     {"rl"},
-    {"main", "generate", "export_drafter", "export_policy", "memory_plan"},
+    {"main", "generate", "export_drafter", "export_policy", "memory_plan", "rollout_memory_plan"},
 ]
 
 

@@ -36,6 +36,7 @@ from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.selector_config import MAX_RUNNING, PAPER_BUCKET_BOUNDS, PAPER_BUCKET_TARGETS
 from tlt_jax.rollout.strategy import SpecConfig
 from tlt_jax.tasks.datasets import task_config
 
@@ -201,10 +202,55 @@ def paper_grpo(
     return c
 
 
+# the arguments of the paper configs (configs/qwen2_5_{7b,32b}.py): `paper_grpo`'s, runlocal, `paper_tlt`'s
+PAPER_ARGS: dict[str, Any] = dict(
+    dataset="gsm_symbolic",
+    steps=200,
+    evals="",
+    runlocal=False,
+    drafter="auto",
+    drafter_path="",
+    spot="idle_devices",
+    bandit="beg_mab",
+)
+# BEG-MAB's arms in the paper configs: plain and one EAGLE tree per running-batch bucket of the paper's
+# grouping (bs 1 -> 48 tokens to verify, 2-4 -> 32, 5-20 -> 16, >= 21 -> 8; `selector_config`'s
+# PAPER_BUCKET_BOUNDS / PAPER_BUCKET_TARGETS), as depth_topk_tokens-to-verify strategies
+PAPER_STRATEGIES = ("8_4_48", "6_4_32", "4_4_16", "3_4_8")
+
+
+def paper_tlt(
+    c: mlc.ConfigDict,
+    drafter: str = "auto",
+    drafter_path: str = "",
+    spot: str = "idle_devices",
+    bandit: str = "beg_mab",
+) -> mlc.ConfigDict:
+    """TLT on, as the paper runs it (issue 36, item 5): the rollouts draft with a warmed EAGLE drafter
+    (`drafter_path`, a warm-up workdir, or --config.drafter.init_from, an EAGLE export) and with the
+    model-free n-gram drafter until one is given ("auto", `rl.speculation.resolve_drafter`); the spot trainer
+    trains the EAGLE drafter on the data groups whose rows have all finished (`idle_devices`; a fresh
+    drafter when none was warmed); BEG-MAB picks each chunk's mode among plain and one EAGLE tree per
+    running-batch bucket (the paper's grouping by tokens to verify). drafter="none": the plain baseline (no
+    drafter, nothing to train or choose)."""
+    c.drafter.kind = drafter
+    c.drafter.path = drafter_path
+    plain = drafter == "none"
+    c.spot.mode = "off" if plain else spot
+    c.bandit.algorithm = "off" if plain else bandit
+    c.bandit.arms = ("plain", *PAPER_STRATEGIES)
+    c.bandit.bucket_bounds = tuple(b for b in PAPER_BUCKET_BOUNDS if b < MAX_RUNNING)
+    c.bandit.all_arms = False  # BEG: per bucket only the tree of its tokens-to-verify target (and plain)
+    c.bandit.bucket_targets = PAPER_BUCKET_TARGETS
+    return c
+
+
 def shrink_for_cpu(c: mlc.ConfigDict, architecture: str = "llama") -> mlc.ConfigDict:
     """The `runlocal` switch of cluster configs: same algorithm settings (group size, loss, KL, clipping), but
     a tiny random model of the same architecture (float32, ByteTokenizer), the counting task, short responses,
-    2 steps on whatever devices exist. It checks the pipeline on a laptop, not the learning."""
+    2 steps on whatever devices exist, every row at once (no KV budget), the spot trainer between tail chunks
+    when the config trains it on idle devices (one CPU device has no idle data groups). It checks the
+    pipeline on a laptop, not the learning."""
     c.num_steps = 2
     c.checkpoint_every = 1
     c.model.path = None
@@ -223,6 +269,9 @@ def shrink_for_cpu(c: mlc.ConfigDict, architecture: str = "llama") -> mlc.Config
     c.trainer.logits_chunk = 0
     c.trainer.fsdp = False
     c.trainer.train_layers = 0
+    c.rollout.kv_budget_gib = 0.0  # every row at once: 16 rows of a tiny model
+    if c.spot.mode == "idle_devices":  # one CPU device has no idle data groups: train between tail chunks
+        c.spot.mode = "between_chunks"
     return c
 
 

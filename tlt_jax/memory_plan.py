@@ -1,6 +1,7 @@
 """The programs of an RL step compiled ahead of time from abstract shapes.
 
 Used by experiments/models/memory_plans.py (also its `--responses` plan of the update at full depth),
+tlt_jax/rollout_memory_plan.py (its `--rollout` plan of the paper's rollout at the running-rows cap),
 tests/test_tpu_lowering.py and configs/qwen2_5_7b_tpu.py.
 
 Nothing is materialised: weights, caches and batches are `jax.ShapeDtypeStruct`s carrying the shardings the

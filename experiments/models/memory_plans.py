@@ -33,6 +33,8 @@ comes from `rl.config.abstract_policy_trainer` (AdamW moments sharded like the p
 1,024-token prompts) compiled at full depth (layers scanned: no extrapolation) per response length, with
 the resident state (`memory_plan.update_plan`; RESULT <program>_gib=.. fits_72gib=yes|no), and the update's
 compile time scanned vs unrolled at 7 and 28 layers (at the first length).
+--rollout [--insert-rows 8,64]: instead, the paper's rollout at the config's running-rows cap
+(experiments/models/rollout_plan.py; RESULT <program>_gib=.. fits_72gib=..).
 Final line: `RESULT gib_<layout>_<cfg>=.. peak_<phase>_<cfg>=.. fits_<cfg>=0|1|uncertain ..
 layer_fit_err_of_need=.. layer_fit_err_of_field=.. wall_s=..`; the raw accounting in --out/measured_*.json.
 """
@@ -66,7 +68,7 @@ from tlt_jax.rollout.programs import ProgramInfo  # noqa: E402
 CONFIGS = {"7b": h.CONFIGS / "qwen2_5_7b.py", "32b": h.CONFIGS / "qwen2_5_32b.py"}
 # one strategy per BEG-MAB bucket (bs 1 -> 48, 2-4 -> 32, 5-20 -> 16, >= 21 -> 8 tokens to verify), as the
 # paper's Table 5 setting (naive 30.39 = 3.9 x single 7.81 GB: about four strategies)
-PAPER_STRATEGIES = "8_4_48,6_4_32,4_4_16,3_4_8"
+PAPER_STRATEGIES = ",".join(config_lib.PAPER_STRATEGIES)
 PAPER_GB = {"single": 7.81, "naive": 30.39, "bucketed": 10.69}  # Table 5, CUDA-graph memory (GB)
 DEVICE_GIB = 78.0  # what JAX sees of an 80 GB H100 (docs: "about 78 GiB")
 GIB = 2**30
@@ -420,6 +422,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--responses", default="", help="the update at full depth at these lengths (see top)")
     ap.add_argument("--compile-times", action="store_true", help="with --responses: scanned vs unrolled")
     ap.add_argument("--micro-batch", type=int, default=0, help="trainer.micro_batch_size (0: the config's)")
+    from experiments.models import rollout_plan  # --rollout: the paper's rollout (issue 36; imports this)
+
+    rollout_plan.add_args(ap)
     a = ap.parse_args()
     q = a.quick
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
@@ -466,6 +471,10 @@ def main() -> None:
     )
     if args.responses:
         return update_main(args, t0)
+    if args.rollout:
+        from experiments.models import rollout_plan
+
+        return rollout_plan.main(args, t0)
     plans = []
     for name in args.configs:
         plan = plan_config(name, args)

@@ -134,3 +134,40 @@ def test_update_table_adds_the_resident_state_outside_each_program() -> None:
     lines, out = update_table(infos, res, 42.0)
     assert out == {"update_accum_8_gib": 42.0, "update_apply_gib": 26.0, "fits_72gib": "yes"}
     assert update_table(infos, res, 41.0)[1]["fits_72gib"] == "no" and len(lines) == 4
+
+
+def test_rollout_plan_shape_and_needs() -> None:
+    """`rollout_memory_plan`: the 7B config's cap from its KV budget as the engine picks it (64 rows per shard
+    at the 35,328-token top bucket on 2 x 4), the programs of a capped rollout, and need = arguments +
+    temporaries + what is alive outside (resident state, the prompt cache after it is built, the running
+    batch beside an insert's start); the spot tick adds the drafter step's footprint and micro-batches to
+    the larger chunk."""
+    import jax
+
+    from tlt_jax import config_lib
+    from tlt_jax import rollout_memory_plan as rmp
+    from tlt_jax.models.build import model_config_from
+
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
+    config = config_lib.load_config_file(ROOT / "configs" / "qwen2_5_7b.py")
+    config.model.init = "random"
+    engine = rmp.plan_engine(config, config_lib.build_mesh(config))
+    shape = rmp.rollout_shape(config, engine, model_config_from(config), 1024, (8, 128))
+    assert (shape.data, shape.cap, shape.top_cache, shape.sd_mode) == (2, 64, 35328, "8_4_48")
+    assert shape.insert_rows == (8, 64) and shape.tail_rows == 32 and shape.first_cache == 2048
+    keys = rmp.rollout_keys(config, shape)
+    assert keys[:2] == [("prompts", 64, 1024), ("start", 128, 2048)]
+    assert ("insert", 128, 16, 35328, 2048) in keys and keys[-1][0] == "drafter_step"
+    gib = 2**30
+    infos = {
+        ("start", 16, 2048, "insert"): info(("s",), 2 * gib, 0, gib),
+        ("chunk", 128, 64, 1, ()): info(("c",), 10 * gib, 4 * gib, 3 * gib, 4 * gib),
+        ("drafter_step", 2, 640): info(("d",), 3 * gib, 0, 2 * gib),
+    }
+    res = dict(masters=gib, optimizer=2 * gib, reference=gib, drafter_state=gib)
+    res |= dict(engine_params=4 * gib, engine_rest=3 * gib)
+    needs = rmp.rollout_needs(infos, res, {"prompt_cache": gib, "running": 20 * gib})
+    assert needs[("start", 16, 2048, "insert")]["need"] == (2 + 1 + 5 + 1 + 20) * gib
+    assert needs[("chunk", 128, 64, 1, ())]["need"] == (10 + 3 + 5 + 1) * gib
+    assert needs[("spot_tick",)]["need"] == (10 + 3 + 5 + 1) * gib + (3 - 1 - 1) * gib + 2 * gib
