@@ -1,6 +1,6 @@
 """The GPU suite's 7B-regime phases (issue #38) and the two-call plan of the 15-minute device budget.
 
-  regime_7b   (call 1, no model file) `gpu/regime_7b.py decode,round,split,drafter`: Qwen2.5-7B shapes with
+  regime_7b   (call 1, no model file) `gpu/regime_7b.py decode,round,drafter,split`: Qwen2.5-7B shapes with
               random bf16 weights born on the device: plain decode tok/s at batch 1..128, cache 4K / 32K,
               against the paper's 164.65 tok/s and the roofline of the bandwidth the env phase measured; a
               speculative round in plain steps at TV 4..64, batch 1..32, split draft / verify / accept /
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 DEVICE_PLAN_S = 720.0  # the two calls, the machine's start and the transfers: <= 12 of the 15 minutes
 START_S = 90.0  # a fresh machine's start (the device tool: "1-2 minutes"; counted against the budget)
 CALL_OVERHEAD_S = 25.0  # per call: the transfers (~15-20 s on 2026-11-24), Python's start, the wheels
-REGIME_PARTS = "decode,round,split,drafter"
+REGIME_PARTS = "decode,round,drafter,split"  # priority order: the split takes what is left
 UPDATE_LENS = (8192, 32768)
 WORKER_START_S = 15.0  # of a phase's time: the worker's imports and the device's start, before its clock
 # (phase, cap s, least s, basis) per call, in priority order; `gpu_suite.LIMITS` takes the caps from here
@@ -106,6 +106,7 @@ def _status(proc: Any, data: dict, rows: int) -> tuple[str, str]:
     """ok / partial (something skipped, failed or cut, but rows measured) / timeout / failed, and why."""
     why = [f"{s['what']}: {s['why']}" for s in data.get("skipped", []) if s.get("kind") != "memory"]
     why += [f"{e['what']}: {e['error']}" for e in data.get("errors", [])]
+    why += [f"update {r['response_len']}: {r['error']}" for r in data.get("update", []) if r.get("error")]
     if proc.timed_out:
         why.append(f"cut by the phase's timeout: {tail(proc.output, 300)}")
     elif proc.rc != 0:

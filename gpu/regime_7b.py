@@ -10,13 +10,14 @@ one part leaves goes to the next; a cell that cannot finish in what is left is s
            32K: seconds per step, tok/s, the roofline from the bandwidth measured by the env phase (the
            weights a step reads + the KV of every row's attended tokens, over that bandwidth); cells whose
            KV cache cannot fit the device are skipped with the arithmetic;
-  round    one speculative round (EAGLE, bench_sd's TV -> strategy mapping, TV 4, 16, 48, 64) at batch 1, 8,
-           32, cache 4K: the engine's speculative chunk, seconds per round and in plain steps of the same
-           batch and cache (the random drafter's acceptance is irrelevant: the round's work is fixed);
-  split    the round split into draft / verify / accept / commit (`experiments/bench/verify_breakdown.py`:
-           each phase its own looped program), batch 1 first, then 8 and 32 while time lasts;
+  round    one speculative round (EAGLE, bench_sd's TV -> strategy mapping, TV 16 (a goal at batch 1), 4,
+           64, 48) at batch 1, 8, 32, cache 4K: the engine's speculative chunk, seconds per round and in plain
+           steps of the same batch and cache (the random drafter's acceptance is irrelevant: the round's work
+           is fixed);
   drafter  (regime_train.py) one optimizer step of the EAGLE drafter at 7B width
            (`drafter.trainer.train_step`, config.spot's packed batch of configs/qwen2_5_7b.py);
+  split    the round split into draft / verify / accept / commit (`experiments/bench/verify_breakdown.py`:
+           each phase its own looped program, 8 programs per TV), batch 1 first, while time lasts;
   update   (call 2, regime_train.py) the policy update's accumulation over one micro-batch (`memory_plan`'s
            program: the trainer's layers scanned, remat, chunked MLP and logits as configs/qwen2_5_7b.py) at
            --update-len tokens per row, with as many layers as the plan says fit the device, peak memory
@@ -26,7 +27,7 @@ Every program's first-call compile seconds are recorded. The states are syntheti
 whose cache lengths are set to the cache bucket less the chunk's growth (timing and memory do not depend on
 the values). `--dry-run` (or a CPU): a tiny Qwen2 of the same code paths, small batches and caches.
 
-    python -m gpu.regime_7b decode,round,split,drafter --json OUT.json --budget-s 200 --bandwidth-gb-s 2400
+    python -m gpu.regime_7b decode,round,drafter,split --json OUT.json --budget-s 200 --bandwidth-gb-s 2400
     python -m gpu.regime_7b update --json OUT.json --budget-s 100 --update-len 8192
 """
 
@@ -62,7 +63,7 @@ GRID = {  # (GPU, dry run)
     "decode_batches": ((1, 8, 32, 128), (1, 2)),
     "decode_caches": ((4096, 32768), (256, 512)),
     "round_batches": ((1, 8, 32), (1,)),
-    "round_tvs": ((4, 16, 48, 64), (4,)),
+    "round_tvs": ((16, 4, 64, 48), (4,)),  # TV 16 first: its batch-1 round is a goal (<= 1.3 steps)
     "round_cache": ((4096,), (256,)),
 }
 
@@ -272,13 +273,14 @@ def part_split(
     (cache,) = GRID["round_cache"][g]
     per_build = None  # seconds to compile one mode's phase programs (measured on the first)
     for b in GRID["round_batches"][g]:
-        if not rec.affordable(f"split b{b}", (per_build or rec.compile_guess * 6) * 2 + 5.0):
+        # the plain step's program, then at least one TV's (8 programs, most smaller than a chunk's)
+        if not rec.affordable(f"split b{b}", rec.compile_guess + (per_build or 5 * rec.compile_guess) + 5.0):
             return
         state = zero_state(engine, b, cache, cache - chunk_margin(engine, list(modes.values())))
         timed = {"plain": vb.build(engine, "plain", state, sp, inner)["plain"]}
         for tv, mode in modes.items():
             what = f"split b{b} tv{tv}"
-            if not rec.affordable(what, (per_build or rec.compile_guess * 6) + 5.0):
+            if not rec.affordable(what, (per_build or 5 * rec.compile_guess) + 5.0):
                 continue
             t = time.perf_counter()
             for prog, fn in vb.build(engine, mode, state, sp, inner).items():
@@ -342,6 +344,7 @@ def meta(dry: bool, args: argparse.Namespace) -> dict[str, Any]:
 
     dev = jax.devices()[0]
     cfg = model_config(dry)
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     return {
         "model": "tiny qwen2 (dry run)" if dry else "Qwen2.5-7B shapes, random bf16 weights",
         "model_config": {k: getattr(cfg, k) for k in (*TINY, "dtype", "tie_embeddings")},
@@ -354,7 +357,9 @@ def meta(dry: bool, args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token": kv_bytes_per_token(cfg),
         "paper_plain_tok_s": PAPER_PLAIN_TOK_S,
         "budget_s": args.budget_s,
-        "jax_cache": os.environ.get("JAX_COMPILATION_CACHE_DIR"),
+        "jax_cache": cache,
+        # a warm persistent cache makes "first-call compile" seconds cache loads: say how warm it was
+        "jax_cache_files_at_start": len(list(pathlib.Path(cache).glob("*"))) if cache else None,
     }
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import ml_collections
 
-from gpu.regime_common import FIT_FRACTION, GIB, TINY, Recorder, device_limit, peak_bytes
+from gpu.regime_common import FIT_FRACTION, GIB, TINY, Recorder, bytes_in_use, device_limit, peak_bytes
 
 
 def load_7b_config(dry: bool) -> ml_collections.ConfigDict:
@@ -23,9 +23,10 @@ def load_7b_config(dry: bool) -> ml_collections.ConfigDict:
         pathlib.Path(__file__).resolve().parents[1] / "configs" / "qwen2_5_7b.py"
     )
     config.model.init = "random"
-    if dry:  # and a small packed batch for the drafter's step (640 tokens compile ~15 s on a busy CPU)
+    if dry:  # and a small drafter step: 48 packed tokens, no training-time-test passes (each one adds a
+        # drafter forward to the program: ~15 s of compilation on a busy 2-core CPU instead of ~5 s)
         config.model.random.update(TINY)
-        config.spot.update(window=32, context=16, ce_tokens=32, ttt_positions=16)
+        config.spot.update(window=32, context=16, ce_tokens=32, ttt_steps=0)
     return config
 
 
@@ -175,18 +176,27 @@ def part_update(rec: Recorder, args: argparse.Namespace, dry: bool) -> None:
     t = time.perf_counter()
     compiled, info, abstract = update_program(config, layers, prompt_len, args.update_len)
     rec.compiled(f"update_accum_l{layers}_{args.update_len}", time.perf_counter() - t)
-    params, acc, micro, weights = materialise(abstract)
-    times = []
-    for _ in range(2):
-        t = time.perf_counter()
-        acc, aux = compiled(params, acc, micro, weights)
-        jax.block_until_ready((acc, aux))
-        times.append(time.perf_counter() - t)
     plan = info.argument_bytes + info.footprint_bytes
-    peak = peak_bytes()
     row = {"rows": args.update_rows, "prompt_len": prompt_len, "response_len": args.update_len}
-    row.update(layers=layers, first_call_s=times[0], step_s=times[-1], plan_bytes=plan, peak_bytes=peak)
-    row.update(temp_bytes=info.temp_bytes, argument_bytes=info.argument_bytes, fit=fit)
+    row.update(layers=layers, plan_bytes=plan, temp_bytes=info.temp_bytes, argument_bytes=info.argument_bytes)
+    # the process's peak before the run (compiles' autotuning scratch, the arguments) and after it: the run's
+    # own peak is the later one when it is larger
+    params, acc, micro, weights = materialise(abstract)
+    row.update(fit=fit, bytes_in_use_before_run=bytes_in_use(), peak_before_run=peak_bytes())
+    times = []
+    try:
+        for _ in range(2):
+            t = time.perf_counter()
+            acc, aux = compiled(params, acc, micro, weights)
+            jax.block_until_ready((acc, aux))
+            times.append(time.perf_counter() - t)
+    except Exception as e:  # e.g. out of memory although the plan said it fits: that is the finding
+        row.update(error=f"{type(e).__name__}: {str(e)[:500]}", first_call_s=None, step_s=None)
+        row.update(peak_bytes=peak_bytes(), peak_over_plan=None)
+        rec.add("update", row)
+        return
+    peak = peak_bytes()
+    row.update(first_call_s=times[0], step_s=times[-1], peak_bytes=peak)
     row["peak_over_plan"] = peak / plan if peak else None
     print(
         f"   {what} at {layers} layers: {times[-1]:.2f}s, plan {plan / GIB:.2f} GiB, peak {peak}", flush=True
