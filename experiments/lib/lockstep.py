@@ -84,8 +84,8 @@ def _watch_rollouts(learner: Learner, name: str, on_rollout: Callable[[int, str,
     """Pass every training rollout of `learner` to `on_rollout` (the step it belongs to, the arm's name)."""
     inner = learner._rollout
 
-    def rollout(problems: Any, key: Any) -> Rollout:
-        out = inner(problems, key)
+    def rollout(problems: Any, key: Any, params: Any) -> Rollout:
+        out = inner(problems, key, params)
         on_rollout(learner.step + 1, name, out)  # learner.step counts completed steps
         return out
 

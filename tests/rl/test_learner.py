@@ -372,5 +372,4 @@ def test_learner_step_metrics(tmp_path) -> None:
         assert key in m, key
     assert m["logprob/engine_gap"] < 1e-4  # the engine's sampling log-probs == the trainer's recomputation
     assert 0 < m["rollout/share"] < 1 and learner.step == 2 and learner.data_position == 4
-    for a, b in zip(leaves(learner.engine.params), leaves(learner.trainer.compute_params()), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert learner.engine.params is None  # one owner per weight: the trainer's, passed to each rollout

@@ -51,24 +51,24 @@ def test_drafter_stored_once_and_the_older_layout_still_restores(tmp_path) -> No
     first = Learner(spot_config(), workdir)
     try:
         spot, engine = first.spot, first.engine
-        # weights the spot trainer moved, pushed into the engine as after a step (cast to its weight dtype)
+        # weights the spot trainer moved; the engine holds no copy (the learner passes them to each rollout)
         spot.state = spot.state.replace(params=jax.tree.map(lambda x: x + 0.5, spot.state.params))
-        engine.set_drafter_params(spot.params)
+        assert engine.drafter_params is None
         first.save()  # step 0, this layout
         saved, _ = first.ckpt.restore(0)
         assert not jax.tree.leaves(saved.get("drafter")) and jax.tree.leaves(saved["spot"])
-        # step 1 in the older layout: the engine's drafter copy stored beside the spot trainer's state
+        # step 1 in the older layout: the engine's cast drafter copy stored beside the spot trainer's state
         save_buffer(spot, workdir, 1)
-        older = {**first._state(), "drafter": engine.drafter_params}
+        older = {**first._state(), "drafter": engine.snapshot_drafter(spot.params)}
         first.ckpt.save(1, older, {"step": 1, "data_position": 2, "num_steps": 2})
-        want_spot, want_engine = leaves(spot.state), leaves(engine.drafter_params)
+        want_spot = leaves(spot.state)
     finally:
         first.close()
     second = Learner(spot_config(), workdir)
     try:
         assert (second.step, second.data_position) == (1, 2)
         assert_same(second.spot.state, want_spot)
-        assert_same(second.engine.drafter_params, want_engine)  # the same cast of the same weights
+        assert second.engine.drafter_params is None  # the older layout's second copy is dropped
     finally:
         second.close()
     # no spot trainer (and no drafter): the current layout's error names the leaves the target lacks

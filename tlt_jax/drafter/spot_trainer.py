@@ -229,10 +229,11 @@ class SpotTrainer(RolloutHooks):
         """The drafter's current trainable params (push them into the engine for the next rollout)."""
         return self.state.params
 
-    def begin_step(self, rl_step: int) -> None:
-        """Called before step `rl_step`'s rollout: the target's embedding/head of this policy version."""
+    def begin_step(self, rl_step: int, params: Any | None = None) -> None:
+        """Called before step `rl_step`'s rollout with the policy's weights (default: the engine's own): the
+        target's embedding/head of this policy version, what the drafter trains against."""
         self.rl_step = int(rl_step)
-        model = self.engine.model()
+        model = self.engine.model(params)
         head = model.head_weight()
         vocab = self.engine.draft_vocab
         self.embed_w, self.head_w = model.embed[...], head if vocab is None else jnp.take(head, vocab, axis=0)

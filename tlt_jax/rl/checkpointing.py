@@ -7,11 +7,10 @@
     rng                 the run's base key (step s uses fold_in(rng, s))
     frozen              with frozen layers (config.trainer.train_layers > 0): their fingerprint, not them
 
-The drafter is stored once. When a spot trainer runs, its state holds the drafter's weights and the engine
-holds a copy (the one pushed after every step, cast to the engine's drafter weight dtype); on restore the
-engine gets that copy again from the spot trainer's weights, the same cast of the same arrays. Checkpoints
-written before this layout stored both ("drafter" too, with a spot trainer): `restore_state` still reads
-them, and drops the second copy. The step, data position and step count go into the JSON meta.
+The drafter is stored once. When a spot trainer runs, its state holds the drafter's weights (the engine
+keeps none: each rollout drafts with a snapshot of them). Checkpoints written before this layout stored the
+engine's cast copy too ("drafter", with a spot trainer): `restore_state` still reads them, and drops it.
+The step, data position and step count go into the JSON meta.
 
 With config.trainer.train_layers > 0 the embedding, tied head and lower layers never change (no update, no
 optimizer state): they are not stored (`Unsaved`), and a restore keeps the values the resumed run built from
@@ -101,11 +100,12 @@ def _older_layouts(like: dict[str, Any], engine: RolloutEngine) -> list[tuple[st
     out = []
     if "frozen" in like:
         out.append(("every parameter stored", full))
-    if like["spot"] is not None and engine.drafter_params is not None:
-        twice = "the drafter stored twice"
-        out.append((twice, {**like, "drafter": engine.drafter_params}))
+    if like["spot"] is not None and engine.drafter_graphdef is not None:
+        twice = "the drafter stored twice"  # the engine's cast copy of the spot trainer's weights
+        copy = engine.snapshot_drafter(like["spot"]["state"].params)
+        out.append((twice, {**like, "drafter": copy}))
         if "frozen" in like:
-            out.append((f"every parameter stored, {twice}", {**full, "drafter": engine.drafter_params}))
+            out.append((f"every parameter stored, {twice}", {**full, "drafter": copy}))
     return out
 
 
@@ -155,11 +155,10 @@ def restore_state(
 
 
 def restore_drafter(engine: RolloutEngine, spot: SpotTrainer | None, saved: Any) -> None:
-    """Give the engine the restored drafter: the spot trainer's weights when it trains them (as the push
-    after every step does), else the checkpoint's "drafter" weights (`saved`; None: no drafter)."""
-    if spot is not None:
-        engine.set_drafter_params(spot.params)
-    elif saved is not None:
+    """Give the engine the checkpoint's "drafter" weights (`saved`; None: no drafter) when no spot trainer
+    trains them (the spot trainer's restored state holds them otherwise, and the learner passes them to
+    every rollout)."""
+    if spot is None and saved is not None:
         engine.set_drafter_params(saved)
 
 

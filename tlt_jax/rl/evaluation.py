@@ -28,6 +28,7 @@ import math
 import pathlib
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -96,19 +97,21 @@ class HeldOutEval:
         encode: Callable[[Problem], list[int]],  # prompt token ids (the learner's cached chat encoding)
         tokenizer: TextCodec,
         engine: RolloutEngine,
+        weights: Callable[[], tuple[Any, Any]],  # the current (policy, drafter) weights: the learner's
         sampling: SamplingParams,
         key: jax.Array,
     ):
         self.cfg, self.task, self.tokenizer = cfg, split.base, tokenizer
-        self.engine, self.sampling, self.key = engine, sampling, key
+        self.engine, self.weights, self.sampling, self.key = engine, weights, sampling, key
         self.problems = [split.base.problem(int(i)) for i in split.held_out_indices]
         self.prompts = [encode(p) for p in self.problems]
 
     def run(self) -> dict[str, float]:
-        t0 = time.perf_counter()
+        t0, (params, dparams) = time.perf_counter(), self.weights()
         rollout = self.engine.generate(
-            self.prompts, n=self.cfg.samples, key=self.key, sampling=self.sampling, hooks=[FixedMode("plain")]
-        )
+            self.prompts, n=self.cfg.samples, key=self.key, sampling=self.sampling,
+            hooks=[FixedMode("plain")], params=params, drafter_params=dparams,
+        )  # fmt: skip
         results = _score(self.task, self.problems, rollout, self.tokenizer)
         lengths = np.asarray(rollout.lengths, np.float64)
         return {
@@ -185,15 +188,17 @@ class SetEval:
         sets: list[EvalSet],
         tokenizer: TextCodec,
         engine: RolloutEngine,
+        weights: Callable[[], tuple[Any, Any]],  # the current (policy, drafter) weights: the learner's
         key: jax.Array,
         batch_prompts: int,
     ):
         self.sets, self.tokenizer, self.engine, self.key = sets, tokenizer, engine, key
+        self.weights = weights
         self.batch_prompts = max(int(batch_prompts), 1)
         self.encoders = [PromptEncoder(s.task, tokenizer) for s in sets]
 
     def run_set(self, index: int) -> dict[str, float]:
-        s, t0 = self.sets[index], time.perf_counter()
+        s, t0, (params, dparams) = self.sets[index], time.perf_counter(), self.weights()
         correct, lengths, truncated = [], [], []
         for start in range(0, len(s.problems), self.batch_prompts):
             problems = s.problems[start : start + self.batch_prompts]
@@ -204,6 +209,8 @@ class SetEval:
                 sampling=s.sampling,
                 max_new_tokens=s.max_new_tokens,
                 hooks=[FixedMode("plain")],
+                params=params,
+                drafter_params=dparams,
             )
             order = np.argsort(np.asarray(rollout.prompt_index), kind="stable")  # prompt-major rows
             results = _score(s.task, problems, rollout, self.tokenizer)
@@ -247,9 +254,11 @@ def held_out_eval(
     encode: Callable[[Problem], list[int]],
     tokenizer: TextCodec,
     engine: RolloutEngine,
+    weights: Callable[[], tuple[Any, Any]],
     sampling: SamplingParams,
 ) -> Evaluator | None:
-    """The GRPO run's evaluations (`job.eval`), None when off (`every` = 0, or nothing to evaluate)."""
+    """The GRPO run's evaluations (`job.eval`) of the policy whose (policy, drafter) weights `weights()`
+    returns, None when off (`every` = 0, or nothing to evaluate)."""
     cfg = job.eval
     if not cfg.every or not (cfg.prompts or cfg.sets):
         return None
@@ -257,10 +266,10 @@ def held_out_eval(
     held_out, train_task = None, task
     if cfg.prompts:
         train_task = TrainSplit(task, cfg.prompts)
-        held_out = HeldOutEval(cfg, train_task, encode, tokenizer, engine, sampling, key)
+        held_out = HeldOutEval(cfg, train_task, encode, tokenizer, engine, weights, sampling, key)
     sets = None
     if cfg.sets:
         specs = eval_set_configs(cfg.sets, job.task)
         built = [_eval_set(name, t, s, sampling) for name, (t, s) in specs.items()]
-        sets = SetEval(built, tokenizer, engine, jax.random.fold_in(key, 1), job.rl.prompts_per_step)
+        sets = SetEval(built, tokenizer, engine, weights, jax.random.fold_in(key, 1), job.rl.prompts_per_step)
     return Evaluator(cfg, train_task, held_out, sets)

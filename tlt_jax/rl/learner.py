@@ -6,7 +6,8 @@ One step (`Learner.train_step`), each phase in a module of tlt_jax.rl named afte
   reward      every response decoded and scored by the task's verifier                     (rl/reward.py)
   advantages  group advantages (GRPO / Dr.GRPO, optional DAPO dynamic sampling), the batch (rl/advantages.py)
   update      reference / old log-probs, then PPO-clipped update(s) with optional low_var_kl (rl/update.py)
-  push        the new policy into the engine (no recompilation) and the spot-trained drafter (rl/spot.py)
+  (weights)   the learner owns them: each rollout gets the policy's compute weights and the spot-trained
+              drafter (`engine.generate(params=, drafter_params=)`); the engine keeps none between steps
   selector    the bandit learns inside the rollout (its hook); the step logs its state     (rl/selector.py)
   metrics     rewards, lengths, update, engine/trainer log-prob gap, phase timings         (rl/metrics.py)
 
@@ -60,7 +61,6 @@ from tlt_jax.rl.spot import (
     buffer_root,
     build_spot,
     engine_drafter,
-    push_drafter,
     save_buffer,
     spot_metrics,
 )
@@ -109,7 +109,8 @@ class Learner:
         self.sampling = job.rollout.sampling()
         self.trainer = rl_config.policy_trainer(job, model, self.mesh)
         del model  # the trainer owns (and donates) its buffers now
-        self.engine.set_params(self.trainer.compute_params())
+        # one owner per weight: the engine keeps no policy copy (and no drafter the spot trainer trains)
+        self.engine.release_weights(drafter=self.spot is not None)
         self.task = make_task(job.task)
         self.encode = PromptEncoder(self.task, self.tokenizer)
         self.evaluator = held_out_eval(
@@ -118,6 +119,7 @@ class Learner:
             self.encode,
             self.tokenizer,
             self.engine,
+            self.weights,
             self.sampling,
         )
         if self.evaluator is not None:  # training never reads the held-out problems, in any epoch
@@ -132,6 +134,12 @@ class Learner:
         self._restore()
         self.trackers = open_outputs(job.raw, workdir, self.step, self.is_main)
         logging.info("learner ready in %.1fs (start at step %d)", time.perf_counter() - t0, self.step + 1)
+
+    def weights(self, policy: bool = True) -> tuple[Any, Any]:
+        """The rollouts' (policy, drafter) weights, which the learner owns: the policy in its compute dtype
+        (None with `policy=False`) and the spot-trained drafter (None: the engine's own drafter, or none)."""
+        params = self.trainer.compute_params() if policy else None
+        return params, None if self.spot is None else self.spot.params
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -150,7 +158,6 @@ class Learner:
             self.spot.load_state_dict(state["spot"])
             self.spot.buffer.load(buffer_dir(self.workdir, latest))
         self.step, self.data_position = int(meta["step"]), int(meta["data_position"])
-        self.engine.set_params(self.trainer.compute_params())
         restore_drafter(self.engine, self.spot, state["drafter"])
         logging.info("restored step %d from %s", self.step, self.ckpt.directory)
 
@@ -170,9 +177,9 @@ class Learner:
         logging.info("checkpoint step %d queued (blocked %.0f ms)", self.step, info.blocking_ms)
 
     # ---- one step -----------------------------------------------------------------------------------------
-    def _rollout(self, problems: list[Problem], key: jax.Array) -> Rollout:
-        """The step's rollout (a method: experiments/lib/lockstep.py wraps it to see every training
-        rollout)."""
+    def _rollout(self, problems: list[Problem], key: jax.Array, params: Any) -> Rollout:
+        """The step's rollout with the policy's weights `params` (a method: experiments/lib/lockstep.py wraps
+        it to see every training rollout)."""
         return generate_rollout(
             self.engine,
             [self.encode(p) for p in problems],
@@ -183,6 +190,8 @@ class Learner:
             watchers=[self.monitor, self.watch, self.spot],  # the watch times a chunk before spot trains
             desc=f"rollout {self.step + 1}",
             progress=self.job.run.progress_bar and self.is_main,
+            params=params,
+            drafter_params=self.weights(policy=False)[1],
         )
 
     def train_step(self) -> dict[str, float]:
@@ -192,9 +201,11 @@ class Learner:
         clock = StepClock(self.engine, on_phase=lambda name: self.phases.set(step, name))
         with clock.phase("rollout"):
             problems, next_position = self.task.batch(self.data_position, plan.prompts)
+            params = self.trainer.compute_params()  # the rollout's weights, dropped before the update
             if self.spot is not None:  # the drafter trains against this policy's embedding and head
-                self.spot.begin_step(step)
-            rollout = self._rollout(problems, jax.random.fold_in(key, 0))
+                self.spot.begin_step(step, params)
+            rollout = self._rollout(problems, jax.random.fold_in(key, 0), params)
+            del params
         if self.spot is not None:  # its training between chunks is its own part of the step's time
             clock.carve("rollout", "spot", self.spot.stats["spot/added_seconds"], compiled_kind="drafter")
             with clock.phase("spot_after_rollout", part="spot"), compile_stats.scope("drafter"):
@@ -208,8 +219,6 @@ class Learner:
         with clock.phase("update"):
             with compile_stats.scope("update"):
                 update = update_policy(self.trainer, batch, rollout.lengths, train_logp, plan)
-            self.engine.set_params(self.trainer.compute_params())
-            push_drafter(self.engine, self.spot)
         self.phases.set(step, "metrics")
         metrics = learning_metrics(step, plan, rollout, scores, adv, update, next_position, clock)
         metrics.update(engine_gap_metrics(rollout, update, self.trainer.loss.fuse_old_logprobs))

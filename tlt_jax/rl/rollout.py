@@ -8,6 +8,7 @@ data and trains on idle devices; the learner passes them in. A progress bar show
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -47,11 +48,17 @@ def generate_rollout(
     watchers: Sequence[RolloutHooks | None],
     desc: str,
     progress: bool,
+    params: Any,
+    drafter_params: Any | None,
 ) -> Rollout:
-    """`group` samples of every prompt (prompt-major rows). The hooks run in this order: the `selector`
-    (it chooses each chunk's mode), the progress bar (named `desc`, shown on a TTY when `progress`), then
-    the `watchers`. Compilations count as the "rollout" kind."""
+    """`group` samples of every prompt (prompt-major rows) with the policy's weights `params` and the
+    drafter's `drafter_params` (None: the engine's own drafter, if any). The hooks run in this order: the
+    `selector` (it chooses each chunk's mode), the progress bar (named `desc`, shown on a TTY when
+    `progress`), then the `watchers`. Compilations count as the "rollout" kind."""
     with RolloutProgress(total=len(prompts) * group, desc=desc, disable=None if progress else True) as bar:
         hooks = [selector, ProgressHook(bar), *watchers]
         with compile_stats.scope("rollout"):
-            return engine.generate(prompts, n=group, key=key, sampling=sampling, hooks=hooks)
+            return engine.generate(
+                prompts, n=group, key=key, sampling=sampling, hooks=hooks, params=params,
+                drafter_params=drafter_params,
+            )  # fmt: skip

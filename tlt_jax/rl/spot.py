@@ -1,8 +1,9 @@
-"""The RL loop's side of the adaptive drafter: the EAGLE drafter the engine holds, the spot trainer that
-trains it during the rollouts (tlt_jax.drafter.spot_trainer), and the drafter push between steps.
+"""The RL loop's side of the adaptive drafter: the EAGLE drafter the engine drafts with, and the spot trainer
+that trains it during the rollouts (tlt_jax.drafter.spot_trainer).
 
-Why a push: a rollout drafts with one snapshot of the drafter (the engine reads its weights once per
-`generate`), so the drafter the spot trainer trained during step t's rollout drafts for step t + 1. The
+The spot trainer owns the drafter's weights; each rollout drafts with one snapshot of them (the learner
+passes `spot.params` to `engine.generate`), so the drafter trained during step t's rollout drafts for step
+t + 1. The
 spot trainer's data buffer is saved beside each checkpoint (one folder per step) so a resumed run trains
 on the same data as an uninterrupted one.
 """
@@ -57,12 +58,6 @@ def build_spot(
         if spot.warm_start(warm) and announce:
             logging.info("spot trainer: AdamW moments carried over from %s", warm)
     return spot
-
-
-def push_drafter(engine: RolloutEngine, spot: SpotTrainer | None) -> None:
-    """The drafter the spot trainer trained during this rollout drafts for the next one (no-op without)."""
-    if spot is not None:
-        engine.set_drafter_params(spot.params)
 
 
 def spot_metrics(spot: SpotTrainer | None) -> dict[str, float]:

@@ -123,19 +123,22 @@ class RolloutEngine(RowPrograms):
     def set_drafter_params(self, params: Any) -> None:
         """Swap in new drafter weights (same shapes/shardings: no recompilation). They take effect at the next
         `generate`: a rollout drafts with one snapshot of the drafter throughout."""
-        self.drafter_params = self._snapshot_drafter(params)
+        self.drafter_params = self.snapshot_drafter(params)
 
-    def _snapshot_drafter(self, params: Any) -> Any:
+    def snapshot_drafter(self, params: Any) -> Any:
         """The drafter's weights cast and copied: their owner (the spot trainer) keeps training, and
         donating, the arrays it handed over."""
         if self.drafter_graphdef is None:
             raise ValueError("this engine has no drafter: pass RolloutEngine(..., drafter=Drafter(...))")
         return jax.device_put(self._cast_drafter(params), self._drafter_shardings, may_alias=False)
 
-    def release_weights(self) -> None:
-        """Drop the engine's own weights: its owner (the learner: the policy's and the spot trainer's train
-        states) passes them to every `generate` instead, so no second copy lives between rollouts."""
-        self.params, self.drafter_params = None, None
+    def release_weights(self, drafter: bool) -> None:
+        """Drop the engine's own policy weights (and the drafter's, with `drafter`): their owner (the
+        learner's policy trainer, the spot trainer) passes them to every `generate` instead, so no second
+        copy lives between rollouts. A drafter nobody trains stays the engine's."""
+        self.params = None
+        if drafter:
+            self.drafter_params = None
 
     def rollout_weights(self, params: Any | None, drafter_params: Any | None) -> tuple[Any, Any]:
         """(policy, drafter) weights of one rollout: the ones given, else the engine's own. Given drafter
