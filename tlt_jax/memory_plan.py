@@ -136,20 +136,12 @@ def stand_in_engine(
     return layout_engine(layout, Transformer(tiny, nnx.Rngs(0)), ecfg, names, single, drafter, mesh=mesh)
 
 
-def _prefill_program(engine: RolloutEngine, am: AbstractModels, sp: Any, cache: int) -> decode.PrefillProgram:
-    """The engine's prefill description (`RolloutEngine.prefill`) for the real target."""
-    ec = engine.config
-    use_drafter, use_prompt = engine.needs()
-    return decode.PrefillProgram(
-        target=am.graphdef,
-        drafter=am.dgraphdef if use_drafter else None,
-        sampling=sp,
-        attn_impl=ec.attn_impl,
-        cache_len=cache,
-        max_new=ec.max_new_tokens,
-        carry_prompt=use_prompt,
-        hidden_window=ec.hidden_window if ec.record_hidden else 0,
-        record_prompt_hidden=ec.record_hidden,
+def prefill_program(engine: RolloutEngine, am: AbstractModels, sp: Any, cache: int) -> decode.PrefillProgram:
+    """The engine's prefill / row-start description (`RowPrograms._program`) for the real target and
+    drafter (the stand-in's graphs swapped out)."""
+    prog = engine._program(sp, cache, engine.config.max_new_tokens)
+    return dataclasses.replace(
+        prog, target=am.graphdef, drafter=am.dgraphdef if prog.drafter is not None else None
     )
 
 
@@ -175,17 +167,15 @@ def _prefill_args(
 
 
 def prefill_cache_bucket(engine: RolloutEngine, prompt_len: int) -> int:
-    """The cache bucket `RolloutEngine.prefill` gives a batch of `prompt_len`-token prompts."""
-    ec = engine.config
-    need = min(max(prompt_len, prompt_len + ec.chunk_steps + 1), prompt_len + ec.max_new_tokens)
-    return max(engine.cache_bucket(need), engine.cache_bucket(prompt_len))
+    """The cache bucket rows of `prompt_len`-token prompts start in (`RowPrograms._start_cache_len`)."""
+    return engine._start_cache_len(prompt_len, prompt_len, engine.config.max_new_tokens)
 
 
 def abstract_state(
     engine: RolloutEngine, am: AbstractModels, sp: Any, rows: int, cache: int, prompt_len: int
 ) -> DecodeState:
     """The decode state of `rows` rows at cache bucket `cache`, sharded as the engine keeps it."""
-    prog = _prefill_program(engine, am, sp, cache)
+    prog = prefill_program(engine, am, sp, cache)
     args = _prefill_args(engine, am, rows, min(rows, 8), prompt_len)
     state, _ = jax.eval_shape(functools.partial(decode.prefill, prog), *args)
     return with_shardings(state, shd.shard_pytree_batch(state, engine.mesh))
@@ -195,7 +185,7 @@ def compile_prefill(
     engine: RolloutEngine, am: AbstractModels, sp: Any, rows: int, prompts: int, prompt_len: int
 ) -> ProgramInfo:
     """The prefill of `prompts` unique prompts into `rows` rows (the engine's program)."""
-    prog = _prefill_program(engine, am, sp, prefill_cache_bucket(engine, prompt_len))
+    prog = prefill_program(engine, am, sp, prefill_cache_bucket(engine, prompt_len))
 
     def fn(*args: Any) -> tuple:
         state, hidden = decode.prefill(prog, *args)

@@ -110,18 +110,10 @@ def rollout_shape(
         insert_rows=tuple(sorted({min(k, cap) for k in insert_rows})),
         tail_rows=min(engine.local_bucket(int(config.spec.threshold)), cap),
         prompt_len=prompt_len,
-        first_cache=engine._start_cache_len(prompt_len, prompt_len, engine.config.max_new_tokens),
+        first_cache=mpp.prefill_cache_bucket(engine, prompt_len),
         top_cache=top,
         sd_mode=sd_arm(config),
         line=line,
-    )
-
-
-def _start_program(engine: RolloutEngine, am: mpp.AbstractModels, sp: Any, cache: int) -> Any:
-    """The engine's `decode.PrefillProgram` (`RowPrograms._program`) with the real target and drafter."""
-    prog = engine._program(sp, cache, engine.config.max_new_tokens)
-    return dataclasses.replace(
-        prog, target=am.graphdef, drafter=am.dgraphdef if prog.drafter is not None else None
     )
 
 
@@ -131,7 +123,7 @@ def prompt_cache_program(
     """(fn, abstract args) of `RolloutEngine.prompt_cache`: every prompt of the rollout through the target
     once, the cache replicated over the data axis (KV heads over the model axis)."""
     mesh, rep = engine.mesh, NamedSharding(engine.mesh, P())
-    prog = _start_program(engine, am, SamplingParams(), engine.cache_bucket(prompt_len))
+    prog = mpp.prefill_program(engine, am, SamplingParams(), engine.cache_bucket(prompt_len))
     rules = {**shd.DEFAULT_RULES, "batch": None}
 
     def fn(*args: Any) -> decode.PromptCache:
@@ -158,7 +150,7 @@ def start_program(
 ) -> tuple[Any, tuple]:
     """(fn, abstract args) of `RolloutEngine.start_rows`: `rows` rows started from the prompt cache `pc` at
     cache bucket `cache`, their operands batch-sharded as `_start_operands` places them."""
-    prog = _start_program(engine, am, sp, cache)
+    prog = mpp.prefill_program(engine, am, sp, cache)
     fn = lambda *args: engine._constrain(decode.start_rows(prog, *args))  # noqa: E731
     per_row = lambda shape, dt: mpp.sds(shape, dt, shd.batch_sharding(engine.mesh, len(shape), rows))  # noqa: E731
     ops = [per_row((rows,), jnp.int32), per_row((rows, 2), jnp.uint32), per_row((rows,), jnp.int32)]
