@@ -43,7 +43,12 @@ IDENTITY_FLAGS = (
     "--drafter-path",
     "--json",
 )
-IDENTITY_DTYPES = ("bfloat16", "float32")  # bfloat16 first: what GPU RL stacks roll out in
+# float32 first: its identity at XLA's default GPU precision is the fixed defect to re-measure (issue #38:
+# 100% expected); bfloat16 (what GPU RL stacks roll out in) gets the rest of the phase
+IDENTITY_DTYPES = ("float32", "bfloat16")
+IDENTITY_MIN_S = (
+    30.0  # a dtype with less left is skipped (the GGUF's load and the rollout programs' compiles)
+)
 DRY = "dry run: the script needs the 98 MB GGUF and minutes; its flags are checked against its argparse"
 
 
@@ -52,7 +57,8 @@ def _skip(phase: str, note: str) -> PhaseResult:
 
 
 def phase_identity(suite: Suite, timeout: float) -> PhaseResult:
-    """sd_identity.py per dtype (bfloat16 first, 60% of the phase; float32 the rest): 16 prompts x 4 samples
+    """sd_identity.py per dtype (float32 first, half of the phase; bfloat16 the rest), at XLA's default GPU
+    matmul precision (nothing set: what the engine's programs choose themselves): 16 prompts x 4 samples
     x 128 tokens at T 0.9, plain vs SD with the same keys (EAGLE chain, tree, n-gram): the fraction of
     sequences identical token for token, first divergences, and a plain rerun as the control. The EAGLE
     drafter is this lease's warmed one when the drafter phase has made one, else an untrained one."""
@@ -67,13 +73,13 @@ def phase_identity(suite: Suite, timeout: float) -> PhaseResult:
     res = PhaseResult("identity", details={"drafter": str(suite.drafter_dir) if trained else "untrained"})
     bad = []
     for i, dt in enumerate(IDENTITY_DTYPES):
-        if suite.phase_left() < 45:
+        if suite.phase_left() < IDENTITY_MIN_S:
             bad.append(f"{dt} skipped: {suite.phase_left():.0f}s left")
             continue
         js = suite.state / f"identity_{dt}.json"
         js.unlink(missing_ok=True)
         cmd = [*script_cmd(script), "--dtype", dt, "--json", str(js), *drafter]
-        share = suite.phase_left() * (0.6 if i < len(IDENTITY_DTYPES) - 1 else 1.0)
+        share = suite.phase_left() * (0.5 if i < len(IDENTITY_DTYPES) - 1 else 1.0)
         proc = suite.run(f"identity_{dt}", cmd, share, {})
         res.details[dt] = json.loads(js.read_text()) if js.exists() else {}
         for k, v in parse_result(proc.output).items():

@@ -31,6 +31,7 @@ START_S = 90.0  # a fresh machine's start (the device tool: "1-2 minutes"; count
 CALL_OVERHEAD_S = 25.0  # per call: the transfers (~15-20 s on 2026-11-24), Python's start, the wheels
 REGIME_PARTS = "decode,round,drafter,split"  # priority order: the split takes what is left
 UPDATE_LENS = (8192, 32768)
+UPDATE_FIRST_S = 75.0  # the first length's time, even if the second then has none (fit, compile, 2 runs)
 WORKER_START_S = 15.0  # of a phase's time: the worker's imports and the device's start, before its clock
 # (phase, cap s, least s, basis) per call, in priority order; `gpu_suite.LIMITS` takes the caps from here
 PLAN: dict[str, list[tuple[str, float, float, str]]] = {
@@ -42,9 +43,9 @@ PLAN: dict[str, list[tuple[str, float, float, str]]] = {
     "2": [
         ("env", 25, 10, "H100 2026-11-24: 9.5 s"),
         ("model", 15, 5, "H100 2026-11-24: 0.1 s (assembles the GGUF from the stashed parts)"),
-        ("identity", 110, 60, "estimate: ~6 rollout programs per dtype at SmolLM2 (never run on a GPU)"),
-        ("compile", 100, 45, "H100 2026-11-24: GRPO step 1 took 313 s (before #35); a cut keeps run 1"),
-        ("update_7b", 100, 40, "estimate: 3 scanned-update compiles per length (15-21 s on CPU, #35)"),
+        ("identity", 120, 60, "estimate: ~6 rollout programs per dtype at SmolLM2 (never run on a GPU)"),
+        ("compile", 90, 45, "H100 2026-11-24: GRPO step 1 took 313 s (before #35); a cut keeps run 1"),
+        ("update_7b", 90, 40, "estimate: 1-3 scanned-update compiles per length (15-21 s on CPU, #35)"),
     ],
 }
 CALL_BUDGET_S = {"1": 285.0, "2": 285.0}  # each call's --budget-s (the suite's own clock)
@@ -161,8 +162,9 @@ def phase_update_7b(suite: Suite, timeout: float) -> PhaseResult:
     res = PhaseResult("update_7b", details={"runs": []})
     rows: list[dict] = []
     bad = []
-    for i, n in enumerate(lens):
-        share = suite.phase_left() / (len(lens) - i)
+    for i, n in enumerate(lens):  # 8K first: up to 75 s of it even when 32K then gets nothing
+        left = suite.phase_left()
+        share = left if i == len(lens) - 1 else max(left / 2, min(left, 5 if suite.dry else UPDATE_FIRST_S))
         if share < (5 if suite.dry else 30):
             bad.append(f"{n} tokens: skipped, {suite.phase_left():.0f}s left")
             continue

@@ -39,6 +39,7 @@ import os
 import pathlib
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gpu.regime_common import (
@@ -103,10 +104,22 @@ def step_weight_bytes(engine: RolloutEngine) -> int:
     return total if engine.model_config.tie_embeddings else total - embed
 
 
+_MAKERS: dict[tuple, Callable[[], DecodeState]] = {}  # (engine, rows, cache, length) -> compiled maker
+
+
 def zero_state(engine: RolloutEngine, rows: int, cache: int, length: int) -> DecodeState:
     """A decode state of `rows` rows at cache bucket `cache` (the engine's layout, `memory_plan`'s abstract
     prefill output), materialised as zeros on the device, every row's cache length `length` (the drafter
-    cache one less: its invariant), budget `max_new_tokens`, nothing done."""
+    cache one less: its invariant), budget `max_new_tokens`, nothing done. The program that makes it is
+    traced and compiled once per shape (a timed cell makes a fresh state for every call: a memset)."""
+    key = (id(engine), rows, cache, length)
+    if key not in _MAKERS:
+        _MAKERS[key] = _state_maker(engine, rows, cache, length)
+    return _MAKERS[key]()
+
+
+def _state_maker(engine: RolloutEngine, rows: int, cache: int, length: int) -> Callable[[], DecodeState]:
+    """`zero_state`'s compiled program (no arguments: every buffer is born on the device)."""
     import jax
     import jax.numpy as jnp
 
@@ -132,7 +145,7 @@ def zero_state(engine: RolloutEngine, rows: int, cache: int, length: int) -> Dec
             st = st.replace(aux=st.aux.replace(drafter_cache=dc))
         return st
 
-    return jax.jit(make, out_shardings=jax.tree.map(lambda s: s.sharding, abstract))()
+    return jax.jit(make, out_shardings=jax.tree.map(lambda s: s.sharding, abstract))
 
 
 def chunk_margin(engine: RolloutEngine, modes: list[str]) -> int:

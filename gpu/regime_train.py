@@ -138,16 +138,21 @@ def materialise(abstract: Any) -> Any:
 
 def fit_layers(
     rec: Recorder, config: ml_collections.ConfigDict, prompt_len: int, response_len: int
-) -> tuple[int, dict]:
-    """The most decoder layers whose update program (plan: arguments + temporaries + outputs + code, from
-    two compiles at 1 and 2 layers, linear in depth: weights, gradients and saved activations are per
-    layer) fits FIT_FRACTION of the device; the model's depth where the limit is unknown (a CPU)."""
+) -> tuple[int, dict, tuple | None]:
+    """(layers, how they were chosen, the compiled program when it is the full depth's): the model's depth
+    when its update program (plan: arguments + temporaries + outputs + code) fits FIT_FRACTION of the device
+    (or the limit is unknown: a CPU), else the most layers that fit by a linear fit of two more compiles at
+    1 and 2 layers (weights, gradients and saved activations are per layer)."""
     from tlt_jax.models.build import model_config_from
 
     depth = model_config_from(config).num_layers
     limit = device_limit()
-    if limit is None:
-        return depth, {"limit": None, "why": "no device memory limit (CPU): the model's depth"}
+    t = time.perf_counter()
+    full = update_program(config, depth, prompt_len, response_len)
+    rec.compiled(f"update_accum_l{depth}_{response_len}", time.perf_counter() - t)
+    need_full = full[1].argument_bytes + full[1].footprint_bytes
+    if limit is None or need_full <= FIT_FRACTION * limit:
+        return depth, {"limit": limit, "plan_full_depth": need_full}, full
     need = {}
     for n in (1, 2):
         t = time.perf_counter()
@@ -156,7 +161,8 @@ def fit_layers(
         need[n] = info.argument_bytes + info.footprint_bytes
     slope, base = need[2] - need[1], 2 * need[1] - need[2]
     n = depth if slope <= 0 else min(depth, int((FIT_FRACTION * limit - base) // slope))
-    return n, {"limit": limit, "plan_l1": need[1], "plan_l2": need[2], "per_layer": slope, "base": base}
+    fit = {"limit": limit, "plan_full_depth": need_full, "plan_l1": need[1], "plan_l2": need[2]}
+    return n, {**fit, "per_layer": slope, "base": base}, None
 
 
 def part_update(rec: Recorder, args: argparse.Namespace, dry: bool) -> None:
@@ -167,15 +173,17 @@ def part_update(rec: Recorder, args: argparse.Namespace, dry: bool) -> None:
     prompt_len = 16 if dry else 1024
     config = update_config(dry, args.update_rows)
     what = f"update {args.update_rows} x ({prompt_len} + {args.update_len})"
-    if not rec.affordable(what, 3 * rec.compile_guess + 10.0):
+    if not rec.affordable(what, rec.compile_guess + 10.0):
         return
-    layers, fit = fit_layers(rec, config, prompt_len, args.update_len)
+    layers, fit, program = fit_layers(rec, config, prompt_len, args.update_len)
     if layers < 1:
         rec.skip(what, f"memory: not even one layer fits ({fit})", "memory")
         return
-    t = time.perf_counter()
-    compiled, info, abstract = update_program(config, layers, prompt_len, args.update_len)
-    rec.compiled(f"update_accum_l{layers}_{args.update_len}", time.perf_counter() - t)
+    if program is None:
+        t = time.perf_counter()
+        program = update_program(config, layers, prompt_len, args.update_len)
+        rec.compiled(f"update_accum_l{layers}_{args.update_len}", time.perf_counter() - t)
+    compiled, info, abstract = program
     plan = info.argument_bytes + info.footprint_bytes
     row = {"rows": args.update_rows, "prompt_len": prompt_len, "response_len": args.update_len}
     row.update(layers=layers, plan_bytes=plan, temp_bytes=info.temp_bytes, argument_bytes=info.argument_bytes)
