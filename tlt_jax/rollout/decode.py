@@ -448,10 +448,29 @@ def gather_rows(state: DecodeState, rows: jax.Array, pad: jax.Array) -> DecodeSt
 
 
 def insert_rows(state: DecodeState, new: DecodeState, slots: jax.Array) -> DecodeState:
-    """Continuous batching: write the freshly prefilled rows `new` into the state's rows `slots` (out-of-range
-    slots: padding rows, dropped). `new`'s cache buckets are padded to the state's first."""
-    new = resize_cache(new, state.cache.capacity)
-    return jax.tree_util.tree_map(lambda a, b: a.at[slots].set(b.astype(a.dtype), mode="drop"), state, new)
+    """Continuous batching: write the freshly started rows `new` into the state's rows `slots` (out-of-range
+    slots: padding rows, dropped). Their caches (a smaller bucket) go into the first positions of their
+    slots only: padding them to the running bucket first would cost k whole rows of temporaries (the 7B
+    plan: 0.49 GiB per row per device at 35,328). Positions past a row's length are never attended to."""
+
+    def rows(a: jax.Array, b: jax.Array) -> jax.Array:
+        return a.at[slots].set(b.astype(a.dtype), mode="drop")
+
+    def cache(big: KVCache, small: KVCache) -> KVCache:
+        n = small.capacity
+        put = lambda a, b: a.at[slots, :, :n].set(b.astype(a.dtype), mode="drop")  # noqa: E731
+        return KVCache(k=tuple(map(put, big.k, small.k)), v=tuple(map(put, big.v, small.v)),
+                       lengths=rows(big.lengths, small.lengths))  # fmt: skip
+
+    def strip(st: DecodeState) -> DecodeState:
+        aux = None if st.aux is None else st.aux.replace(drafter_cache=None)
+        return st.replace(cache=None, aux=aux)
+
+    out = jax.tree_util.tree_map(rows, strip(state), strip(new)).replace(cache=cache(state.cache, new.cache))
+    if state.aux is not None and state.aux.drafter_cache is not None:
+        dcache = cache(state.aux.drafter_cache, new.aux.drafter_cache)
+        out = out.replace(aux=out.aux.replace(drafter_cache=dcache))
+    return out
 
 
 def resize_cache(state: DecodeState, seq_len: int) -> DecodeState:

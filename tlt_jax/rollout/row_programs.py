@@ -100,7 +100,10 @@ class RowPrograms:
         keys[live] = all_keys[seq_ids[live]]
         return rows, keys
 
-    def _program(self, sampling: SamplingParams, cache_len: int, max_new: int) -> decode.PrefillProgram:
+    def prefill_program(
+        self, sampling: SamplingParams, cache_len: int, max_new: int
+    ) -> decode.PrefillProgram:
+        """The static description of a prefill, prompt cache or row start with this cache length."""
         cfg, (use_drafter, use_prompt) = self.config, self.needs()
         return decode.PrefillProgram(
             target=self.graphdef,
@@ -114,7 +117,7 @@ class RowPrograms:
             record_prompt_hidden=cfg.record_hidden,
         )
 
-    def _start_cache_len(self, longest: int, tb: int, max_new: int) -> int:
+    def start_cache_len(self, longest: int, tb: int, max_new: int) -> int:
         """The cache bucket rows start in: their prompt plus a chunk (at most the whole response)."""
         s = self.cache_bucket(min(max(tb, longest + self.config.chunk_steps + 1), longest + max_new))
         return max(s, self.cache_bucket(tb))
@@ -157,8 +160,8 @@ class RowPrograms:
         tokens, lens = self._prompt_arrays(prompts, uniq)
         rows, keys = self._row_arrays(uniq, n, seq_ids, key, total)
         (pb, tb), b = tokens.shape, len(rows)
-        s = self._start_cache_len(int(lens.max()), tb, max_new_tokens)
-        prog = self._program(sampling, s, max_new_tokens)
+        s = self.start_cache_len(int(lens.max()), tb, max_new_tokens)
+        prog = self.prefill_program(sampling, s, max_new_tokens)
 
         def fn(*args):  # noqa: ANN002, ANN202
             state, hidden = decode.prefill(prog, *args)
@@ -188,7 +191,7 @@ class RowPrograms:
         self.validate_prompts(prompts, max_new_tokens)
         tokens, lens = self._prompt_arrays(prompts, np.arange(len(prompts)))
         s_p = self.cache_bucket(tokens.shape[1])
-        prog = self._program(SamplingParams(), s_p, max_new_tokens)
+        prog = self.prefill_program(SamplingParams(), s_p, max_new_tokens)
         rules = {**shd.DEFAULT_RULES, "batch": None}
 
         def fn(*args):  # noqa: ANN002, ANN202
@@ -220,8 +223,8 @@ class RowPrograms:
         total = len(prompts) * n
         rows, keys = self._row_arrays(np.arange(len(prompts)), n, seq_ids, key, total)
         longest = max((len(prompts[i]) for i in admission.unique_prompts(seq_ids, n)), default=1)
-        s = self._start_cache_len(longest, pc.tokens.shape[1], max_new_tokens)
-        prog = self._program(sampling, s, max_new_tokens)
+        s = self.start_cache_len(longest, pc.tokens.shape[1], max_new_tokens)
+        prog = self.prefill_program(sampling, s, max_new_tokens)
         fn = lambda *args: self._constrain(decode.start_rows(prog, *args))  # noqa: E731
         args = (pc, *self._start_operands(seq_ids, rows, keys, max_new_tokens), self.eos_ids)
         key_ = ("start", dataclasses.astuple(sampling), len(seq_ids), s, max_new_tokens, *self.needs())
