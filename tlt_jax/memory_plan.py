@@ -137,9 +137,9 @@ def stand_in_engine(
 
 
 def prefill_program(engine: RolloutEngine, am: AbstractModels, sp: Any, cache: int) -> decode.PrefillProgram:
-    """The engine's prefill / row-start description (`RowPrograms._program`) for the real target and
+    """The engine's prefill / row-start description (`RowPrograms.prefill_program`) for the real target and
     drafter (the stand-in's graphs swapped out)."""
-    prog = engine._program(sp, cache, engine.config.max_new_tokens)
+    prog = engine.prefill_program(sp, cache, engine.config.max_new_tokens)
     return dataclasses.replace(
         prog, target=am.graphdef, drafter=am.dgraphdef if prog.drafter is not None else None
     )
@@ -167,8 +167,8 @@ def _prefill_args(
 
 
 def prefill_cache_bucket(engine: RolloutEngine, prompt_len: int) -> int:
-    """The cache bucket rows of `prompt_len`-token prompts start in (`RowPrograms._start_cache_len`)."""
-    return engine._start_cache_len(prompt_len, prompt_len, engine.config.max_new_tokens)
+    """The cache bucket rows of `prompt_len`-token prompts start in (`RowPrograms.start_cache_len`)."""
+    return engine.start_cache_len(prompt_len, prompt_len, engine.config.max_new_tokens)
 
 
 def abstract_state(
