@@ -35,7 +35,7 @@ inductor caches, every phase's result) lives outside the repository (gpu_state.p
 $TLT_GPU_STATE, else /root/keep/gpu_suite); `--resume` runs the phases that have not finished yet.
 
     python3 -m gpu.gpu_suite --call 1 --out $OUT              # on the device machine
-    python3 -m gpu.gpu_suite --resume --out $OUT              # whatever has not finished
+    python3 -m gpu.gpu_suite --resume --call plan --out $OUT  # what the plan's calls have not finished
     python -m gpu.gpu_suite --dry-run                          # CPU: tiny shapes, interpret mode
     python -m gpu.gpu_suite --dry-run --phases regime_7b,update_7b   # the plan's new phases (make test)
     python -m gpu.gpu_suite --phases decode,sd --budget-s 300  # any subset
@@ -70,6 +70,7 @@ CALLS = {  # calls 1 and 2: the 15-minute plan (gpu_regime.PLAN); 3 and 4: the r
     "4": ("env", "model", "verify_cost", "drafter", "sd", "e2e"),
     "all": PHASES,
 }
+CALLS["plan"] = tuple(dict.fromkeys(CALLS["1"] + CALLS["2"]))  # `--resume --call plan`: the plan's phases
 # Seconds on a GPU: (most a phase may take, least worth starting; also what is kept for each later phase).
 # Measured on an H100 (2026-11-24): env 10, kernel_tests 25, tree_attention 116, decode (dynamic HF only)
 # 137 + >103, drafter ~290 in all, sd 326 for batch 1 and 4, a GRPO step 1 of configs/tlt.py:quick 313
@@ -92,7 +93,7 @@ LIMITS = {
     "update_7b": (100, 40),
 }
 # default --budget-s; calls 1 and 2 (and their phases' caps) from the plan
-CALL_BUDGETS = {**gpu_regime.CALL_BUDGET_S, "3": 570.0, "4": 540.0, "all": 570.0}
+CALL_BUDGETS = {**gpu_regime.CALL_BUDGET_S, "3": 570.0, "4": 540.0, "plan": 285.0, "all": 570.0}
 PLAN_LIMITS = {c: {p[0]: (p[1], p[2]) for p in phases} for c, phases in gpu_regime.PLAN.items()}
 DRY_CAP_S = 300.0  # per phase in a dry run: generous, so a slow CI machine is not a failure
 REPORT_RESERVE_S = 15.0  # kept for plots and the summary at the end of a call
@@ -312,11 +313,12 @@ def pending(state: pathlib.Path) -> tuple[str, ...]:
 
 
 def select_phases(args: argparse.Namespace, suite: Suite) -> tuple[str, ...]:
-    """--phases, else the phases --resume finds unfinished, else --call's; env always runs first."""
+    """--phases, else the phases of --call's that --resume finds unfinished, else --call's; env always runs
+    first."""
     if args.phases:
         phases = tuple(args.phases.split(","))
     elif args.resume:
-        phases = pending(suite.state)
+        phases = tuple(p for p in pending(suite.state) if p in CALLS[args.call])
     else:
         phases = CALLS[args.call]
     unknown = [p for p in phases if p not in PHASES]

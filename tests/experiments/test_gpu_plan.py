@@ -5,6 +5,7 @@ budget it prints, and the 7B projection fed with the JSON that dry run writes (p
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -82,6 +83,7 @@ def test_plan_budget_and_calls() -> None:
         assert all(p[0] in gpu_suite.PHASES for p in phases)
     assert gpu_suite.CALLS["1"][:2] == ("env", "regime_7b")  # wheels only: no model phase in call 1
     assert "model" in gpu_suite.CALLS["2"] and gpu_suite.CALLS["2"][-1] == "update_7b"
+    assert gpu_suite.CALLS["plan"] == tuple(dict.fromkeys(gpu_suite.CALLS["1"] + gpu_suite.CALLS["2"]))
 
 
 def test_regime_metrics_targets_and_status() -> None:
@@ -145,3 +147,18 @@ def test_measured_costs_are_exact_at_measured_cells(tmp_path: pathlib.Path) -> N
     with pytest.raises(ValueError, match="no 7B decode cell"):
         path.write_text(json.dumps({"phases": {}}))
         mc.load(path)
+
+
+def test_resume_of_the_plan_runs_only_its_unfinished_phases(tmp_path: pathlib.Path) -> None:
+    """`--resume --call plan` after two calls: the plan's phases not finished (here regime_7b cut by its
+    timeout, update_7b skipped), not the suite's other phases that this lease never ran."""
+    paths = {k: str(tmp_path / k) for k in ("out", "state_dir", "bundle", "site")}
+    ns = dict(dry_run=False, allow_cpu=False, extend_drafter=False, drafter_config="", budget_s=60, limits="")
+    suite = gpu_suite.Suite(argparse.Namespace(call="plan", **ns, **paths))
+    done = {"env": "ok", "regime_7b": "timeout", "tree_attention": "ok", "model": "ok", "identity": "ok"}
+    done |= {"compile": "failed", "update_7b": "skipped"}
+    for name, status in done.items():
+        (tmp_path / "state_dir" / "results" / f"{name}.json").write_text(json.dumps({"status": status}))
+    args = argparse.Namespace(phases="", resume=True, call="plan")
+    assert gpu_suite.select_phases(args, suite) == ("env", "regime_7b", "update_7b")
+    suite.log.close()
