@@ -2,9 +2,10 @@
 
 Each row's randomness derives from (rollout key, sequence id, token position) only, so the cap (rows queued
 and inserted into free slots as others finish), the data axis and speculative decoding change the schedule,
-never the samples: float32, 32 rows (4 prompts x 8), temperature 0.9, cap 8 per shard vs no cap, plain, with
-the n-gram drafter and with the EAGLE drafter; tokens identical, log-probs and recorded hidden states equal to
-float rounding (the rows run in batches of other sizes: a row's dot products may round differently).
+never the samples: float32, 32 rows (4 prompts x 8), temperature 0.9, cap 8 per shard vs no cap, with the
+n-gram drafter and with the EAGLE drafter, and plain with a cap of 4 per shard over two data shards; tokens
+identical, log-probs and recorded hidden states equal to float rounding (the rows run in batches of other
+sizes: a row's dot products may round differently).
 """
 
 import jax
@@ -43,7 +44,7 @@ def _engine(target, drafter, kind: str, cap: int, data: int = 1) -> RolloutEngin
         else SpecConfig(enabled=True, drafter=kind, strategy="3_1_4", threshold=6)
     )
     cfg = EngineConfig(
-        max_new_tokens=40, max_cache_len=96, chunk_steps=4, min_cache_bucket=16, record_hidden=True,
+        max_new_tokens=32, max_cache_len=96, chunk_steps=4, min_cache_bucket=16, record_hidden=True,
         hidden_window=16, spec=spec, max_running_rows=cap,
     )  # fmt: skip
     mesh = shd.make_mesh(data, 1, jax.devices()[:data])
@@ -62,7 +63,7 @@ def _same(capped, free) -> None:
         np.testing.assert_allclose(capped.features(i), free.features(i), **TOL)
 
 
-@pytest.mark.parametrize("kind", ["none", "ngram", "eagle"])
+@pytest.mark.parametrize("kind", ["ngram", "eagle"])  # plain: the two-shard test below
 def test_capped_rollout_gives_the_uncapped_tokens(target, drafter, kind):
     free = _rollout(_engine(target, drafter, kind, cap=0))
     eng = _engine(target, drafter, kind, cap=8)

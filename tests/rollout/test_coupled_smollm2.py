@@ -4,7 +4,7 @@ Coupled verification (`SpecConfig.acceptance = "coupled"`) computes, at every ve
 plain decoding would draw there with the row's own uniform, and accepts the drafted child equal to it. So a
 speculative rollout must reproduce the plain rollout with the same keys token for token, up to float rounding
 between a T-token verify pass and a 1-token decode step. Protocol: 8 reasoning prompts x 4 samples = 32
-sequences x 128 tokens (EOS ignored, so every sequence is 128 tokens long), temperature 0.9, top-p 0.95;
+sequences x 96 tokens (EOS ignored, so every sequence is 96 tokens long), temperature 0.9, top-p 0.95;
 plain vs ONE speculative rollout whose chunks rotate through an EAGLE chain (2_1_3), an EAGLE tree (1_2_3:
 two children of the root) and the n-gram drafter (ngram_2_1_3), so every sequence is drafted by all three
 and the switches the bandit makes between chunks are exercised too (the three share one tokens_to_verify-3
@@ -15,8 +15,9 @@ would pass this check with probability ~2e-3). The EAGLE drafter is an untrained
 vocabulary (a trained drafter takes ~20 min to warm up): its drafts are rarely accepted, so the n-gram
 drafter (accept ~1.2 on this text) carries most multi-token paths; the tiny-model tests in
 test_engine_sd.py cover high acceptance. Cost: ~3 verify tokens per row per round at batch 32, minutes on
-2 cores, which is why the three drafters share one rollout rather than running one each (it was 64 sequences,
-halved for the suite's time budget: an acceptance bug shows in nearly every sequence a drafter touched).
+2 cores, which is why the three drafters share one rollout rather than running one each (it was 64 sequences
+x 128 tokens, cut to 32 x 96 for the suite's time budget: an acceptance bug shows in nearly every sequence a
+drafter touched).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from tlt_jax.tasks import make_task
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SAMPLING = SamplingParams(temperature=0.9, top_p=0.95)
-NEW, PROMPTS, N = 128, 8, 4
+NEW, PROMPTS, N = 96, 8, 4
 WIDTH = 256  # the teacher-forced forward's padded length (prompt + response fits)
 
 
