@@ -29,18 +29,20 @@ from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 
-# greedy decoding of a tiny untied model (4 KV heads: whole heads per device on both meshes). The first four
-# prompts' responses hit an EOS id within 3 to 7 tokens, the last four never (24 tokens), so on either mesh
-# the first data groups go idle while the last still decode (greedy: a fixed pattern of idle groups; the
-# sampled rollout is the last test)
+# sampled decoding (temperature 1) of a tiny untied model (4 KV heads: whole heads per device on both meshes);
+# a third of the vocabulary ends a row, so rows end at different steps and data groups go idle while others
+# still decode. Sampling's `categorical` runs inside a decoding group's branch next to a training group (a
+# reversed vocabulary-sharded array there was a collective-permute, which deadlocks XLA:CPU in one group's
+# branch: `rollout/spmd.py`)
 PROMPTS = [[1, p, p + 1] for p in (6, 14, 50, 54, 2, 10, 18, 22)]
-EOS = [20, 38]
-SP = SamplingParams(temperature=0.0)
+EOS = list(range(2, 128, 3))
+SP = SamplingParams(temperature=1.0)
 
 # drafter params vs the same steps on one device. The tick's head is vocabulary-sharded, so its logits'
 # log-sum-exp (and the gradient sums over "data") add in another order: float32 rounding, measured at most
-# 1.0e-7 (2 x 4) and 3.9e-8 (4 x 2) after 9-10 AdamW steps. Each step moves a weight by up to lr = 3e-4
-# (Adam's normalised update): a tick with a wrong batch, key or set of groups would be ~1e-4 off, not 1e-6
+# 4.7e-8 (2 x 4, 2 ticks) and 5.7e-8 (4 x 2, 5 ticks) here (1.0e-7 over 9 ticks of a greedy rollout). Each
+# step moves a weight by up to lr = 3e-4 (Adam's normalised update): a tick with a wrong batch, key or set of
+# groups would be ~1e-4 off, not 1e-6
 ATOL = 1e-6
 
 
@@ -133,20 +135,17 @@ def gathered_param_shapes(eng: RolloutEngine) -> tuple[set[str], str]:
 @pytest.mark.parametrize(("data", "tp"), [(2, 4), (4, 2)])
 def test_idle_groups_train_while_tensor_parallel_groups_decode(model: Transformer, data: int, tp: int):
     eng = tp_engine(model, data, tp)
-    reference = eng.generate(PROMPTS, n=2, key=jax.random.key(3), sampling=SP)
+    reference = eng.generate(PROMPTS, n=2, key=jax.random.key(4), sampling=SP)
     spot = SpotTrainer(SpotConfig(mode="idle_devices", **SPOT), Drafter(model.cfg, nnx.Rngs(1)), eng)
     ticks = record_ticks(spot)
     spot.begin_step(1)
     start = jax.device_put(spot.state, jax.devices()[0], may_alias=False)  # a one-device copy
-    out = eng.generate(PROMPTS, n=2, key=jax.random.key(3), sampling=SP, hooks=[spot])
+    out = eng.generate(PROMPTS, n=2, key=jax.random.key(4), sampling=SP, hooks=[spot])
     # (b) the decoding groups' results are those of the rollout without the spot trainer
     np.testing.assert_array_equal(out.tokens, reference.tokens)
     np.testing.assert_array_equal(out.lengths, reference.lengths)
-    lengths = reference.lengths.tolist()
-    assert max(lengths[: len(lengths) // 2]) <= 7 and min(lengths[len(lengths) // 2 :]) == 24, lengths
     assert ticks and int(spot.state.step) == len(ticks), "no tick trained"
     assert all(idle.any() and not idle.all() for idle, _ in ticks)  # some groups trained, others decoded
-    assert max(idle.sum() for idle, _ in ticks) == data // 2  # all groups of the early prompts at the end
     # (a) the drafter equals the same steps on one device
     want = replay_on_one_device(spot, start, ticks)
     moved = 0.0
@@ -160,25 +159,3 @@ def test_idle_groups_train_while_tensor_parallel_groups_decode(model: Transforme
     results = [line.split(" all-gather(")[0] for line in hlo.splitlines() if " all-gather(" in line]
     gathered = {shape for r in results for shape in re.findall(r"\w+\[[\d,]*\]", r)}  # tuples too
     assert not split & gathered, (split, gathered)
-
-
-@pytest.mark.devices(8)
-def test_sampled_rollout_with_tensor_parallel_ticks(model: Transformer):
-    """Temperature 1 on 2 x 4: sampling's categorical runs inside a decoding group's branch next to a training
-    group (a reversed vocabulary-sharded array there was a collective-permute, which deadlocks XLA:CPU inside
-    one group's branch); a third of the vocabulary ends a row, so groups go idle at different chunks. The
-    tokens are those of the same rollout without the spot trainer."""
-    eos = list(range(2, 128, 3))
-    cfg = EngineConfig(
-        max_new_tokens=24, max_cache_len=96, chunk_steps=2, min_cache_bucket=32, record_hidden=True
-    )
-    mesh = shd.make_mesh(2, 4, jax.devices()[:8])
-    eng = RolloutEngine(model, cfg, eos_ids=eos, mesh=mesh, drafter=Drafter(model.cfg, nnx.Rngs(1)))
-    sp = SamplingParams(temperature=1.0)
-    reference = eng.generate(PROMPTS, n=2, key=jax.random.key(4), sampling=sp)
-    spot = SpotTrainer(SpotConfig(mode="idle_devices", **SPOT), Drafter(model.cfg, nnx.Rngs(1)), eng)
-    ticks = record_ticks(spot)
-    spot.begin_step(1)
-    out = eng.generate(PROMPTS, n=2, key=jax.random.key(4), sampling=sp, hooks=[spot])
-    np.testing.assert_array_equal(out.tokens, reference.tokens)
-    assert ticks and int(spot.state.step) == len(ticks), ("no tick trained", reference.lengths.tolist())
