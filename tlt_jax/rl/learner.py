@@ -135,11 +135,15 @@ class Learner:
         self.trackers = open_outputs(job.raw, workdir, self.step, self.is_main)
         logging.info("learner ready in %.1fs (start at step %d)", time.perf_counter() - t0, self.step + 1)
 
-    def weights(self, policy: bool = True) -> tuple[Any, Any]:
+    @property
+    def drafter_weights(self) -> Any:
+        """The spot-trained drafter's weights (None: the engine's own drafter, or none)."""
+        return None if self.spot is None else self.spot.params
+
+    def weights(self) -> tuple[Any, Any]:
         """The rollouts' (policy, drafter) weights, which the learner owns: the policy in its compute dtype
-        (None with `policy=False`) and the spot-trained drafter (None: the engine's own drafter, or none)."""
-        params = self.trainer.compute_params() if policy else None
-        return params, None if self.spot is None else self.spot.params
+        and `drafter_weights`."""
+        return self.trainer.compute_params(), self.drafter_weights
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -191,7 +195,7 @@ class Learner:
             desc=f"rollout {self.step + 1}",
             progress=self.job.run.progress_bar and self.is_main,
             params=params,
-            drafter_params=self.weights(policy=False)[1],
+            drafter_params=self.drafter_weights,
         )
 
     def train_step(self) -> dict[str, float]:

@@ -5,7 +5,8 @@ The paper's step is 512 rows of up to 32K tokens; SGLang runs it with a bounded 
 running batch is a static array of slots per data shard (no ragged shapes): the host loop harvests finished
 rows after every chunk, then `plan_insert` assigns queued rows, in sequence order, to the free slots of every
 shard (rows never move between devices, so a shard with no live row and an empty queue is idle for the spot
-trainer). The engine prefills the inserted rows and writes them into their slots (`RolloutEngine.insert`).
+trainer). The engine starts the inserted rows from the rollout's prompt cache (every prompt's forward, once)
+and writes them into their slots (`RolloutEngine.start_rows`, `insert`).
 Once the queue is empty the tail compacts into smaller buckets as before. Each row's samples derive from
 (rollout key, sequence id, token position) only (`types.row_keys`), so the cap changes the schedule, never
 the tokens.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -55,6 +57,12 @@ def running_rows_cap(
         f"rollout: at most {cap} running rows per data shard (kv_budget_gib={kv_budget_gib}: "
         f"{row_gib:.3f} GiB of KV per row per device at cache {top_cache}; {cap * row_gib:.2f} GiB in use)"
     )
+
+
+def sequence_keys(key: jax.Array, total: int) -> np.ndarray:
+    """[total, 2] raw key data of every sequence's PRNG stream (`split(key, total)`), computed once per
+    rollout: a row samples with its sequence's stream whatever batch it starts in."""
+    return np.asarray(jax.random.key_data(jax.random.split(key, total)))
 
 
 def unique_prompts(seq_ids: np.ndarray, n: int) -> np.ndarray:

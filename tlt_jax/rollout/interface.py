@@ -143,7 +143,7 @@ class EngineLike(Protocol):
         *,
         n: int,
         seq_ids: np.ndarray,
-        key: jax.Array,
+        seq_keys: np.ndarray,
         sampling: SamplingParams,
         max_new_tokens: int,
     ) -> DecodeState: ...

@@ -89,15 +89,14 @@ class RowPrograms:
         return tokens, lens
 
     def _row_arrays(
-        self, uniq: np.ndarray, n: int, seq_ids: np.ndarray, key: jax.Array, total: int
+        self, uniq: np.ndarray, n: int, seq_ids: np.ndarray, seq_keys: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """Per row of a start: its prompt's index in `uniq` and its PRNG key data (padding rows: zeros)."""
         live = seq_ids >= 0
         rows = np.zeros(seq_ids.shape, np.int32)
         rows[live] = np.searchsorted(uniq, seq_ids[live] // n)
-        all_keys = np.asarray(jax.random.key_data(jax.random.split(key, total)))
         keys = np.zeros((len(seq_ids), 2), np.uint32)
-        keys[live] = all_keys[seq_ids[live]]
+        keys[live] = seq_keys[seq_ids[live]]
         return rows, keys
 
     def prefill_program(
@@ -158,7 +157,7 @@ class RowPrograms:
         seq_ids = np.asarray(seq_ids)
         uniq = admission.unique_prompts(seq_ids, n)
         tokens, lens = self._prompt_arrays(prompts, uniq)
-        rows, keys = self._row_arrays(uniq, n, seq_ids, key, total)
+        rows, keys = self._row_arrays(uniq, n, seq_ids, admission.sequence_keys(key, total))
         (pb, tb), b = tokens.shape, len(rows)
         s = self.start_cache_len(int(lens.max()), tb, max_new_tokens)
         prog = self.prefill_program(sampling, s, max_new_tokens)
@@ -214,14 +213,14 @@ class RowPrograms:
         *,
         n: int,
         seq_ids: np.ndarray,
-        key: jax.Array,
+        seq_keys: np.ndarray,
         sampling: SamplingParams,
         max_new_tokens: int,
     ) -> DecodeState:
-        """Rows `seq_ids` (shard-major, -1: padding) started from the prompt cache: no forward pass."""
+        """Rows `seq_ids` (shard-major, -1: padding) started from the prompt cache: no forward pass.
+        seq_keys: every sequence's key data (`admission.sequence_keys`, once per rollout)."""
         seq_ids = np.asarray(seq_ids)
-        total = len(prompts) * n
-        rows, keys = self._row_arrays(np.arange(len(prompts)), n, seq_ids, key, total)
+        rows, keys = self._row_arrays(np.arange(len(prompts)), n, seq_ids, seq_keys)
         longest = max((len(prompts[i]) for i in admission.unique_prompts(seq_ids, n)), default=1)
         s = self.start_cache_len(longest, pc.tokens.shape[1], max_new_tokens)
         prog = self.prefill_program(sampling, s, max_new_tokens)

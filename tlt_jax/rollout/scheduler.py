@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from tlt_jax import sharding as shd
-from tlt_jax.rollout.admission import RowQueue, plan_insert, unique_prompts
+from tlt_jax.rollout.admission import RowQueue, plan_insert, sequence_keys, unique_prompts
 from tlt_jax.rollout.decode import PromptCache
 from tlt_jax.rollout.harvest import Harvester
 from tlt_jax.rollout.hooks import ChunkView, HookList, RolloutHooks, RolloutInfo, ThresholdPolicy, as_hooks
@@ -88,7 +88,8 @@ def _prefill(
     seq_ids = np.where(np.arange(local * d) < first, np.arange(local * d), -1)
     harvest = Harvester(engine, prompts, n, r.max_new, engine.config.record_hidden, hook)
     if first < total:  # rows will queue: every prompt once into the cache the inserts start rows from
-        r = dataclasses.replace(r, prompts_kv=engine.prompt_cache(prompts, r.max_new, r.params, r.dparams))
+        pc = engine.prompt_cache(prompts, r.max_new, r.params, r.dparams)
+        r = dataclasses.replace(r, prompts_kv=pc, seq_keys=sequence_keys(r.key, total))
         harvest.add_prompt_hidden(np.arange(len(prompts)), r.prompts_kv.prompt_hidden)
         state = r.start(engine, seq_ids)
     else:
@@ -121,12 +122,13 @@ class _Rollout:
     dparams: Any
     max_total: int
     prompts_kv: PromptCache | None = None  # with a queue: every prompt's forward, kept for the inserts
+    seq_keys: np.ndarray | None = None  # with a queue: every sequence's key data (`admission.sequence_keys`)
 
     def start(self, engine: EngineLike, seq_ids: np.ndarray) -> DecodeState:
         """Rows `seq_ids` started from the prompt cache (continuous batching)."""
         return engine.start_rows(
-            self.prompts_kv, self.prompts, n=self.n, seq_ids=seq_ids, key=self.key, sampling=self.sampling,
-            max_new_tokens=self.max_new,
+            self.prompts_kv, self.prompts, n=self.n, seq_ids=seq_ids, seq_keys=self.seq_keys,
+            sampling=self.sampling, max_new_tokens=self.max_new,
         )  # fmt: skip
 
 
