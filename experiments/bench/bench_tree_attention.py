@@ -9,12 +9,13 @@ K/V bytes it streams per second. The last line is `RESULT key=value ...` with ke
 (< 1: the kernel wins), the Pallas lowering that compiled (`triton` / `mosaic_gpu`, or `interpret`) and
 `faster_t16_64` (1 when the kernel is at least as fast as the reference at every T in 16..64).
 
-`--tune` first sweeps the block sizes by coordinate descent from the defaults (kv_splits, target_programs,
-block_k, block_q, num_warps, num_stages, one at a time, keeping the best) on a few tuning shapes (decode T=1
-and verify T=16..64 at the smallest and largest batch), scoring the geometric mean of the kernel's times;
-candidates that fail to compile or exceed the error tolerance are dropped. Split-K is the lever at B=1
-(SmolLM2 heads at T=16 make a grid of 3 programs): kv_splits=0 picks the split count per call from the grid
-size, so one tuned setting can split at B=1 and not at B=32, where a fixed count trades one for the other.
+`--tune` first sweeps the block sizes by coordinate descent from the defaults (target_programs,
+min_split_blocks, block_k, block_q, num_warps, num_stages, one at a time, keeping the best) on a few tuning
+shapes (decode T=1 and verify T=16..64 at the smallest and largest batch), scoring the geometric mean of the
+kernel's times; candidates that fail to compile or exceed the error tolerance are dropped. Split-K is the
+lever at B=1 (SmolLM2 heads at T=16 make a grid of 3 programs): kv_splits=0 (the default, kept by the tuner)
+picks the split count per call from the grid size and the cache length, so one tuned setting splits at B=1
+and not at B=32, and more at 32K than at 1K, where a fixed count trades one for the other.
 The table then runs with the winner, and `--tuned-out FILE` writes it as
 {"by_dtype": {dtype: BlockSizes fields}}: `TLT_TREE_ATTENTION_BLOCK_SIZES=FILE` makes the kernel use it for
 every caller that passes no block sizes (`tree_attention.default_block_sizes`). `--json FILE` writes
@@ -47,8 +48,10 @@ from tlt_jax.kernels import tree_attention_blocks as tab
 
 MODELS = {"smollm2": (9, 3, 64), "qwen7b": (28, 4, 128), "tiny": (4, 2, 16)}  # (Hq, Hkv, D); tiny: dry runs
 TUNE_SPACE = {  # coordinate-descent order: the parameters that move time most first
-    "kv_splits": (1, 2, 4, 8, 0),  # 0: per call, to reach target_programs (swept next, only then)
+    # split-K stays per call (kv_splits=0): a fixed count tuned at one cache length is wrong at another (at
+    # S=1024 it picked 4; a batch-1 decode at 32K needs ~64), so the tuner moves the rule's two knobs
     "target_programs": (128, 256, 512, 1024),
+    "min_split_blocks": (1, 2, 4, 8),
     "block_k": (32, 64, 128),
     "block_q": (16, 32, 64, 128),
     "num_warps": (4, 8),
@@ -182,8 +185,6 @@ def tune(bench: Bench, shapes: list[tuple[str, int, int]], deadline: float, max_
             if time.perf_counter() > deadline or len(tried) >= max_evals:
                 stopped = "budget" if time.perf_counter() > deadline else "max_evals"
                 break
-            if name == "target_programs" and best.kv_splits != 0:
-                break  # only kv_splits=0 reads it
             try:
                 cand = dataclasses.replace(best, **{name: val})
             except ValueError:
@@ -234,6 +235,7 @@ def main() -> None:
     parser.add_argument("--block-k", type=int, default=tab.BlockSizes.block_k)
     parser.add_argument("--kv-splits", type=int, default=tab.BlockSizes.kv_splits, help="0: per call")
     parser.add_argument("--target-programs", type=int, default=tab.BlockSizes.target_programs)
+    parser.add_argument("--min-split-blocks", type=int, default=tab.BlockSizes.min_split_blocks)
     parser.add_argument("--num-warps", type=int, default=0, help="0: the kernel's default")
     parser.add_argument("--num-stages", type=int, default=tab.BlockSizes.num_stages)
     parser.add_argument(
@@ -263,6 +265,7 @@ def main() -> None:
         block_k=args.block_k,
         kv_splits=args.kv_splits,
         target_programs=args.target_programs,
+        min_split_blocks=args.min_split_blocks,
         num_warps=args.num_warps or None,
         num_stages=args.num_stages,
     )

@@ -116,7 +116,7 @@ KERNEL_CASES = [
         2,
         32,
         jnp.float32,
-        tab.BlockSizes(block_k=32, kv_splits=0, target_programs=64),
+        tab.BlockSizes(block_k=32, kv_splits=0, target_programs=64, min_split_blocks=1),
         id="T48-auto4",
     ),
     pytest.param(8, 80, 6, 2, 48, jnp.float32, None, id="pad-S80-D48-f32"),
@@ -206,18 +206,28 @@ def test_bad_block_sizes_raise() -> None:
         tab.BlockSizes(kv_splits=-1)
     with pytest.raises(ValueError, match="target_programs"):
         tab.BlockSizes(kv_splits=0, target_programs=0)
+    with pytest.raises(ValueError, match="min_split_blocks"):
+        tab.BlockSizes(min_split_blocks=0)
     with pytest.raises(ValueError, match="unknown fields"):
         tab.BlockSizes.from_dict({"block_q": 32, "blockk": 32})
 
 
 def test_auto_kv_splits_fill_the_grid() -> None:
-    """kv_splits=0: the fewest splits that reach target_programs, at most one per key block; else fixed."""
-    auto = tab.BlockSizes(kv_splits=0, target_programs=256)
+    """kv_splits=0: the fewest splits that reach target_programs, each keeping min_split_blocks key blocks;
+    else fixed. The default is the per-call rule (a fixed 1 starved the 7B batch-1 decode on the H200)."""
+    auto = tab.BlockSizes(kv_splits=0, target_programs=256, min_split_blocks=1)
     assert auto.splits_for(programs=3, key_blocks=16) == 16  # SmolLM2 heads, B=1, T=16: 3 programs
     assert auto.splits_for(programs=24, key_blocks=16) == 11  # ceil(256 / 24)
     assert auto.splits_for(programs=96, key_blocks=16) == 3
     assert auto.splits_for(programs=768, key_blocks=16) == 1  # B=32 Qwen heads, T=64: no split
     assert tab.BlockSizes(kv_splits=2).splits_for(programs=768, key_blocks=16) == 2
+    default = tab.BlockSizes()
+    assert default.kv_splits == 0
+    assert default.splits_for(programs=3, key_blocks=16) == 4  # S=1024: 4 blocks per split (H200 tuning)
+    assert default.splits_for(programs=4, key_blocks=512) == 64  # Qwen 7B, B=1, 32K cache: 256 programs
+    assert default.splits_for(programs=4, key_blocks=64) == 16  # ... 4K cache: 4 blocks (256 keys) per split
+    assert default.splits_for(programs=128, key_blocks=512) == 2  # B=32 at 32K: the batch fills the grid
+    assert default.splits_for(programs=4, key_blocks=3) == 1  # a short cache is never split
 
 
 def test_tuned_block_sizes_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -65,7 +65,7 @@ def test_kernel_triton_module_verifies(t: int, kv_splits: int, dtype: jnp.dtype)
 
 @pytest.mark.parametrize("kv_splits", [1, 3, 0])
 def test_qwen_heads_with_padding_verify(kv_splits: int) -> None:
-    """Qwen-7B heads (GQA 7, D=128; kv_splits=0 picks 11 splits at B=1) and shapes that need padding
+    """Qwen-7B heads (GQA 7, D=128; kv_splits=0 picks 4 splits at B=1, S=1024) and shapes that need padding
     (S=80, D=48)."""
     bs = tab.BlockSizes(kv_splits=kv_splits)
     fn = functools.partial(ta.tree_attention_pallas, block_sizes=bs, interpret=False)

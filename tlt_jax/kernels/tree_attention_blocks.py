@@ -29,17 +29,22 @@ class BlockSizes:
         the next power of two >= the row count (and >= 16, the smallest `tl.dot` tile).
       block_k: keys per inner step over the prefix, and the chunk size over the tree tokens.
       kv_splits: programs sharing one row's prefix (flash-decoding split-K); > 1 helps small batches on
-        big GPUs, at the cost of a merge in the wrapper. 0: per call, the fewest splits that bring the grid
-        to `target_programs` programs (at most one per key block): split-K where the batch is small only.
+        big GPUs, at the cost of a merge in the wrapper. 0 (the default): per call, the fewest splits that
+        bring the grid to `target_programs` programs, each split keeping at least `min_split_blocks` key
+        blocks: split-K where the batch is small and the cache long. A fixed 1 leaves a batch-1 decode of
+        Qwen2.5-7B with 4 programs (one per KV head) for the whole cache, a few percent of an H100/H200.
       target_programs: the grid size `kv_splits=0` aims for (about 1-2 programs per SM).
+      min_split_blocks: with `kv_splits=0`, the fewest key blocks per split (a split's fixed cost, its
+        partial result and the merge, amortised over at least this many blocks).
       num_warps: Triton warps per program; None = 4 for head dim <= 64, else 8.
       num_stages: Triton software-pipelining stages.
     """
 
     block_q: int = 64
     block_k: int = 64
-    kv_splits: int = 1
+    kv_splits: int = 0
     target_programs: int = 256
+    min_split_blocks: int = 4
     num_warps: int | None = None
     num_stages: int = 2
 
@@ -48,14 +53,16 @@ class BlockSizes:
             val = getattr(self, name)
             if not (_is_pow2(val) and val >= 16):
                 raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {val}")
-        if self.kv_splits < 0 or self.target_programs < 1:
-            raise ValueError(f"BlockSizes: kv_splits must be >= 0 and target_programs >= 1, got {self}")
+        if self.kv_splits < 0 or self.target_programs < 1 or self.min_split_blocks < 1:
+            raise ValueError(
+                f"BlockSizes: kv_splits must be >= 0, target_programs and min_split_blocks >= 1, got {self}"
+            )
 
     def splits_for(self, programs: int, key_blocks: int) -> int:
         """KV splits for a grid of `programs` (rows x KV heads x query blocks) over `key_blocks` blocks."""
         if self.kv_splits:
             return self.kv_splits
-        return max(1, min(-(-self.target_programs // programs), key_blocks))
+        return max(1, min(-(-self.target_programs // programs), key_blocks // self.min_split_blocks))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
