@@ -2,7 +2,8 @@
 `simulate_rl.py --measured` read it instead of a roofline with zero fixed costs.
 
 Input: the JSON of the GPU suite's call 1 (`summary.json`, its `regime_7b.json` phase copy, or the worker's
-own file from `gpu/regime_7b.py`), e.g. `docs/gpu_runs/<date>-<device>/summary.json`: Qwen2.5-7B shapes with
+own file from `gpu/regime_7b.py`), e.g. `docs/gpu_runs/<date>-<device>/summary.json`, or several of one lease,
+comma-separated (their cells merged, the later file's winning): Qwen2.5-7B shapes with
 random bf16 weights on the device, plain decode steps at (batch, cache bucket) and speculative rounds at
 (batch, TV), every fixed per-kernel cost included, plus the device's copy bandwidth and bf16 matmul rate.
 
@@ -47,34 +48,57 @@ def _env(data: dict[str, Any], details: dict[str, Any]) -> dict[str, Any]:
     return {k: meta.get(k) for k in ("bandwidth_gb_s", "bf16_matmul_tflops", "device")}
 
 
-def load(path: str | pathlib.Path) -> dict[str, Any]:
-    """{device, bw, flops, plain {(batch, cache): s}, rounds {(batch, tv): s}, round_cache, drafter_step_s
-    (None if not measured), model, dry, source}: the cells a GPU call measured. Raises ValueError when the
-    file holds no 7B decode cell."""
-    path = pathlib.Path(path)
+def _read(path: pathlib.Path) -> dict[str, Any]:
+    """One file's cells: decode rows, each round row's own plain step, rounds, drafter step, env, meta."""
     data = json.loads(path.read_text())
     d = _regime_details(data)
-    env = _env(data, d)
-    plain = {(int(r["batch"]), int(r["cache"])): r["step_ms"] / 1e3 for r in d.get("decode", [])}
-    for r in d.get("round", []):  # each round row carries its plain step at the round cache
-        plain.setdefault((int(r["batch"]), int(r["cache"])), r["plain_step_ms"] / 1e3)
+    rounds = d.get("round", [])
+    return {
+        "env": _env(data, d),
+        "meta": d.get("meta") or {},
+        "decode": {(int(r["batch"]), int(r["cache"])): r["step_ms"] / 1e3 for r in d.get("decode", [])},
+        "round_plain": {(int(r["batch"]), int(r["cache"])): r["plain_step_ms"] / 1e3 for r in rounds},
+        "rounds": {(int(r["batch"]), int(r["tv"])): r["round_ms"] / 1e3 for r in rounds},
+        "round_cache": {int(r["cache"]) for r in rounds},
+        "drafter_step_s": next((r["step_ms"] / 1e3 for r in d.get("drafter", [])), None),
+        "dry": bool(data.get("dry_run")),
+    }
+
+
+def load(spec: str | pathlib.Path) -> dict[str, Any]:
+    """{device, bw, flops, plain {(batch, cache): s}, rounds {(batch, tv): s}, round_cache, drafter_step_s
+    (None if not measured), model, dry, source}: the cells a GPU call measured. `spec` is one file or
+    several, comma-separated (one lease's calls, e.g. a resumed call that measured the cells the first one
+    skipped): cells merge, a later file's cell replacing an earlier one, a decode row's plain step winning
+    over a round row's; the bandwidth and matmul rate are the first file's that has them. Raises ValueError
+    when no file holds a 7B decode cell."""
+    paths = [pathlib.Path(p) for p in str(spec).split(",") if p]
+    files = [_read(p) for p in paths]
+    plain: dict[tuple[int, int], float] = {}
+    for f in files:
+        plain.update(f["round_plain"])
+    for f in files:
+        plain.update(f["decode"])
     if not plain:
-        raise ValueError(f"{path}: no 7B decode cell (the GPU suite's regime_7b phase writes them)")
+        raise ValueError(f"{spec}: no 7B decode cell (the GPU suite's regime_7b phase writes them)")
+    env = next((f["env"] for f in files if isinstance(f["env"].get("bandwidth_gb_s"), (int, float))), {})
     bw, flops = env.get("bandwidth_gb_s"), env.get("bf16_matmul_tflops")
     if not isinstance(bw, (int, float)) or not isinstance(flops, (int, float)):
-        raise ValueError(f"{path}: no measured bandwidth / matmul rate (the env phase's)")
-    meta = d.get("meta") or {}
+        raise ValueError(f"{spec}: no measured bandwidth / matmul rate (the env phase's)")
+    meta = next((f["meta"] for f in files if f["meta"]), {})
+    drafter = [f["drafter_step_s"] for f in files if f["drafter_step_s"] is not None]
+    model = str(meta.get("model", "?"))
     return {
         "device": env.get("device") or meta.get("device"),
         "bw": float(bw) * 1e9,
         "flops": float(flops) * 1e12,
         "plain": plain,
-        "rounds": {(int(r["batch"]), int(r["tv"])): r["round_ms"] / 1e3 for r in d.get("round", [])},
-        "round_cache": sorted({int(r["cache"]) for r in d.get("round", [])}),
-        "drafter_step_s": next((r["step_ms"] / 1e3 for r in d.get("drafter", [])), None),
-        "model": meta.get("model", "?"),
-        "dry": "dry run" in str(meta.get("model", "")) or bool(data.get("dry_run")),
-        "source": str(path),
+        "rounds": {k: v for f in files for k, v in f["rounds"].items()},
+        "round_cache": sorted(set().union(*(f["round_cache"] for f in files))),
+        "drafter_step_s": drafter[-1] if drafter else None,
+        "model": model,
+        "dry": "dry run" in model or any(f["dry"] for f in files),
+        "source": ", ".join(str(p) for p in paths),
     }
 
 

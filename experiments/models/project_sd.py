@@ -450,7 +450,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--cpu-costs", default=None, help="step_costs.py --bench-shapes JSON for that run")
     ap.add_argument("--cache", type=int, default=4096, help="cache bucket of the projected steps")
     ap.add_argument(
-        "--measured", default=None, help="a GPU call's 7B costs (summary.json of the suite's call 1)"
+        "--measured",
+        default=None,
+        help="a GPU call's 7B costs (summary.json of the suite's call 1; several, comma-separated, merge)",
     )
     args = ap.parse_args(argv)
     gpu = load_gpu_run(pathlib.Path(args.gpu_run))

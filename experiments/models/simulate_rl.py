@@ -465,7 +465,8 @@ def main() -> None:
     ap.add_argument(
         "--measured",
         default=None,
-        help="projection: a GPU call's 7B costs (the GPU suite's call 1 summary.json), not the roofline",
+        help="projection: a GPU call's 7B costs (the GPU suite's call 1 summary.json; several, "
+        "comma-separated, merge), not the roofline",
     )
     ap.add_argument("--steps", type=int, default=3, help="projection: RL steps (fresh lengths each)")
     ap.add_argument("--lengths", default=None, help="projection: a rollouts.jsonl to resample lengths from")
