@@ -9,8 +9,10 @@ minutes; tests/experiments/test_experiments.py smoke-tests them on CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
+import re
 import shutil
 import time
 from typing import TYPE_CHECKING
@@ -44,10 +46,18 @@ IDENTITY_FLAGS = (
     "--json",
 )
 # float32 first: its identity at XLA's default GPU precision is the fixed defect to re-measure (issue #38:
-# 100% expected); bfloat16 (what GPU RL stacks roll out in) gets the rest of the phase
+# 100% expected), with most of the phase (H200 2026-11-26: not even its plain rollout in 49 s; bfloat16's
+# took 19.1 s); bfloat16 (what GPU RL stacks roll out in) gets what float32 leaves
 IDENTITY_DTYPES = ("float32", "bfloat16")
-IDENTITY_MIN_S = (
-    30.0  # a dtype with less left is skipped (the GGUF's load and the rollout programs' compiles)
+IDENTITY_FIRST_SHARE = 0.85  # of the phase for float32 (it leaves the rest when it finishes sooner)
+# a dtype with less left is skipped: the GGUF's load and the plain rollout's compiles (bfloat16 on the H200,
+# 2026-11-26: its plain rollout printed after ~35 s), then the rerun and a strategy
+IDENTITY_MIN_S = 45.0
+# sd_identity.py's per-strategy line ("   chain  3_1_4  1.000  0  nan  1.23 12  first divergences [...]"):
+# what a run cut before its RESULT line still measured
+IDENTITY_ROW = re.compile(
+    r"^\s*(chain|tree|ngram)\s+(\S+)\s+([\d.]+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\d+)\s+first divergences",
+    re.M,
 )
 DRY = "dry run: the script needs the 98 MB GGUF and minutes; its flags are checked against its argparse"
 
@@ -57,21 +67,24 @@ def _skip(phase: str, note: str) -> PhaseResult:
 
 
 def phase_identity(suite: Suite, timeout: float) -> PhaseResult:
-    """sd_identity.py per dtype (float32 first, half of the phase; bfloat16 the rest), at XLA's default GPU
-    matmul precision (nothing set: what the engine's programs choose themselves): 16 prompts x 4 samples
-    x 128 tokens at T 0.9, plain vs SD with the same keys (EAGLE chain, tree, n-gram): the fraction of
-    sequences identical token for token, first divergences, and a plain rerun as the control. The EAGLE
-    drafter is this lease's warmed one when the drafter phase has made one, else an untrained one."""
+    """sd_identity.py per dtype (float32 first, IDENTITY_FIRST_SHARE of the phase; bfloat16 what it leaves),
+    at XLA's default GPU matmul precision (nothing set: what the engine's programs choose themselves): 16
+    prompts x 4 samples x 128 tokens at T 0.9, plain vs SD with the same keys (EAGLE chain, tree, n-gram):
+    the fraction of sequences identical token for token, first divergences, and a plain rerun as the
+    control. The EAGLE drafter is this lease's warmed one when the drafter phase has made one, else an
+    untrained one. Each dtype's result is printed and written (the state's results, --out) as it ends; a run
+    cut before its RESULT line keeps the strategies it printed. The script's flags are checked in a dry run
+    only (on a GPU the check is one more Python start with JAX: ~20 s on the H200, 2026-11-26)."""
     script = EXP / "checks" / "sd_identity.py"
-    missing = [f for f in IDENTITY_FLAGS if f not in script_flags(script, suite.child_env("flags", {}))]
-    if missing:
-        return PhaseResult("identity", "failed", error=f"{script.name} no longer takes {missing}")
     if suite.dry:
+        missing = [f for f in IDENTITY_FLAGS if f not in script_flags(script, suite.child_env("flags", {}))]
+        if missing:
+            return PhaseResult("identity", "failed", error=f"{script.name} no longer takes {missing}")
         return PhaseResult("identity", "ok", details={"note": DRY, "flags_checked": list(IDENTITY_FLAGS)})
     trained = (suite.drafter_dir / "drafter").is_dir()
     drafter = ["--drafter-path", str(suite.drafter_dir)] if trained else []
     res = PhaseResult("identity", details={"drafter": str(suite.drafter_dir) if trained else "untrained"})
-    bad = []
+    bad: list[str] = []
     for i, dt in enumerate(IDENTITY_DTYPES):
         if suite.phase_left() < IDENTITY_MIN_S:
             bad.append(f"{dt} skipped: {suite.phase_left():.0f}s left")
@@ -79,19 +92,56 @@ def phase_identity(suite: Suite, timeout: float) -> PhaseResult:
         js = suite.state / f"identity_{dt}.json"
         js.unlink(missing_ok=True)
         cmd = [*script_cmd(script), "--dtype", dt, "--json", str(js), *drafter]
-        share = suite.phase_left() * (0.5 if i < len(IDENTITY_DTYPES) - 1 else 1.0)
+        share = suite.phase_left() * (IDENTITY_FIRST_SHARE if i < len(IDENTITY_DTYPES) - 1 else 1.0)
         proc = suite.run(f"identity_{dt}", cmd, share, {})
-        res.details[dt] = json.loads(js.read_text()) if js.exists() else {}
-        for k, v in parse_result(proc.output).items():
+        res.details[dt] = json.loads(js.read_text()) if js.exists() else identity_rows(proc.output)
+        for k, v in (parse_result(proc.output) or res.details[dt].get("results", {})).items():
             if k != "dtype":
                 res.metrics[f"{dt}_{k}"] = as_number(v)
-        if proc.rc != 0:
-            status = "timeout" if proc.timed_out else "failed"
+        status = "ok" if proc.rc == 0 else "timeout" if proc.timed_out else "failed"
+        if status != "ok":
             bad.append(f"{dt} {status}: {tail(proc.output, 300)}")
-    if bad:
         res.error = " | ".join(bad)
-        res.status = "partial" if any(res.details.get(dt) for dt in IDENTITY_DTYPES) else "failed"
+        res.status = identity_status(res, bad)
+        _save_interim(suite, res)
+        got = {k: v for k, v in res.metrics.items() if k.startswith(dt) and "identical_frac" in k}
+        print(f"##### identity {dt}: {status} in {proc.seconds:.0f}s; {got}", flush=True)
+    res.error = " | ".join(bad)
+    res.status = identity_status(res, bad)
     return res
+
+
+def identity_status(res: PhaseResult, bad: list[str]) -> str:
+    """ok, partial (a dtype cut, failed or skipped but something measured), or failed (nothing measured)."""
+    if not bad:
+        return "ok"
+    return "partial" if any(res.details.get(dt) for dt in IDENTITY_DTYPES) else "failed"
+
+
+def identity_rows(output: str) -> dict:
+    """The strategies a cut sd_identity.py run printed (its table rows; the --json file comes at the end):
+    {strategy: {mode, identical_frac, diverged, accept_len, seconds}, "results": {identical_frac_<s>, ...},
+    "cut": True}, or {} when it printed none."""
+    d: dict = {}
+    results: dict = {}
+    for name, mode, frac, div, _med, acc, secs in IDENTITY_ROW.findall(output):
+        row = {"mode": mode, "identical_frac": float(frac), "diverged": int(div), "seconds": float(secs)}
+        d[name] = {**row, "accept_len": as_number(acc)}
+        results |= {f"identical_frac_{name}": float(frac), f"diverged_{name}": int(div)}
+    plain = re.search(r"^plain: ([\d.]+)s", output, re.M)
+    if plain:
+        results["plain_s"] = float(plain.group(1))
+    return {**d, "results": results, "cut": True} if d or results else {}
+
+
+def _save_interim(suite: Suite, res: PhaseResult) -> None:
+    """The phase's result so far, into the state's results (a later --resume sees it) and --out (a call cut
+    by the device tool still returns it); the suite rewrites both when the phase ends."""
+    record = {**dataclasses.asdict(res), "call": suite.call, "dry_run": suite.dry, "time": time.ctime()}
+    record["interim"] = True
+    text = json.dumps(record, indent=2, default=str)
+    (suite.state / "results" / f"{res.phase}.json").write_text(text)
+    (suite.out / f"{res.phase}.json").write_text(text)
 
 
 VERIFY_STRATEGIES = "3_1_4,8_2_16,8_3_64"  # bench_sd's mapping for TV 4, 16, 64 (each strategy: 5 programs)
@@ -154,7 +204,22 @@ def phase_compile(suite: Suite, timeout: float) -> PhaseResult:
         first = first_run_compile_s(out / "run1" / "metrics.jsonl")
         if first is not None and "compile_first_s" not in res.metrics:  # the rerun was cut: keep run 1
             res.status, res.metrics["compile_first_s"] = "partial", first
+        low = compile_so_far_s(proc.output)
+        if "compile_first_s" not in res.metrics and low:  # run 1 cut: its compile seconds so far
+            res.metrics["compile_first_s_at_least"] = low
     return res
+
+
+COMPILED_SO_FAR = re.compile(r"^step 1/\d+ (\w+) .*compiled \d+ programs? \((\d+) s\) in this phase", re.M)
+
+
+def compile_so_far_s(output: str) -> float | None:
+    """A lower bound of the first step's compile seconds from the learner's progress lines ("step 1/1
+    rollout 1:21 | ... | compiled 13 programs (80 s) in this phase"): each phase's last figure, summed."""
+    last: dict[str, float] = {}
+    for phase, secs in COMPILED_SO_FAR.findall(output):
+        last[phase] = float(secs)
+    return sum(last.values()) if last else None
 
 
 def first_run_compile_s(metrics: pathlib.Path) -> float | None:

@@ -27,8 +27,8 @@ A task is lent a GPU for 15 minutes of device time in all (start, transfers and 
 plan is two calls (gpu_regime.PLAN: <= 12 minutes with the machine's start, printed at every call); the 98
 MB model cannot travel in one call (64 MiB), so each call carries one part of `make gpu-bundle`'s
 .gpu_bundle, which the suite copies into its state folder on arrival:
-  --call 1  (285 s)  env, regime_7b, tree_attention            carry .gpu_bundle/a (wheels, model part 1)
-  --call 2  (285 s)  env, model, identity, compile, update_7b  carry .gpu_bundle/b (model part 2)
+  --call 1  (305 s)  env, regime_7b, update_7b, tree_attention  carry .gpu_bundle/a (wheels, model part 1)
+  --call 2  (265 s)  env, model, identity, compile              carry .gpu_bundle/b (model part 2)
   --call 3, --call 4 (570 / 540 s): the other phases, for a session with a longer lease
 State that later calls use (the bundle parts, the model, wheels, tuned block sizes, the drafter, the XLA and
 inductor caches, every phase's result) lives outside the repository (gpu_state.py: --state-dir, else

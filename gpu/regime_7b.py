@@ -1,9 +1,10 @@
 """The paper's regime on one GPU: Qwen2.5-7B shapes with random bf16 weights born on the device (issue #38).
 
-Run by the GPU suite's `regime_7b` phase (call 1; no model file, only the bundle's wheels) and `update_7b`
-phase (call 2), each in one subprocess that writes its JSON after every measurement, so a run cut at its
-time limit still leaves what it measured. Parts, in priority order, each with a share of `--budget-s` (what
-one part leaves goes to the next; a cell that cannot finish in what is left is skipped with the reason):
+Run by the GPU suite's `regime_7b` and `update_7b` phases (call 1; no model file, only the bundle's wheels),
+each in one subprocess that writes its JSON after every measurement, so a run cut at its time limit still
+leaves what it measured. The model's init comes first (outside the shares), then the parts, in priority
+order, each with a share of what `--budget-s` has left then (what one part leaves goes to the next; a cell
+that cannot finish in what is left is skipped with the reason):
 
   decode   plain decode chunks (the engine's own program, `RolloutEngine.decode_chunk`, an engine without a
            drafter as bench_sd's baseline) at batch 1 (4K, then 32K cache), then 8, 32, 128 at 4K, then at
@@ -18,7 +19,7 @@ one part leaves goes to the next; a cell that cannot finish in what is left is s
            (`drafter.trainer.train_step`, config.spot's packed batch of configs/qwen2_5_7b.py);
   split    the round split into draft / verify / accept / commit (`experiments/bench/verify_breakdown.py`:
            each phase its own looped program, 8 programs per TV), batch 1 first, while time lasts;
-  update   (call 2, regime_train.py) the policy update's accumulation over one micro-batch (`memory_plan`'s
+  update   (update_7b, regime_train.py) the policy update's accumulation over one micro-batch (`memory_plan`'s
            program: the trainer's layers scanned, remat, chunked MLP and logits as configs/qwen2_5_7b.py) at
            --update-len tokens per row, with as many layers as the plan says fit the device, peak memory
            (`memory_stats`) against the plan's figure (XLA's accounting of the same program).
@@ -90,7 +91,8 @@ def build_engines(
     t = time.perf_counter()
     model = random_model(cfg, seed=0)
     drafter = random_drafter(cfg, seed=1)
-    rec.compiled("init_random_weights (target + drafter)", time.perf_counter() - t)
+    # not a cell's program: the per-cell estimate must not follow it (35 s cold on the H200, 1.8 s warm)
+    rec.compiled("init_random_weights (target + drafter)", time.perf_counter() - t, estimate=False)
     ecfg = EngineConfig(max_new_tokens=max_new, max_cache_len=1 << 20, chunk_steps=chunk_steps)
     plain = RolloutEngine(model, ecfg, eos_ids=[])
     return plain, RolloutEngine(model, ecfg, eos_ids=[], drafter=drafter)
@@ -299,7 +301,7 @@ def part_split(
             for prog, fn in vb.build(engine, mode, state, sp, inner).items():
                 timed[f"{tv}/{prog}"] = fn
             per_build = time.perf_counter() - t
-            rec.compiled(f"split_b{b}_tv{tv} (8 programs)", per_build)
+            rec.compiled(f"split_b{b}_tv{tv} (8 programs)", per_build, estimate=False)
         ms = {k: v / inner * 1e3 for k, v in vb.interleaved(timed, args.reps).items()}
         for tv in modes:
             if f"{tv}/round" not in ms:
@@ -314,22 +316,44 @@ def part_split(
         gc.collect()
 
 
-def run_parts(parts: list[str], rec: Recorder, args: argparse.Namespace, dry: bool) -> None:
-    """The parts in order, each under its deadline; a part that fails is recorded and the next one runs."""
+MODEL_PARTS = ("decode", "round", "split")  # the parts that need the 7B engines
+
+
+def setup(rec: Recorder, dry: bool) -> tuple[RolloutEngine, RolloutEngine, dict[int, str]]:
+    """(plain engine, speculative engine, TV -> mode): the random model, its drafter and the round's modes;
+    a dry run also sets the simulated device limit (the weights and the first decode cell only)."""
     g = 1 if dry else 0
-    plain, engine, modes = None, None, {}
+    plain, engine = build_engines(model_config(dry), rec, 4 if dry else 16, 512 if dry else 2048)
+    modes = {tv: engine.add_mode("eagle", strategy(tv)) for tv in GRID["round_tvs"][g]}
+    if dry:  # a device that holds the weights and the first decode cell only: later cells skip
+        b, c = GRID["decode_batches"][g][0], GRID["decode_caches"][g][0]
+        need = tree_bytes(engine.params) + b * c * kv_bytes_per_token(engine.model_config)
+        SIMULATED_LIMIT[:] = [int(need / FIT_FRACTION) + 1]
+        rec.data["meta"]["simulated_limit"] = SIMULATED_LIMIT[0]
+    return plain, engine, modes
+
+
+def run_parts(parts: list[str], rec: Recorder, args: argparse.Namespace, dry: bool) -> None:
+    """The parts in order, each under its deadline; a part that fails is recorded and the next one runs.
+    The model is made first, before any part's share is computed: its init (a cold compile of 35 s on the
+    H200) is spent before the parts share what is left."""
+    g = 1 if dry else 0
+    plain = engine = None
+    modes: dict[int, str] = {}
+    no_model = ""
+    if any(p in MODEL_PARTS for p in parts):
+        try:
+            plain, engine, modes = setup(rec, dry)
+        except Exception as e:  # recorded; the model's parts are skipped, the others run
+            no_model = f"{type(e).__name__}: {e}"[:600]
+            rec.add("errors", {"what": "init", "error": no_model, "trace": traceback.format_exc()[-1500:]})
+            print(f"   init failed: {no_model[:300]}", flush=True)
     for i, part in enumerate(parts):
         rec.start_part(part, parts[i:])
         try:
-            if part in ("decode", "round", "split") and engine is None:
-                plain, engine = build_engines(model_config(dry), rec, 4 if dry else 16, 512 if dry else 2048)
-                modes = {tv: engine.add_mode("eagle", strategy(tv)) for tv in GRID["round_tvs"][g]}
-                if dry:  # a device that holds the weights and the first decode cell only: later cells skip
-                    b, c = GRID["decode_batches"][g][0], GRID["decode_caches"][g][0]
-                    need = tree_bytes(engine.params) + b * c * kv_bytes_per_token(engine.model_config)
-                    SIMULATED_LIMIT[:] = [int(need / FIT_FRACTION) + 1]
-                    rec.data["meta"]["simulated_limit"] = SIMULATED_LIMIT[0]
-            if part == "decode":
+            if part in MODEL_PARTS and engine is None:
+                rec.skip(part, f"no model: {no_model[:200]}", "error")
+            elif part == "decode":
                 part_decode(plain, rec, args, g)
             elif part == "round":
                 part_round(plain, engine, rec, args, g, modes)

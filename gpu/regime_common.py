@@ -10,8 +10,14 @@ import time
 from typing import Any
 
 GIB = 2**30
-# of a worker's time, per part (what one part leaves goes to the next); the split (8 programs per TV) last
-SHARES = {"decode": 0.3, "round": 0.3, "drafter": 0.1, "split": 0.3, "update": 1.0}
+# of a worker's time after the model's init, per part, in priority order: each part's deadline keeps the later
+# parts' shares (what one part leaves goes to the next). On the H200 (2026-11-26) decode's 7 cells took 59 s
+# with a warm cache (~60-90 s cold: 7-13 s per program), round's b1 at 4 TVs ~60 s cold, b8 ~55 s more, the
+# drafter's step 21 s to compile; the split (8 programs per TV) gets what is left
+SHARES = {"decode": 0.6, "round": 0.38, "drafter": 0.01, "split": 0.01, "update": 1.0}
+# a program's compile seconds before any has compiled in this process (H200 2026-11-26, cold: the 7B chunk
+# programs 7.4 s (plain b1), 11.0 s (3_1_4), 13.2 s (8_2_16))
+PRIOR_COMPILE_S = 13.0
 TINY = dict(  # a dry run's Qwen2 (the 7B preset's code paths at unit-test sizes)
     vocab_size=256,
     hidden_size=64,
@@ -32,7 +38,9 @@ class Recorder:
         self.path, self.t0, self.budget_s = path, time.perf_counter(), budget_s
         self.data: dict[str, Any] = {"meta": meta, "compile": [], "skipped": [], "errors": []}
         self.part_deadline = self.t0 + budget_s
-        self.compile_guess = 0.0
+        self.estimating: list[float] = []  # compile seconds of the programs the estimate follows
+        self.parts_budget: float | None = None  # what the parts share (fixed when the first one starts)
+        self.parts_total = 1.0
         self.save()
 
     def left(self) -> float:
@@ -41,19 +49,33 @@ class Recorder:
     def part_left(self) -> float:
         return min(self.part_deadline, self.t0 + self.budget_s) - time.perf_counter()
 
+    @property
+    def compile_guess(self) -> float:
+        """The next program's compile seconds: the largest of this process's programs measured so far that
+        the estimate follows (chunk and update programs; not the weights' init, the drafter's step or a
+        split's group of 8), PRIOR_COMPILE_S before the first."""
+        return max(self.estimating) if self.estimating else PRIOR_COMPILE_S
+
     def start_part(self, part: str, remaining: list[str]) -> None:
-        """This part's deadline: its share of the time left among the parts still to run."""
-        total = sum(SHARES[p] for p in remaining)
-        self.part_deadline = time.perf_counter() + self.left() * SHARES[part] / total
+        """This part's deadline: the end of the budget less the shares of the parts after it, of what the
+        parts had when the first one started (after the model's init), so what a part leaves goes to the
+        next one and no part eats the later parts' shares."""
+        if self.parts_budget is None:
+            self.parts_budget = max(self.left(), 0.0)
+            self.parts_total = sum(SHARES[p] for p in remaining)
+        later = sum(SHARES[p] for p in remaining[1:])
+        self.part_deadline = self.t0 + self.budget_s - self.parts_budget * later / self.parts_total
         print(f"## part {part}: {self.part_left():.0f}s of {self.left():.0f}s left", flush=True)
 
     def add(self, key: str, row: dict[str, Any]) -> None:
         self.data.setdefault(key, []).append(row)
         self.save()
 
-    def compiled(self, program: str, seconds: float) -> None:
-        """A program's first-call compile seconds (the guess for the next cell's compile follows it)."""
-        self.compile_guess = max(self.compile_guess, seconds)
+    def compiled(self, program: str, seconds: float, estimate: bool = True) -> None:
+        """A program's first-call compile seconds; with `estimate`, the guess for the next cell's compile
+        follows it (`compile_guess`)."""
+        if estimate:
+            self.estimating.append(seconds)
         self.add("compile", {"program": program, "seconds": round(seconds, 3)})
 
     def skip(self, what: str, why: str, kind: str = "budget") -> None:
@@ -66,8 +88,9 @@ class Recorder:
         """Whether `need_s` seconds are left in this part; else the cell is skipped with the reason."""
         if self.part_left() >= need_s:
             return True
-        self.skip(what, f"time budget: needs ~{need_s:.0f}s (compile ~{self.compile_guess:.0f}s + runs), "
-                  f"{max(self.part_left(), 0):.0f}s left in the part")  # fmt: skip
+        guess, left = self.compile_guess, max(self.part_left(), 0)
+        self.skip(what, f"time budget: needs ~{need_s:.0f}s (compiles + runs; a program ~{guess:.0f}s), "
+                  f"{left:.0f}s left in the part")  # fmt: skip
         return False
 
     def save(self) -> None:

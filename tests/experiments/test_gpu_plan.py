@@ -17,7 +17,8 @@ import pytest
 
 from experiments.models import measured_costs as mc
 from experiments.models import project_sd as ps
-from gpu import gpu_regime, gpu_suite
+from gpu import gpu_measure, gpu_regime, gpu_suite, regime_7b, regime_common
+from gpu.regime_common import PRIOR_COMPILE_S, SHARES, Recorder
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -81,8 +82,10 @@ def test_plan_budget_and_calls() -> None:
         assert gpu_suite.CALL_BUDGETS[call] == gpu_regime.CALL_BUDGET_S[call]
         assert sum(p[2] for p in phases) <= gpu_regime.CALL_BUDGET_S[call] - gpu_suite.REPORT_RESERVE_S
         assert all(p[0] in gpu_suite.PHASES for p in phases)
-    assert gpu_suite.CALLS["1"][:2] == ("env", "regime_7b")  # wheels only: no model phase in call 1
-    assert "model" in gpu_suite.CALLS["2"] and gpu_suite.CALLS["2"][-1] == "update_7b"
+    # wheels only in call 1: no model phase; the update after the regime, the kernel's table if time is left
+    assert gpu_suite.CALLS["1"] == ("env", "regime_7b", "update_7b", "tree_attention")
+    assert gpu_suite.CALLS["2"] == ("env", "model", "identity", "compile")
+    assert all("2026-11-26" in p[3] for phases in gpu_regime.PLAN.values() for p in phases)
     assert gpu_suite.CALLS["plan"] == tuple(dict.fromkeys(gpu_suite.CALLS["1"] + gpu_suite.CALLS["2"]))
 
 
@@ -162,3 +165,62 @@ def test_resume_of_the_plan_runs_only_its_unfinished_phases(tmp_path: pathlib.Pa
     args = argparse.Namespace(phases="", resume=True, call="plan")
     assert gpu_suite.select_phases(args, suite) == ("env", "regime_7b", "update_7b")
     suite.log.close()
+
+
+def test_regime_estimate_excludes_the_init_and_parts_pass_on_their_time(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-cell compile estimate follows the chunk programs only (the prior before the first; the
+    weights' init, 35 s cold on the H200, is left out); the init is spent before the parts' shares are
+    fixed; a part that ends early leaves its time to the next one, and a cell that does not fit is skipped
+    with the reason."""
+    now = [0.0]  # the Recorder's clock, advanced by the stand-ins below
+    monkeypatch.setattr(regime_common, "time", argparse.Namespace(perf_counter=lambda: now[0]))
+    rec = Recorder(tmp_path / "r.json", 200.0, {})
+    seen: dict[str, tuple[float, float]] = {}
+
+    def setup(rec: Recorder, dry: bool) -> tuple:
+        rec.compiled("init_random_weights (target + drafter)", 35.0, estimate=False)
+        now[0] += 35.0
+        return "plain", "engine", {16: "8_2_16"}
+
+    def decode(plain: str, rec: Recorder, *_: object) -> None:
+        seen["decode"] = (rec.part_left(), rec.compile_guess)
+        rec.compiled("chunk_plain_b1_c4096", 7.4)
+        now[0] += 20.0  # decode ends 20 s into its share
+
+    def round_(plain: str, engine: str, rec: Recorder, *_: object) -> None:
+        seen["round"] = (rec.part_left(), rec.compile_guess)
+        now[0] += rec.part_left() - 10.0  # 10 s left in the part: a cell needs ~12 s
+        assert not rec.affordable("round b8 tv16 c4096", rec.compile_guess + 5.0)
+
+    monkeypatch.setattr(regime_7b, "setup", setup)
+    monkeypatch.setattr(regime_7b, "part_decode", decode)
+    monkeypatch.setattr(regime_7b, "part_round", round_)
+    monkeypatch.setattr(regime_7b, "part_split", lambda *a: seen.setdefault("split", (rec.part_left(), 0)))
+    regime_7b.run_parts(["decode", "round", "split"], rec, argparse.Namespace(), dry=True)
+    share = {p: 165.0 * SHARES[p] / (SHARES["decode"] + SHARES["round"] + SHARES["split"]) for p in SHARES}
+    assert seen["decode"] == (pytest.approx(share["decode"]), PRIOR_COMPILE_S)  # of 200 - 35; not 35 s
+    assert seen["round"] == (pytest.approx(share["decode"] + share["round"] - 20.0), 7.4)  # decode's rest
+    assert seen["split"][0] == pytest.approx(10.0 + share["split"])
+    skip = json.loads((tmp_path / "r.json").read_text())["skipped"]
+    why = "time budget: needs ~12s (compiles + runs; a program ~7s), 10s left in the part"
+    assert skip == [{"what": "round b8 tv16 c4096", "why": why, "kind": "budget"}]
+
+
+def test_identity_and_compile_keep_what_a_cut_run_printed() -> None:
+    """A cut sd_identity.py run keeps the strategies its table printed; a cut first GRPO step gives its
+    compile seconds so far (each phase's last figure, summed: the H200's 80 s of 2026-11-26), which over
+    60 s fails the compile goal."""
+    out = "plain: 35.2s\n   chain  eagle_3_1_4  0.984  1  57  1.23 12  first divergences [57]\n"
+    rows = gpu_measure.identity_rows(out)
+    assert rows["chain"]["identical_frac"] == 0.984 and rows["results"]["plain_s"] == 35.2 and rows["cut"]
+    assert gpu_measure.identity_rows("killed before anything") == {}
+    log = "".join(
+        f"step 1/1 rollout 0:{t} | 16 rows | compiled {n} programs ({s} s) in this phase\n"
+        for t, n, s in ((40, 4, 36), (81, 13, 80))
+    )
+    log += "step 1/1 update 0:05 | compiled 1 program (9 s) in this phase\n"
+    assert gpu_measure.compile_so_far_s(log) == 89
+    results = {"compile": {"metrics": {"compile_first_s_at_least": 80.0}}}
+    assert gpu_regime.regime_targets(results)["compile"] == "fail"
