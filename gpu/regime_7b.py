@@ -13,8 +13,8 @@ that cannot finish in what is left is skipped with the reason):
            KV cache cannot fit the device are skipped with the arithmetic;
   round    one speculative round (EAGLE, bench_sd's TV -> strategy mapping, TV 16 (a goal at batch 1), 4,
            64, 48) at batch 1, 8, 32, cache 4K: the engine's speculative chunk, seconds per round and in plain
-           steps of the same batch and cache (the random drafter's acceptance is irrelevant: the round's work
-           is fixed);
+           steps of the same batch and cache, drafting over the warm-up's 8,192-id draft vocabulary as a
+           warmed drafter does (the random drafter's acceptance is irrelevant: the round's work is fixed);
   drafter  (regime_train.py) one optimizer step of the EAGLE drafter at 7B width
            (`drafter.trainer.train_step`, config.spot's packed batch of configs/qwen2_5_7b.py);
   split    the round split into draft / verify / accept / commit (`experiments/bench/verify_breakdown.py`:
@@ -77,13 +77,24 @@ def model_config(dry: bool) -> ModelConfig:
     return presets.arch_config("qwen2_5_7b", **(TINY if dry else {}))
 
 
+def draft_vocab_size(cfg: ModelConfig) -> int:
+    """The drafter head's size in the speculative engine: the warm-up's default `draft_vocab_size`."""
+    from tlt_jax.drafter.warmup_config import WarmupRunSection
+
+    return min(WarmupRunSection().draft_vocab_size, cfg.vocab_size)
+
+
 def build_engines(
     cfg: ModelConfig, rec: Recorder, chunk_steps: int, max_new: int
 ) -> tuple[RolloutEngine, RolloutEngine]:
     """(plain engine, speculative engine) over one random `cfg` target, weights drawn on the device by one
     jitted program each (`models.random_init`: no host copy of 15 GB; both engines hold the same arrays).
     The plain one has no drafter, as bench_sd's baseline: with EAGLE modes registered, an engine's plain
-    chunks also keep the drafter's cache up to date."""
+    chunks also keep the drafter's cache up to date. The speculative one drafts over a reduced head of the
+    warm-up's `draft_vocab_size` ids, as an engine with a warmed drafter does (at 7B the full 152K head is
+    1.09 GB read per draft step; which ids does not change a round's work)."""
+    import numpy as np
+
     from tlt_jax.models.random_init import random_drafter, random_model
     from tlt_jax.rollout.engine import RolloutEngine
     from tlt_jax.rollout.interface import EngineConfig
@@ -95,7 +106,8 @@ def build_engines(
     rec.compiled("init_random_weights (target + drafter)", time.perf_counter() - t, estimate=False)
     ecfg = EngineConfig(max_new_tokens=max_new, max_cache_len=1 << 20, chunk_steps=chunk_steps)
     plain = RolloutEngine(model, ecfg, eos_ids=[])
-    return plain, RolloutEngine(model, ecfg, eos_ids=[], drafter=drafter)
+    vocab = np.linspace(0, cfg.vocab_size - 1, draft_vocab_size(cfg)).astype(np.int64)
+    return plain, RolloutEngine(model, ecfg, eos_ids=[], drafter=drafter, draft_vocab=vocab)
 
 
 def step_weight_bytes(engine: RolloutEngine) -> int:
@@ -393,6 +405,7 @@ def meta(dry: bool, args: argparse.Namespace) -> dict[str, Any]:
         "bf16_matmul_tflops": args.matmul_tflops or None,
         "kv_bytes_per_token": kv_bytes_per_token(cfg),
         "paper_plain_tok_s": PAPER_PLAIN_TOK_S,
+        "draft_vocab": draft_vocab_size(cfg),  # the rounds' drafter head
         "budget_s": args.budget_s,
         "jax_cache": cache,
         # a warm persistent cache makes "first-call compile" seconds cache loads: say how warm it was
