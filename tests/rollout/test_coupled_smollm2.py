@@ -83,7 +83,7 @@ class RotateModes(RolloutHooks):
 
 
 @pytest.mark.slow
-def test_speculative_rollouts_equal_plain_token_for_token(smollm):
+def test_speculative_rollouts_equal_plain_token_for_token(smollm, xla_optimized):
     model, prompts = smollm
     cache = 1 << int(np.ceil(np.log2(max(map(len, prompts)) + NEW + 8)))
     cfg = EngineConfig(max_new_tokens=NEW, max_cache_len=cache, min_cache_bucket=cache, chunk_steps=8)

@@ -496,7 +496,7 @@ def _sample(engine, prompt: list[int], mode: str, seed: int):
 
 
 @pytest.mark.slow
-def test_speculative_sampling_is_lossless(sampling_setup):
+def test_speculative_sampling_is_lossless(sampling_setup, xla_optimized):
     """32,768 samples of the first three response tokens per variant, chi-square against the target's exact
     joint (p > 1e-3), for every acceptance rule: coupled verification (chain and tree: every token is plain
     decoding's own draw), the target-only walk (argmax chain and tree), rejection sampling of a chain with
