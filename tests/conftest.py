@@ -78,9 +78,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the tests marked slow first (a stable sort: each group keeps its order). With xdist workers a
-    minute-long test collected last would run alone at the end of the suite while the other worker idles;
-    started first, the short tests fill in around it."""
+    """Run the tests marked slow first (a stable sort: each group keeps its order), so their files come first
+    (make test gives each file to one xdist worker, in this order). A minute-long test collected last would
+    run alone at the end of the suite while the other worker idles; started first, the short files fill in
+    around it."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

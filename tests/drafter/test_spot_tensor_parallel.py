@@ -131,6 +131,7 @@ def gathered_param_shapes(eng: RolloutEngine) -> tuple[set[str], str]:
     return split, compiled.as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.devices(8)
 @pytest.mark.parametrize(("data", "tp"), [(2, 4), (4, 2)])
 def test_idle_groups_train_while_tensor_parallel_groups_decode(model: Transformer, data: int, tp: int):
