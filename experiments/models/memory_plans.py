@@ -29,8 +29,8 @@ train state; during the update the engine's weights. Every layout is the one the
 comes from `rl.config.abstract_policy_trainer` (AdamW moments sharded like the params they track).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.models.memory_plans [--quick]
---responses 8192,16384,32768 [--compile-times]: instead, the paper's update (configs/qwen2_5_7b.py,
-1,024-token prompts) compiled at full depth (layers scanned: no extrapolation) per response length, with
+--responses 8192,16384,32768 [--compile-times]: instead, the paper's update (configs/qwen2_5_7b.py, or the
+first of --configs, 1,024-token prompts) compiled at full depth (layers scanned: no extrapolation) per response length, with
 the resident state (`memory_plan.update_plan`; RESULT <program>_gib=.. fits_72gib=yes|no), and the update's
 compile time scanned vs unrolled at 7 and 28 layers (at the first length).
 --rollout [--insert-rows 8,64]: instead, the paper's rollout at the config's running-rows cap
@@ -441,8 +441,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def update_main(args: argparse.Namespace, t0: float) -> None:
-    """The paper's update at full depth (see the module docstring): table, compile times, RESULT."""
-    config = config_lib.load_config_file(CONFIGS["7b"])
+    """The paper's update at full depth (see the module docstring): table, compile times, RESULT. The config
+    is the first of --configs (7b by default; 32b wants 16 devices: its mesh is data x 8)."""
+    config = config_lib.load_config_file(CONFIGS[args.configs[0]])
     config.model.init = "random"
     if args.micro_batch:
         config.trainer.micro_batch_size = args.micro_batch

@@ -123,53 +123,41 @@ def _attention_stacked(
     return linear(out, attn.o_proj[...], cfg.linear_impl), k_all, v_all
 
 
-def _scan_carry(
+def _scan_layers(
     defs: ScanDefs,
     layers: Any,
     x: jax.Array,
     rope: tuple,
     cache: StackedKVCache,
-    mask: jax.Array,
-    impl: str,
-    unroll: int | bool = 1,
+    ctx: tuple[jax.Array, str, str, int | bool],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The layers as one scan whose carry is (x, stacked k, stacked v) and whose xs are (layer states, l)."""
+    """The layers as one scan; `ctx` = (mask, attn_impl, cache_mode, unroll). "carry": the carry is (x,
+    stacked k, stacked v), the xs (layer states, l); "xs": the xs are (layer states, k[l], v[l]) and the
+    updated slices the ys."""
+    mask, impl, mode, unroll = ctx
 
-    def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
+    def body_carry(carry: tuple, xs: tuple) -> tuple[tuple, None]:
         x, k_all, v_all = carry
         state, layer_idx = xs
         layer: DecoderLayer = nnx.merge(defs.layer, state)
         h = layer.input_norm(x)
-        ctx = (layer_idx, cache.lengths, mask, impl)
-        a, k_all, v_all = _attention_stacked(layer.attn, h, rope, (k_all, v_all), ctx)
+        a, k_all, v_all = _attention_stacked(
+            layer.attn, h, rope, (k_all, v_all), (layer_idx, cache.lengths, mask, impl)
+        )
         x = x + a
         x = x + layer.mlp(layer.post_attn_norm(x))
         return (x, k_all, v_all), None
 
-    num_layers = cache.k.shape[0]
-    idx = jnp.arange(num_layers, dtype=jnp.int32)
-    (x, k_all, v_all), _ = lax.scan(body, (x, cache.k, cache.v), (layers, idx), unroll=unroll)
-    return x, k_all, v_all
-
-
-def _scan_xs(
-    defs: ScanDefs,
-    layers: Any,
-    x: jax.Array,
-    rope: tuple,
-    cache: StackedKVCache,
-    mask: jax.Array,
-    impl: str,
-    unroll: int | bool = 1,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The layers as one scan over (layer states, k[l], v[l]) emitting the updated slices as ys."""
-
-    def body(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def body_xs(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         state, kc, vc = xs
         x, kc, vc = nnx.merge(defs.layer, state)(x, *rope, kc, vc, cache.lengths, mask, impl)
         return x, (kc, vc)
 
-    x, (k_all, v_all) = lax.scan(body, x, (layers, cache.k, cache.v), unroll=unroll)
+    if mode == "carry":
+        idx = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
+        (x, k_all, v_all), _ = lax.scan(body_carry, (x, cache.k, cache.v), (layers, idx), unroll=unroll)
+    else:
+        x, (k_all, v_all) = lax.scan(body_xs, x, (layers, cache.k, cache.v), unroll=unroll)
     return x, k_all, v_all
 
 
@@ -195,8 +183,8 @@ def scan_forward(
     b, t = tokens_bt.shape
     mask_btt = causal_mask(b, t) if mask_btt is None else mask_btt
     rope = rope_cos_sin(positions_bt, shell.cfg.head_dim, shell.cfg.rope_theta)
-    run = _scan_carry if cache_mode == "carry" else _scan_xs
     x = shell.embed_tokens(tokens_bt)
-    x, k_all, v_all = run(defs, params.layers, x, rope, cache, mask_btt, attn_impl, unroll)
+    ctx = (mask_btt, attn_impl, cache_mode, unroll)
+    x, k_all, v_all = _scan_layers(defs, params.layers, x, rope, cache, ctx)
     hidden = shell.norm(x)
     return shell.logits(hidden), hidden, cache.replace(k=k_all, v=v_all)
