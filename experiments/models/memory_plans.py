@@ -30,9 +30,10 @@ comes from `rl.config.abstract_policy_trainer` (AdamW moments sharded like the p
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.models.memory_plans [--quick]
 --responses 8192,16384,32768 [--compile-times]: instead, the paper's update (configs/qwen2_5_7b.py, or the
-first of --configs, 1,024-token prompts) compiled at full depth (layers scanned: no extrapolation) per response length, with
-the resident state (`memory_plan.update_plan`; RESULT <program>_gib=.. fits_72gib=yes|no), and the update's
-compile time scanned vs unrolled at 7 and 28 layers (at the first length).
+first of --configs, 1,024-token prompts) compiled at full depth (layers scanned: no extrapolation) per
+response length, with the resident state (`memory_plan.update_plan`; RESULT <program>_gib=..
+fits_72gib=yes|no), and the update's compile time scanned vs unrolled at 7 and 28 layers (at the first
+length).
 --rollout [--insert-rows 8,64]: instead, the paper's rollout at the config's running-rows cap
 (experiments/models/rollout_plan.py; RESULT <program>_gib=.. fits_72gib=..).
 Final line: `RESULT gib_<layout>_<cfg>=.. peak_<phase>_<cfg>=.. fits_<cfg>=0|1|uncertain ..
@@ -60,9 +61,10 @@ from jax.sharding import AbstractMesh, AxisType  # noqa: E402
 
 from experiments.lib import harness as h  # noqa: E402
 from experiments.paper.program_layouts import ALL_LAYOUTS, layout_programs, layout_totals  # noqa: E402
-from tlt_jax import config_lib  # noqa: E402
+from tlt_jax import config_lib, config_schema  # noqa: E402
 from tlt_jax import memory_plan as mpp  # noqa: E402
 from tlt_jax.models.build import model_config_from  # noqa: E402
+from tlt_jax.rl import config as rl_config  # noqa: E402
 from tlt_jax.rollout.programs import ProgramInfo  # noqa: E402
 
 CONFIGS = {"7b": h.CONFIGS / "qwen2_5_7b.py", "32b": h.CONFIGS / "qwen2_5_32b.py"}
@@ -447,6 +449,7 @@ def update_main(args: argparse.Namespace, t0: float) -> None:
     config.model.init = "random"
     if args.micro_batch:
         config.trainer.micro_batch_size = args.micro_batch
+    config_schema.fail(rl_config.rl_problems(config))  # e.g. a micro-batch that splits a group, not 0 rows
     nbs, mesh, tc = [int(x) for x in args.responses.split(",")], config_lib.build_mesh(config), config.trainer
     print(f"mesh {dict(mesh.shape)}; trainer {tc.to_dict()}", flush=True)
     infos, res = mpp.update_plan(config, mesh, 1024, nbs)
