@@ -89,9 +89,11 @@ LIMITS = {
     "drafter": (420, 60),
     "sd": (300, 90),
     "e2e": (300, 90),
-    "regime_7b": (215, 60),
-    "update_7b": (100, 40),
 }
+# the 7B phases outside the plan's calls (resumes, --call all): the plan's caps (call 1, H200 2026-11-26)
+LIMITS.update(
+    {p: (cap, least) for p, cap, least, *_ in gpu_regime.PLAN["1"] if p in ("regime_7b", "update_7b")}
+)
 # default --budget-s; calls 1 and 2 (and their phases' caps) from the plan
 CALL_BUDGETS = {**gpu_regime.CALL_BUDGET_S, "3": 570.0, "4": 540.0, "plan": 285.0, "all": 570.0}
 PLAN_LIMITS = {c: {p[0]: (p[1], p[2]) for p in phases} for c, phases in gpu_regime.PLAN.items()}
