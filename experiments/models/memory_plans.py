@@ -424,6 +424,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--responses", default="", help="the update at full depth at these lengths (see top)")
     ap.add_argument("--compile-times", action="store_true", help="with --responses: scanned vs unrolled")
     ap.add_argument("--micro-batch", type=int, default=0, help="trainer.micro_batch_size (0: the config's)")
+    ap.add_argument("--seq-parallel", action="store_true", help="trainer.seq_parallel (with --responses)")
     from experiments.models import rollout_plan  # --rollout: the paper's rollout (issue 36; imports this)
 
     rollout_plan.add_args(ap)
@@ -449,6 +450,8 @@ def update_main(args: argparse.Namespace, t0: float) -> None:
     config.model.init = "random"
     if args.micro_batch:
         config.trainer.micro_batch_size = args.micro_batch
+    if args.seq_parallel:
+        config.trainer.seq_parallel = True
     config_schema.fail(rl_config.rl_problems(config))  # e.g. a micro-batch that splits a group, not 0 rows
     nbs, mesh, tc = [int(x) for x in args.responses.split(",")], config_lib.build_mesh(config), config.trainer
     print(f"mesh {dict(mesh.shape)}; trainer {tc.to_dict()}", flush=True)
