@@ -9,7 +9,6 @@ minutes; tests/experiments/test_experiments.py smoke-tests them on CPU).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import re
@@ -137,9 +136,7 @@ def identity_rows(output: str) -> dict:
 def _save_interim(suite: Suite, res: PhaseResult) -> None:
     """The phase's result so far, into the state's results (a later --resume sees it) and --out (a call cut
     by the device tool still returns it); the suite rewrites both when the phase ends."""
-    record = {**dataclasses.asdict(res), "call": suite.call, "dry_run": suite.dry, "time": time.ctime()}
-    record["interim"] = True
-    text = json.dumps(record, indent=2, default=str)
+    text = json.dumps({**res.record(suite.call, suite.dry), "interim": True}, indent=2, default=str)
     (suite.state / "results" / f"{res.phase}.json").write_text(text)
     (suite.out / f"{res.phase}.json").write_text(text)
 

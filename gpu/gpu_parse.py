@@ -10,6 +10,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from typing import Any
 
@@ -28,6 +29,11 @@ class PhaseResult:
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: str = ""
+
+    def record(self, call: str, dry_run: bool) -> dict[str, Any]:
+        """The phase's entry in the state's `results/<phase>.json` (and `--out`): the fields, the call,
+        whether it was a dry run, and when."""
+        return {**dataclasses.asdict(self), "call": call, "dry_run": dry_run, "time": time.ctime()}
 
 
 def parse_result(text: str) -> dict[str, str]:

@@ -357,10 +357,9 @@ def run_phases(suite: Suite, phases: tuple[str, ...], call: str) -> list[ph.Phas
         results.append(res)
         why = res.error.strip().splitlines()[-1][:300] if res.error.strip() else ""
         print(f"##### phase {name}: {res.status} in {res.seconds:.0f}s {why}", flush=True)
-        record = {**dataclasses.asdict(res), "call": call, "dry_run": suite.dry, "time": time.ctime()}
         path = suite.state / "results" / f"{name}.json"
         if res.status != "skipped" or not path.exists():  # a skip must not hide an earlier call's result
-            path.write_text(json.dumps(record, indent=2, default=str))
+            path.write_text(json.dumps(res.record(call, suite.dry), indent=2, default=str))
         if name == "env":  # only a definite "no GPU" stops the rest; a broken probe does not
             suite.on_gpu = bool(res.details.get("on_gpu"))
             if res.details.get("no_gpu"):

@@ -58,6 +58,7 @@ from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer
 from tlt_jax.models.presets import arch_config
+from tlt_jax.rollout.programs import memory_fields
 
 VARIANTS = ("unrolled", "carry", "xs", "carry_unrolled")
 SETTINGS = {
@@ -132,13 +133,6 @@ def compile_step(cfg: ModelConfig, variant: str, impl: str, batch: int, seq: int
     out = {"compile_s": time.perf_counter() - t0, "lower_s": t1 - t0, **memory_fields(compiled)}
     out["hlo"] = compiled.as_text()
     return out
-
-
-def memory_fields(compiled: Any) -> dict[str, int]:
-    """XLA's accounting of a compiled program (bytes)."""
-    m = compiled.memory_analysis()
-    names = ("argument", "output", "temp", "alias")
-    return {f"{n}_bytes": int(getattr(m, f"{n}_size_in_bytes", 0) or 0) for n in names}
 
 
 def layer_shapes(cfg: ModelConfig, batch: int, seq: int) -> dict[str, tuple[int, ...]]:

@@ -2,7 +2,7 @@
 
 An experiment, not the engine's path: `experiments/models/scan_rollout.py` compares these programs with the
 unrolled `Transformer.__call__` over the per-layer cache tuple (memory, compile time, run time and what the
-optimised HLO materialises), and `tests/models/test_scan_rollout.py` holds them equal to it.
+optimised HLO materialises), and `tests/experiments/test_scan_rollout.py` holds them equal to it.
 
 The cache is natively stacked, `StackedKVCache.k/v` [L, B, Hkv, S, D], and the layers' parameters are stacked
 once outside the program (`split_for_scan`), so a call stacks nothing (the trainer's `_scan_layers` stacks

@@ -59,7 +59,8 @@ def signature(args: Any) -> tuple:
     return (tree, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x)))) for x in leaves))
 
 
-def _memory(compiled: Any) -> dict[str, int]:
+def memory_fields(compiled: Any) -> dict[str, int]:
+    """XLA's accounting of a compiled program in bytes (zeros where the backend reports none)."""
     try:
         m = compiled.memory_analysis()
     except Exception:  # some backends do not report it
@@ -137,7 +138,7 @@ class ProgramCache:
                 compiled = lowered.compile()
             self._programs[key] = compiled
             self._info[key] = ProgramInfo(
-                key=key, compile_seconds=time.perf_counter() - t0, **_memory(compiled)
+                key=key, compile_seconds=time.perf_counter() - t0, **memory_fields(compiled)
             )
         return self._programs[key]
 
