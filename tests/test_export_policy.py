@@ -5,7 +5,7 @@ learner's own `checkpoint_state` from a `PolicyTrainer` whose trainable paramete
 policy). The export, loaded with `transformers.AutoModelForCausalLM`, must give the logits of that trainer's
 model on a few token sequences: float32 both sides, |difference| <= 1e-4 + 1e-4 |logit| (measured: ~3e-7).
 Llama (tied embeddings, the top layer trained: the frozen ones rebuilt from config.json's model) and Qwen2
-(q/k/v biases, untied head, every layer trained).
+(q/k/v biases, untied head, every layer trained), its layers stored unrolled and stacked (scan_layers).
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ TOKENS = np.array([[256, 72, 105, 33, 10, 260, 7, 200], [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def run_workdir(
-    root: pathlib.Path, arch: str, train_layers: int, steps: tuple[int, ...] = (1,), model_path: str = ""
+    root: pathlib.Path,
+    arch: str,
+    train_layers: int,
+    steps: tuple[int, ...] = (1,),
+    model_path: str = "",
+    scan_layers: bool = False,
 ) -> tuple[pathlib.Path, np.ndarray]:
     """A workdir holding checkpoints of a "trained" tiny policy (a random model, or the HF directory
     `model_path`); returns (workdir, the trainer's logits)."""
@@ -42,8 +47,8 @@ def run_workdir(
         c.model.path, c.model.random = model_path, {}
     else:
         c.model.random = config_lib.tiny_random_model(arch)
-    c.trainer.train_layers = train_layers
-    wd = root / (arch + "_from_dir" * bool(model_path))
+    c.trainer.train_layers, c.trainer.scan_layers = train_layers, scan_layers
+    wd = root / (arch + "_from_dir" * bool(model_path) + "_stacked" * scan_layers)
     wd.mkdir()
     (wd / CONFIG_FILE).write_text(json.dumps(plain_dict(c), indent=2, sort_keys=True, default=str))
     job = rl_config.validate_grpo(c)
@@ -71,9 +76,11 @@ def hf_logits(out: pathlib.Path) -> np.ndarray:
         return model(torch.tensor(TOKENS)).logits.float().numpy()
 
 
-@pytest.mark.parametrize("arch, train_layers", [("llama", 1), ("qwen2", 0)])
-def test_export_matches_our_logits(tmp_path: pathlib.Path, arch: str, train_layers: int) -> None:
-    wd, ours = run_workdir(tmp_path, arch, train_layers)
+@pytest.mark.parametrize(
+    "arch, train_layers, scan", [("llama", 1, False), ("qwen2", 0, False), ("qwen2", 0, True)]
+)
+def test_export_matches_our_logits(tmp_path: pathlib.Path, arch: str, train_layers: int, scan: bool) -> None:
+    wd, ours = run_workdir(tmp_path, arch, train_layers, scan_layers=scan)
     out, src, tokenizer = export_policy.export_policy(wd, tmp_path / "export")
     assert src.step == 1 and bool(src.frozen) == (train_layers > 0)
     np.testing.assert_allclose(hf_logits(out), ours, rtol=1e-4, atol=1e-4)

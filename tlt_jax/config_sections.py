@@ -320,10 +320,11 @@ class TrainerSection(Section):
     # per-layer rematerialisation in the update's backward pass: none | nothing_saveable | dots_saveable |
     # dots_with_no_batch_dims_saveable (jax.checkpoint_policies: what a layer keeps; the rest is recomputed)
     remat: str = "none"
-    # the update's layers as one lax.scan over stacked parameters (compile time nearly flat in depth;
-    # per-layer remat then holds on XLA:CPU too): the paper configs' (config_lib.paper_grpo). Off by default:
-    # with trainer.train_layers < all, the scan runs the frozen layers' backward too, and the CPU configs'
-    # update took 2x as long (docs/benchmarks.md, 2026-11-26). The rollout's stack is always unrolled.
+    # the update's layers as one lax.scan, the trainer storing them stacked (one [L, ...] array per weight
+    # in masters, AdamW moments and checkpoints: compile time flat in depth; per-layer remat then holds on
+    # XLA:CPU too): the paper configs' (config_lib.paper_grpo). Trains every layer (train_layers must be 0).
+    # Off by default: the CPU configs train only their top layers (train_layers), which the unrolled stack
+    # does without the frozen layers' backward. The rollout's stack is always unrolled.
     scan_layers: bool = False
     # the update's MLP in token chunks of this size (long responses: no [rows, T, 2F] buffers; 0: at once)
     mlp_chunk: int = 0
@@ -344,6 +345,12 @@ class TrainerSection(Section):
             out.append(f"config.trainer.master_dtype={self.master_dtype!r}: use one of {DTYPES}.")
         if self.train_layers < 0:
             out.append(f"config.trainer.train_layers={self.train_layers}: must be >= 0 (0 = all parameters).")
+        if self.train_layers and self.scan_layers:
+            out.append(
+                f"config.trainer.train_layers={self.train_layers} with config.trainer.scan_layers=True: the "
+                "scanned trainer stores every layer's weights as one stacked array and trains them all; set "
+                "train_layers=0, or scan_layers=False to train only the top layers."
+            )
         if self.logits_chunk < 0:
             out.append(f"config.trainer.logits_chunk={self.logits_chunk}: must be >= 0 (0 = no chunking).")
         if self.mlp_chunk < 0:

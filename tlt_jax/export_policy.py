@@ -7,7 +7,8 @@ partial restore, read-only: nothing in W is written or cleaned, so a running job
 from). With config.trainer.train_layers > 0 the frozen layers (embedding, tied head, lower layers) are not in
 the checkpoint: they are rebuilt from the model W/config.json names (config.model: a checkpoint path, or a
 random model and its seed), exactly as the run built them, and checked against the fingerprint the
-checkpoint stores. The fused layouts are split back into HF names (`tlt_jax.models.hf_export`). DIR gets
+checkpoint stores. Layers stored stacked (config.trainer.scan_layers) are split per layer; the fused layouts
+are split back into HF names (`tlt_jax.models.hf_export`). DIR gets
 
     config.json                       LlamaForCausalLM / Qwen2ForCausalLM (config.model.path's own
                                       config.json when it is a HF directory, torch_dtype set to the export's)
@@ -132,6 +133,19 @@ def _param_path(saved: str, prefix: str) -> str:
     return saved[len(prefix) :].removesuffix("/value")
 
 
+def _per_layer(flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A stacked checkpoint's 'layers/attn/qkv' [L, ...] as 'layers/<i>/attn/qkv' (the unrolled layout the
+    export and the rebuilt model name); other paths as they are."""
+    out = {}
+    for path, x in flat.items():
+        head, _, rest = path.partition("/")
+        if head == "layers" and not rest.split("/")[0].isdigit():
+            out.update({f"layers/{i}/{rest}": x[i] for i in range(x.shape[0])})
+        else:
+            out[path] = x
+    return out
+
+
 def _check_frozen(src: PolicySource, rebuilt: dict[str, np.ndarray]) -> None:
     """The rebuilt frozen layers against the checkpoint's fingerprint ([sum, sum of squares] per leaf)."""
     saved = {_param_path(p, _FROZEN): v for p, v in _restore(src, src.frozen).items()}
@@ -160,7 +174,7 @@ def policy_params(
         for p, x in flatten_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]
     }
     del model
-    trained = {_param_path(p, _PARAMS): x for p, x in _restore(src, src.params).items()}
+    trained = _per_layer({_param_path(p, _PARAMS): x for p, x in _restore(src, src.params).items()})
     unknown = sorted(set(trained) - set(flat))
     if unknown:
         raise ValueError(

@@ -108,7 +108,8 @@ def _param_name(path: tuple) -> str:
 
 
 def param_shardings(params: object, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES) -> object:
-    """NamedShardings for a parameter pytree (nnx State or dict), by parameter name."""
+    """NamedShardings for a parameter pytree (nnx State or dict), by parameter name; a stacked model's layer
+    weights lead with an [L] axis, which is replicated (each device holds its slice of every layer)."""
 
     def one(path: tuple, x: jax.Array) -> NamedSharding:
         name = _param_name(path)
@@ -117,6 +118,8 @@ def param_shardings(params: object, mesh: Mesh, rules: Mapping[str, str | None] 
                 f"no logical axes registered for parameter {name!r} (path {jax.tree_util.keystr(path)})"
             )
         axes = PARAM_AXES[name]
+        if x.ndim == len(axes) + 1:  # stacked layers: [L, *axes]
+            axes = (None, *axes)
         if len(axes) != x.ndim:
             axes = (None,) * x.ndim
         return NamedSharding(mesh, logical_spec(axes, x.shape, mesh, rules))

@@ -55,7 +55,7 @@ from flax import nnx
 from experiments.lib import harness as h
 from tlt_jax.models import scan_decode as sd
 from tlt_jax.models.config import ModelConfig, tiny_config
-from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.models.kv_cache import KVCache, StackedKVCache
 from tlt_jax.models.llama import Transformer
 from tlt_jax.models.presets import arch_config
 from tlt_jax.rollout.programs import memory_fields
@@ -117,7 +117,7 @@ def abstract_cache(cfg: ModelConfig, variant: str, batch: int, seq: int) -> Any:
         layer = tuple(SDS(shape, cfg.dtype) for _ in range(cfg.num_layers))
         return KVCache(k=layer, v=layer, lengths=lengths)
     full = SDS((cfg.num_layers, *shape), cfg.dtype)
-    return sd.StackedKVCache(k=full, v=full, lengths=lengths)
+    return StackedKVCache(k=full, v=full, lengths=lengths)
 
 
 def compile_step(cfg: ModelConfig, variant: str, impl: str, batch: int, seq: int, t: int) -> dict[str, Any]:
@@ -270,7 +270,7 @@ def run_times(args: Any) -> dict[str, float]:
         for variant in VARIANTS:
             fn, params = step_fn(cfg, variant, model, "cpu_ffi")
             cache = KVCache.init(cfg, args.batch, args.cache).advance(args.cache - 32)
-            cache = cache if variant == "unrolled" else sd.StackedKVCache.from_cache(cache)
+            cache = cache if variant == "unrolled" else StackedKVCache.from_cache(cache)
             step = jax.jit(fn, donate_argnums=(3,))
             times = []
             for _ in range(args.reps + 1):
@@ -315,7 +315,7 @@ def tiny_diffs() -> dict[str, float]:
         defs, params = sd.split_for_scan(model)
         for mode in sd.CACHE_MODES:
             logits, _, got = sd.scan_forward(
-                defs, params, tok, pos, sd.StackedKVCache.from_cache(cache), mask, cache_mode=mode
+                defs, params, tok, pos, StackedKVCache.from_cache(cache), mask, cache_mode=mode
             )
             out[f"max_abs_logits_{mode}_t{t}"] = float(jnp.max(jnp.abs(logits - ref.logits)))
             k_err = jnp.max(jnp.abs(got.k - jnp.stack(ref.cache.k)))

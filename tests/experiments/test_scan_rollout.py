@@ -11,6 +11,7 @@ from flax import nnx
 from experiments.models import scan_rollout as sr
 from tlt_jax.models import scan_decode as sd
 from tlt_jax.models.config import tiny_config
+from tlt_jax.models.kv_cache import StackedKVCache
 from tlt_jax.models.llama import Transformer
 
 TOL = 1e-5  # float32; the programs differ only in fusion and summation order (measured: ~1e-7)
@@ -31,7 +32,7 @@ def test_scanned_step_equals_unrolled(model: Transformer, t: int) -> None:
     graphdef, state = nnx.split(model)
     ref = jax.jit(lambda p, *a: nnx.merge(graphdef, p)(*a))(state, tok, pos, cache, mask)
     defs, params = sd.split_for_scan(model)
-    stacked = sd.StackedKVCache.from_cache(cache)
+    stacked = StackedKVCache.from_cache(cache)
     for mode in sd.CACHE_MODES:
         step = jax.jit(lambda p, *a, mode=mode: sd.scan_forward(defs, p, *a, cache_mode=mode))
         logits, hidden, got = step(params, tok, pos, stacked, mask)

@@ -7,8 +7,17 @@ import pytest
 from flax import nnx
 
 from tlt_jax.models.config import ModelConfig, tiny_config
-from tlt_jax.models.kv_cache import KVCache
-from tlt_jax.models.llama import Transformer, causal_mask, from_hf_tensors, tiled
+from tlt_jax.models.kv_cache import KVCache, StackedKVCache
+from tlt_jax.models.llama import (
+    Transformer,
+    causal_mask,
+    from_hf_tensors,
+    layout_graphdef,
+    stack_layers,
+    tiled,
+    unrolled,
+    unstack_layers,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -158,23 +167,40 @@ def test_causal_impl_equals_the_masked_forward_with_and_without_a_cache():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_scanned_layers_equal_the_unrolled_stack_and_write_the_same_cache(arch):
-    """`scan_layers` (causal_impl only): one `lax.scan` over stacked layer params and caches gives the
-    unrolled stack's logits and writes the same per-layer K/V into the cache (float32, 1e-5)."""
+def test_stacked_layout_equals_the_unrolled_stack_and_writes_the_same_cache(arch):
+    """The stacked layout (`stack_layers`: the layers as one `lax.scan` over [L]-leading weights and a
+    `StackedKVCache`) gives the unrolled stack's logits and writes the same per-layer K/V, with causal
+    attention (the trainer's) and with tree attention under a mask (float32, 1e-5); converting back gives
+    the same parameters bit for bit, and a model built stacked has [L]-leading weights."""
     cfg = tiny_config(arch, num_layers=3)
     m = Transformer(cfg, nnx.Rngs(7))
-    fwd = jax.jit(
-        lambda m, t, p, c, scan: m(t, p, c, causal_impl="blockwise", scan_layers=scan), static_argnums=4
-    )
+    params = nnx.state(m, nnx.Param)
+    s = nnx.merge(layout_graphdef(cfg, True), stack_layers(params))
+    assert s.stacked and not m.stacked
+    fwd = jax.jit(lambda m, t, p, c, impl: m(t, p, c, causal_impl=impl), static_argnums=4)
     toks = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 9)))
     pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
     for cache in (None, KVCache.init(cfg, 2, 16).advance(jnp.asarray([2, 5]))):
         p = pos if cache is None else pos + cache.lengths[:, None]
-        a, b = fwd(m, toks, p, cache, True), fwd(m, toks, p, cache, False)
-        np.testing.assert_allclose(a.logits, b.logits, atol=1e-5)
-        if cache is not None:
-            for x, y in zip(a.cache.k + a.cache.v, b.cache.k + b.cache.v, strict=True):
-                np.testing.assert_allclose(x, y, atol=1e-5)
+        stacked_cache = None if cache is None else StackedKVCache.from_cache(cache)
+        for impl in ("blockwise", None):
+            a, b = fwd(s, toks, p, stacked_cache, impl), fwd(m, toks, p, cache, impl)
+            np.testing.assert_allclose(a.logits, b.logits, atol=1e-5)
+            if cache is not None:
+                for x, y in zip(
+                    a.cache.to_cache().k + a.cache.to_cache().v, b.cache.k + b.cache.v, strict=True
+                ):
+                    np.testing.assert_allclose(x, y, atol=1e-5)
+    with pytest.raises(TypeError, match="a stacked model takes a StackedKVCache"):
+        s(toks, pos, KVCache.init(cfg, 2, 16))
+    back = unstack_layers(nnx.state(s, nnx.Param))
+    assert jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), back, params))
+    assert nnx.state(unrolled(s), nnx.Param)["layers"][2]["mlp"]["down"].shape == (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+    )
+    built = nnx.state(Transformer(cfg, nnx.Rngs(0), stacked=True), nnx.Param)
+    assert built["layers"]["attn"]["qkv"].shape == (3, *params["layers"][0]["attn"]["qkv"].shape)
 
 
 def test_tiled_mlp_equals_the_mlp_at_any_length():

@@ -333,7 +333,7 @@ def test_one_grpo_step_changes_params_and_raises_the_surrogate() -> None:
     )
     # the engine picks up the new weights without recompiling
     programs = engine.compile_count
-    engine.set_params(tr.compute_params())
+    engine.set_params(tr.rollout_params())
     engine.generate(prompts, n=n, key=jax.random.key(0), sampling=SamplingParams(temperature=1.0))
     assert engine.compile_count == programs
 

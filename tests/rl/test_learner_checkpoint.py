@@ -1,6 +1,7 @@
 """The learner's checkpoint stores the drafter once (in the spot trainer's state when one trains it) and no
-frozen policy layer, still reads checkpoints of the older layouts, and names the leaves of one that fits
-none; the spot trainer's buffer folders go with their checkpoint steps."""
+frozen policy layer, still reads checkpoints of the older layouts and of the other layout of the decoder
+layers (stacked / unrolled), and names the leaves of one that fits none; the spot trainer's buffer folders go
+with their checkpoint steps."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from tlt_jax import config_lib
+from tlt_jax.models.llama import stack_layers
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
 from tlt_jax.rl.learner import Learner
 from tlt_jax.rl.spot import BUFFER_DIR, buffer_dir, buffer_root, save_buffer
@@ -115,6 +117,46 @@ def test_frozen_layers_are_not_stored_and_come_back_from_the_model(tmp_path) -> 
     try:
         assert third.step == 1
         assert_same(third.trainer.params, want)
+    finally:
+        third.close()
+
+
+def test_checkpoints_restore_across_the_layers_layout(tmp_path) -> None:
+    """A checkpoint written with the layers unrolled (scan_layers=False) resumes a run that stores them
+    stacked (scan_layers=True: [L, ...] per weight, params and AdamW moments converted exactly), and that
+    run's stacked checkpoint resumes an unrolled run again, bit for bit."""
+    workdir = str(tmp_path / "run")
+    c = spot_config(spot="off")
+    c.trainer.train_layers, c.trainer.scan_layers = 0, False
+    moved = lambda x: x + 0.5 if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x  # noqa: E731
+    first = Learner(c, workdir)
+    try:
+        trainer = first.trainer
+        trainer.params, trainer.opt_state = jax.tree.map(moved, (trainer.params, trainer.opt_state))
+        want = (leaves(trainer.params), leaves(trainer.opt_state))
+        want_stacked = leaves(stack_layers(trainer.params))
+        first.save()
+    finally:
+        first.close()
+    c.trainer.scan_layers = True
+    second = Learner(c, workdir)
+    try:
+        assert second.step == 0 and second.trainer.stacked
+        assert_same(second.trainer.params, want_stacked)
+        second.step = 1
+        second.save()
+        second.ckpt.wait()
+        stored = second.ckpt.layout(1)["leaves"]
+    finally:
+        second.close()
+    layers = second.trainer.rollout_params()["layers"]
+    assert stored["params/layers/attn/qkv/value"]["shape"] == [len(layers), *layers[0]["attn"]["qkv"].shape]
+    c.trainer.scan_layers = False
+    third = Learner(c, workdir)
+    try:
+        assert third.step == 1
+        assert_same(third.trainer.params, want[0])
+        assert_same(third.trainer.opt_state, want[1])
     finally:
         third.close()
 

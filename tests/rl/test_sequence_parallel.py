@@ -23,7 +23,7 @@ from tlt_jax import config_lib, config_schema
 from tlt_jax import sharding as shd
 from tlt_jax.config_sections import TrainerSection
 from tlt_jax.kernels import flash_attention as fa
-from tlt_jax.models.llama import Transformer
+from tlt_jax.models.llama import Transformer, to_layout
 from tlt_jax.rl.batch import TrainBatch, micro_weights
 from tlt_jax.rl.config import trainer_options
 from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions
@@ -84,7 +84,8 @@ def _update(t: PolicyTrainer, batch: TrainBatch) -> tuple[list, list, dict[str, 
     mask = np.asarray(batch.response_mask)
     w = micro_weights(mask.reshape((-1, MICRO // 2) + mask.shape[1:]), t.loss.aggregation)
     metrics, (logp,) = t.update([t.put_micro(batch)], [w])
-    return leaves(t.opt_state), leaves(t.params), metrics, np.asarray(logp).reshape(mask.shape)
+    state, params = to_layout((t.opt_state, t.params), stacked=False)  # a scanned trainer's are stacked
+    return leaves(state), leaves(params), metrics, np.asarray(logp).reshape(mask.shape)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def test_sequence_parallel_update_equals_the_unsplit_update(model: int, kw: dict
     batch, before, (s0, p0, m0, logp0) = unsplit
     t = _trainer(2, model, seq_parallel=True, attn_impl="blockwise", **kw)
     assert isinstance(t._attn, fa.SequenceParallel) and t._attn.size == model
-    for x, y in zip(leaves(t.params), before, strict=True):
+    for x, y in zip(leaves(to_layout(t.params, stacked=False)), before, strict=True):
         np.testing.assert_array_equal(x, y)
     state, params, metrics, logp = _update(t, batch)
     mask = np.asarray(batch.response_mask) > 0

@@ -16,7 +16,7 @@ from tlt_jax import config_lib, config_schema
 from tlt_jax import sharding as shd
 from tlt_jax.config_sections import TrainerSection
 from tlt_jax.models.config import ModelConfig, tiny_config
-from tlt_jax.models.llama import Transformer
+from tlt_jax.models.llama import Transformer, layout_graphdef, stack_layers, unstack_layers
 from tlt_jax.rl.batch import TrainBatch, build_train_batch
 from tlt_jax.rl.config import trainer_options
 from tlt_jax.rl.forward import ForwardOut, response_logprobs
@@ -107,10 +107,13 @@ def _batch(nb: int = 12, seed: int = 0) -> TrainBatch:
 
 
 def _forward_and_grads(
-    batch: TrainBatch, cfg: ModelConfig = CFG, **kw: object
+    batch: TrainBatch, cfg: ModelConfig = CFG, stacked: bool = False, **kw: object
 ) -> tuple[ForwardOut, list[np.ndarray]]:
-    """response_logprobs and the gradient of sum(logp * mask) + 0.1 * sum(entropy * mask) in the params."""
+    """response_logprobs and the gradient of sum(logp * mask) + 0.1 * sum(entropy * mask) in the params
+    (`stacked`: the model in the stacked layout, its layers scanned; gradients unstacked to compare)."""
     graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(5)), nnx.Param)
+    if stacked:
+        graphdef, params = layout_graphdef(cfg, True), stack_layers(params)
     mask = batch.rows(batch.response_mask)
 
     def loss(p: nnx.State) -> tuple[jax.Array, ForwardOut]:
@@ -118,7 +121,7 @@ def _forward_and_grads(
         return jnp.sum(out.logp * mask) + 0.1 * jnp.sum(out.entropy * mask), out
 
     grads, out = jax.jit(jax.grad(loss, has_aux=True))(params)
-    return out, [np.asarray(x) for x in jax.tree_util.tree_leaves(grads)]
+    return out, [np.asarray(x) for x in jax.tree_util.tree_leaves(unstack_layers(grads))]
 
 
 def _assert_same(
@@ -150,14 +153,15 @@ def test_per_layer_remat_keeps_the_gradients() -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_scanned_layers_equal_the_unrolled_stack(arch: str) -> None:
-    """The layers as one `lax.scan` over stacked parameters and caches (prompt pass writing the cache the
-    response pass reads) give the unrolled stack's log-probs, entropies, hidden states and per-layer parameter
-    gradients, with and without per-layer remat: float32 within 1e-5 (Llama tied head; Qwen2 QKV bias)."""
+    """The stacked layout's layers as one `lax.scan` over [L]-leading parameters and a stacked cache (prompt
+    pass writing the cache the response pass reads) give the unrolled stack's log-probs, entropies, hidden
+    states and per-layer parameter gradients, with and without per-layer remat: float32 within 1e-5 (Llama
+    tied head; Qwen2 QKV bias)."""
     cfg = tiny_config(arch, num_layers=3)
     batch = _batch()
     plain = _forward_and_grads(batch, cfg, attn_impl="blockwise")
     for remat in ("none", "nothing_saveable"):
-        scanned = _forward_and_grads(batch, cfg, attn_impl="blockwise", remat=remat, scan_layers=True)
+        scanned = _forward_and_grads(batch, cfg, stacked=True, attn_impl="blockwise", remat=remat)
         _assert_same(scanned, plain, 1e-5)
 
 
@@ -167,17 +171,12 @@ def test_scanned_remat_cuts_the_temporaries() -> None:
     the unrolled stack keeps 248 MiB with remat: XLA:CPU's CSE merges its recompute back)."""
     cfg = tiny_config(num_layers=12, hidden_size=128, intermediate_size=256)
     batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _batch(256))
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), True)), nnx.Param)
 
     def temp(remat: str) -> int:
         def loss(p: nnx.State, b: TrainBatch) -> jax.Array:
             out = response_logprobs(
-                nnx.merge(graphdef, p),
-                b,
-                temperature=1.0,
-                attn_impl="blockwise",
-                remat=remat,
-                scan_layers=True,
+                nnx.merge(graphdef, p), b, temperature=1.0, attn_impl="blockwise", remat=remat
             )
             return jnp.sum(out.logp * b.rows(b.response_mask))
 
@@ -212,10 +211,12 @@ def test_trainer_config_keys_reach_the_trainer() -> None:
     mesh = shd.make_mesh(1, 1, jax.devices()[:1])
     opts = TrainerOptions(micro_batch_size=2, attn_impl="reference", remat="nothing_saveable")
     t = PolicyTrainer(Transformer(CFG, nnx.Rngs(0)), mesh, PolicyLossConfig(), OptimConfig(), opts)
-    assert (t.attn_impl, t.remat, t.scan_layers) == ("reference", "nothing_saveable", False)
+    assert (t.attn_impl, t.remat, t.stacked) == ("reference", "nothing_saveable", False)
     config = config_schema.base_config()
     config.model.random, config.trainer.scan_layers = config_lib.tiny_random_model("llama"), True
     assert trainer_options(config_schema.parse(config, check_paths=False)).scan_layers
+    with pytest.raises(SectionError, match="train_layers=2 with config.trainer.scan_layers=True"):
+        TrainerSection(train_layers=2, scan_layers=True)
 
 
 def test_trainer_forward_and_backward_hold_no_t_by_s_scores() -> None:

@@ -6,6 +6,10 @@ plus `lengths` [B]: the number of committed tokens of each row. A forward pass w
 prefill) or after gathering an accepted speculative path into place (`commit_path`).
 S is the live cache-length bucket: the engine grows it between device chunks (`resize`), so attention never
 reads the whole preallocated length.
+
+`StackedKVCache` is the same cache with one leading layer axis, k / v [L, B, Hkv, S, D]: what a decoder
+stack stored stacked (`Transformer(stacked=True)`, the trainer's scanned layers) takes, so a program's
+operations on the cache do not grow with depth.
 """
 
 from __future__ import annotations
@@ -57,21 +61,66 @@ class KVCache:
 
     def resize(self, seq_len: int) -> KVCache:
         """Grow (zero-pad) or shrink the cache-length bucket. Shrinking below a row's length is an error."""
-        cur = self.capacity
-        if seq_len == cur:
-            return self
-        if seq_len > cur:
-            pad = ((0, 0), (0, 0), (0, seq_len - cur), (0, 0))
-            return KVCache(
-                k=tuple(jnp.pad(x, pad) for x in self.k),
-                v=tuple(jnp.pad(x, pad) for x in self.v),
-                lengths=self.lengths,
-            )
-        return KVCache(
-            k=tuple(x[:, :, :seq_len] for x in self.k),
-            v=tuple(x[:, :, :seq_len] for x in self.v),
-            lengths=self.lengths,
+        return self.replace(
+            k=tuple(_resized(x, seq_len) for x in self.k), v=tuple(_resized(x, seq_len) for x in self.v)
         )
+
+
+@flax.struct.dataclass
+class StackedKVCache:
+    """`KVCache` with the layers stacked: k, v [L, B, Hkv, S, D]; lengths [B] (see the module docstring)."""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array  # [B] int32
+
+    @classmethod
+    def init(
+        cls, cfg: ModelConfig, batch: int, seq_len: int, dtype: jnp.dtype | str | None = None
+    ) -> StackedKVCache:
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, seq_len, cfg.head_dim)
+        dtype = jnp.dtype(dtype or cfg.dtype)
+        return cls(
+            k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32)
+        )
+
+    @classmethod
+    def from_cache(cls, cache: KVCache) -> StackedKVCache:
+        return cls(k=jnp.stack(cache.k), v=jnp.stack(cache.v), lengths=cache.lengths)
+
+    def to_cache(self) -> KVCache:
+        """The per-layer tuple form."""
+        return KVCache(k=tuple(self.k), v=tuple(self.v), lengths=self.lengths)
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def advance(self, n_b: jax.Array | int) -> StackedKVCache:
+        """Commit n tokens per row (n may be a per-row array)."""
+        return self.replace(lengths=self.lengths + jnp.asarray(n_b, jnp.int32))
+
+    def take_rows(self, rows: jax.Array) -> StackedKVCache:
+        """Gather rows of every layer (repeating prompts for their samples)."""
+        return StackedKVCache(k=self.k[:, rows], v=self.v[:, rows], lengths=self.lengths[rows])
+
+    def resize(self, seq_len: int) -> StackedKVCache:
+        """Grow (zero-pad) or shrink the cache-length bucket of every layer."""
+        return self.replace(k=_resized(self.k, seq_len), v=_resized(self.v, seq_len))
+
+
+def _resized(buf: jax.Array, seq_len: int) -> jax.Array:
+    """[..., S, D] zero-padded or cut to [..., seq_len, D]."""
+    cur = buf.shape[-2]
+    if seq_len >= cur:
+        return (
+            buf if seq_len == cur else jnp.pad(buf, ((0, 0),) * (buf.ndim - 2) + ((0, seq_len - cur), (0, 0)))
+        )
+    return buf[..., :seq_len, :]
 
 
 def write_rows(buf_bhsd: jax.Array, new_bthd: jax.Array, start_b: jax.Array) -> jax.Array:

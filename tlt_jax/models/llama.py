@@ -7,6 +7,12 @@ mask) are one code path. The trainer's forward instead names a causal implementa
 `tlt_jax.kernels.flash_attention`: O(T x block) memory, no [T, S] scores) and may rematerialise each layer
 in the backward pass (`remat`, a `jax.checkpoint_policies` name).
 
+Two layouts of the decoder stack: unrolled (`layers` a list of `DecoderLayer`, each weight its own array: the
+rollout's, whose decode loop reads each layer's weights and cache in place) and stacked (`stacked=True`:
+`layers` one `DecoderLayer` whose every weight leads with [L], run as one `lax.scan`: the trainer's, whose
+programs then hold one array per weight whatever the depth). `stack_layers` / `unstack_layers` convert a
+parameter state between them; checkpoints and loaders name the unrolled layout's HF tensors either way.
+
 Layouts (chosen by measurement on XLA:CPU, where a decode step is a chain of M=1..64 matmuls):
 - every weight is a 2-D [out, in] matrix (HF layout). Multi-dimensional weights made XLA copy (transpose)
   each weight inside the decode loop on every step, 10x slower at batch 1 (see docs/benchmarks.md);
@@ -32,7 +38,7 @@ from tlt_jax.kernels import flash_attention as fa
 from tlt_jax.kernels import tree_attention as ta
 from tlt_jax.kernels.small_m_linear import linear
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.kv_cache import KVCache, write_rows
+from tlt_jax.models.kv_cache import KVCache, StackedKVCache, write_rows
 
 # per-layer rematerialisation in the backward pass: "none", or a policy of `jax.checkpoint_policies` (what a
 # layer keeps for the backward pass: nothing_saveable recomputes the whole layer, dots_saveable keeps matmuls)
@@ -182,7 +188,7 @@ def tiled(fn: Callable[[jax.Array], jax.Array], x_bth: jax.Array, chunk: int) ->
 class ModelOutput:
     logits: jax.Array | None  # [B, T or K, V] float32
     hidden: jax.Array  # [B, T, H]: final normed hidden states
-    cache: KVCache | None
+    cache: KVCache | StackedKVCache | None
 
 
 def causal_mask(batch: int, t: int) -> jax.Array:
@@ -193,15 +199,23 @@ def causal_mask(batch: int, t: int) -> jax.Array:
 class Transformer(nnx.Module):
     """Llama/Qwen2 decoder: (tokens, positions, cache, mask) -> (logits, final hidden, cache)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stacked: bool = False):
         dt = _dtype(cfg)
         self.cfg = cfg
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dt)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        if stacked:  # one DecoderLayer with a leading [L] axis on every weight (see the module docstring)
+            self.layers = _stacked_layers(cfg, rngs)
+        else:
+            self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.lm_head = (
             nnx.data(None) if cfg.tie_embeddings else _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dt)
         )
+
+    @property
+    def stacked(self) -> bool:
+        """The decoder stack's layout: stacked (one scanned `DecoderLayer`) or unrolled (a list)."""
+        return isinstance(self.layers, DecoderLayer)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0)
@@ -217,7 +231,7 @@ class Transformer(nnx.Module):
         self,
         tokens_bt: jax.Array,
         positions_bt: jax.Array,
-        cache: KVCache | None = None,
+        cache: KVCache | StackedKVCache | None = None,
         mask_btt: jax.Array | None = None,
         *,
         logits_index_bk: jax.Array | None = None,
@@ -225,7 +239,6 @@ class Transformer(nnx.Module):
         attn_impl: str = "reference",
         causal_impl: str | None = None,
         remat: str = "none",
-        scan_layers: bool = False,
         gather_layer: Callable[[nnx.State], nnx.State] | None = None,
         mlp_chunk: int = 0,
         shard_carry: Callable[[jax.Array], jax.Array] | None = None,
@@ -237,10 +250,10 @@ class Transformer(nnx.Module):
         logits_index_bk: compute logits only at these token indices ([B, K]); e.g. the last prompt token.
         causal_impl: attention is causal (no mask_btt) by `flash_attention(impl=causal_impl)` (the trainer;
         None: `tree_attention` by `attn_impl`). remat: per-layer rematerialisation policy (REMAT_POLICIES).
-        scan_layers (with causal_impl only): the layers as one `lax.scan` over stacked parameters and caches;
-        gather_layer / shard_carry: applied to each layer's parameters / to the residual stream between layers
-        inside the scan (the trainer's FSDP all-gather; its tokens split over the model axis, which is all the
-        backward pass keeps of a layer under remat nothing_saveable).
+        A stacked model runs its layers as one `lax.scan` and takes a `StackedKVCache`; gather_layer /
+        shard_carry (stacked only): applied to each layer's parameters / to the residual stream between
+        layers inside the scan (the trainer's FSDP all-gather; its tokens split over the model axis, which is
+        all the backward pass keeps of a layer under remat nothing_saveable).
         mlp_chunk (with causal_impl only): the MLP in token chunks of this size (`tiled`; 0: at once).
         """
         b, t = tokens_bt.shape
@@ -255,15 +268,20 @@ class Transformer(nnx.Module):
             chex.assert_shape(mask_btt, (b, t, t))
         if cache is not None:
             chex.assert_equal(cache.batch_size, b)
+            if isinstance(cache, StackedKVCache) != self.stacked:
+                raise TypeError(
+                    f"a {'stacked' if self.stacked else 'unrolled'} model takes a "
+                    f"{'StackedKVCache' if self.stacked else 'KVCache'}, got {type(cache).__name__}"
+                )
         lengths = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
         cos, sin = rope_cos_sin(positions_bt, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed_tokens(tokens_bt)
-        if scan_layers and causal_impl is not None:
-            x, new_k, new_v = _scan_layers(
-                list(self.layers),
+        if self.stacked:
+            x, new_cache = _scan_layers(
+                self.layers,
                 remat,
-                (x, cos, sin, cache, lengths),
-                (causal_impl, mlp_chunk),
+                (x, cos, sin, cache, lengths, mask_btt),
+                (attn_impl, causal_impl, mlp_chunk),
                 (gather_layer, shard_carry),
             )
         else:
@@ -276,8 +294,8 @@ class Transformer(nnx.Module):
                 )
                 new_k.append(kc)
                 new_v.append(vc)
+            new_cache = None if cache is None else cache.replace(k=tuple(new_k), v=tuple(new_v))
         hidden = self.norm(x)
-        new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
         if not compute_logits:
             return ModelOutput(None, hidden, new_cache)
         h = (
@@ -310,39 +328,107 @@ def _run_layer(
 
 
 def _scan_layers(
-    layers: list[DecoderLayer],
+    layers: DecoderLayer,
     remat: str,
-    arrays: tuple[jax.Array, jax.Array, jax.Array, KVCache | None, jax.Array],
-    impl: tuple[str, int],
+    arrays: tuple,
+    impl: tuple[str, str | None, int],
     hooks: tuple[Callable | None, Callable | None],
-) -> tuple[jax.Array, list, list]:
-    """The causal decoder stack as one `lax.scan`: the layers' states (one graphdef) stacked to a leading [L]
-    axis in the program (gradients flow back to each layer through the stack), the cache's per-layer
-    [B, Hkv, S, D] buffers stacked to [L, ...] and unstacked after; the body under `jax.checkpoint` with the
-    named policy unless remat == "none"; `hooks` (gather, shard_carry): applied (if given) to each layer's
-    slice and to the carry. `arrays`: (x, cos, sin, cache, lengths); `impl`: (causal_impl, mlp_chunk).
-    Returns (x, per-layer keys, per-layer values)."""
-    x, cos, sin, cache, lengths = arrays
+) -> tuple[jax.Array, StackedKVCache | None]:
+    """The stacked decoder stack as one `lax.scan` over its [L]-leading parameters and the cache's [L] axis
+    (nothing is stacked here: the program's operations do not grow with depth); the body under
+    `jax.checkpoint` with the named policy unless remat == "none"; `hooks` (gather, shard_carry): applied (if
+    given) to each layer's slice and to the carry. `arrays`: (x, cos, sin, cache, lengths, mask); `impl`:
+    (attn_impl, causal_impl, mlp_chunk). Returns (x, the updated cache or None)."""
+    x, cos, sin, cache, lengths, mask = arrays
     gather, shard_carry = hooks
-    graphdef = nnx.graphdef(layers[0])
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
-    kv = None if cache is None else (jnp.stack(cache.k), jnp.stack(cache.v))
+    graphdef, stacked = nnx.split(layers)
+    kv = None if cache is None else (cache.k, cache.v)
 
     def body(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple | None]:
         state, kv_l = xs
         kc, vc = (None, None) if kv_l is None else kv_l
         state = state if gather is None else gather(state)
         x = x if shard_carry is None else shard_carry(x)
-        x, kc, vc = nnx.merge(graphdef, state)(x, cos, sin, kc, vc, lengths, None, "reference", *impl)
+        x, kc, vc = nnx.merge(graphdef, state)(x, cos, sin, kc, vc, lengths, mask, *impl)
         x = x if shard_carry is None else shard_carry(x)
         return x, None if kv_l is None else (kc, vc)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, remat), prevent_cse=False)
     x, kv = jax.lax.scan(body, x, (stacked, kv))
-    if kv is None:
-        return x, [None] * len(layers), [None] * len(layers)
-    return x, list(kv[0]), list(kv[1])
+    return x, None if kv is None else cache.replace(k=kv[0], v=kv[1])
+
+
+def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """`cfg.num_layers` decoder layers initialised as one `DecoderLayer` with [L]-leading weights."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(cfg, rngs)
+
+    return make(rngs)
+
+
+def _map_params(fn: Callable, params: nnx.State) -> nnx.State:
+    """`fn` on concrete arrays, `jax.eval_shape(fn)` on abstract ones (memory plans, nothing materialised)."""
+    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+    return jax.eval_shape(fn, params) if abstract else fn(params)
+
+
+def stack_layers(params: nnx.State) -> nnx.State:
+    """A Transformer's parameter state in the unrolled layout -> the stacked one (`layers` {i: layer} -> one
+    layer whose leaves are [L, ...]). Works under jit and on abstract states; a stacked state is returned."""
+    layers = params["layers"]
+    if not all(isinstance(k, int) for k in layers):
+        return params
+
+    def stack(p: nnx.State) -> nnx.State:
+        per_layer = [p["layers"][i] for i in range(len(p["layers"]))]
+        out = nnx.State(dict(p.raw_mapping))  # State.__setitem__ stores a State's raw mapping
+        out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+        return out
+
+    return _map_params(stack, params)
+
+
+def unstack_layers(params: nnx.State) -> nnx.State:
+    """The stacked layout's parameter state -> the unrolled one (`stack_layers` reversed); an unrolled state
+    is returned as it is."""
+    layers = params["layers"]
+    if all(isinstance(k, int) for k in layers):
+        return params
+
+    def unstack(p: nnx.State) -> nnx.State:
+        n = jax.tree.leaves(p["layers"])[0].shape[0]
+        out, layers = nnx.State(dict(p.raw_mapping)), nnx.State({})
+        for i in range(n):
+            layers[i] = jax.tree.map(lambda x, i=i: x[i], p["layers"])
+        out["layers"] = layers
+        return out
+
+    return _map_params(unstack, params)
+
+
+def to_layout(tree: object, stacked: bool) -> object:
+    """Every Transformer parameter state inside `tree` (the params, an optimizer's params-shaped moments)
+    converted to the stacked or the unrolled layout; the rest of `tree` as it is."""
+    convert = stack_layers if stacked else unstack_layers
+    is_model = lambda x: isinstance(x, nnx.State) and "layers" in x  # noqa: E731
+    return jax.tree.map(lambda x: convert(x) if is_model(x) else x, tree, is_leaf=is_model)
+
+
+def unrolled(model: Transformer) -> Transformer:
+    """`model` in the unrolled layout (itself if it is; else a new module holding per-layer copies)."""
+    if not model.stacked:
+        return model
+    return nnx.merge(layout_graphdef(model.cfg, False), unstack_layers(nnx.state(model, nnx.Param)))
+
+
+def layout_graphdef(cfg: ModelConfig, stacked: bool) -> nnx.GraphDef:
+    """The graph definition of a Transformer of `cfg` in the given layout (for `nnx.merge` with a state
+    converted by `stack_layers` / `unstack_layers`); nothing is materialised."""
+    return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), stacked=stacked)))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ unrolled `Transformer.__call__` over the per-layer cache tuple (memory, compile 
 optimised HLO materialises), and `tests/experiments/test_scan_rollout.py` holds them equal to it.
 
 The cache is natively stacked, `StackedKVCache.k/v` [L, B, Hkv, S, D], and the layers' parameters are stacked
-once outside the program (`split_for_scan`), so a call stacks nothing (the trainer's `_scan_layers` stacks
-both inside its program: a copy of every weight and cache per call, fine for a backward pass, not for a
-decode step). Two ways to thread the cache through the scan (`CACHE_MODES`):
+once outside the program (`split_for_scan`), so a call stacks nothing (as the trainer's stacked layout,
+`Transformer(stacked=True)`, whose scan threads the cache as "xs" does). Two ways to thread the cache
+through the scan (`CACHE_MODES`):
   "carry"  the stacked buffers are the scan's carry: layer l writes its T new tokens into [l] by one scatter
            (the same in-bounds, unique-index scatter as `kv_cache.write_rows`) and attends to the slice
            `k[l]` (`lax.dynamic_index_in_dim`);
@@ -28,27 +28,10 @@ from jax import lax
 
 from tlt_jax.kernels import tree_attention as ta
 from tlt_jax.kernels.small_m_linear import linear
-from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.models.kv_cache import StackedKVCache
 from tlt_jax.models.llama import Attention, DecoderLayer, Transformer, apply_rope, causal_mask, rope_cos_sin
 
 CACHE_MODES = ("carry", "xs")
-
-
-@flax.struct.dataclass
-class StackedKVCache:
-    """The rollout cache with one leading layer axis: k, v [L, B, Hkv, S, D]; lengths [B] as `KVCache`."""
-
-    k: jax.Array
-    v: jax.Array
-    lengths: jax.Array
-
-    @classmethod
-    def from_cache(cls, cache: KVCache) -> StackedKVCache:
-        return cls(k=jnp.stack(cache.k), v=jnp.stack(cache.v), lengths=cache.lengths)
-
-    def to_cache(self) -> KVCache:
-        """The per-layer tuple form (for comparing with `Transformer.__call__`)."""
-        return KVCache(k=tuple(self.k), v=tuple(self.v), lengths=self.lengths)
 
 
 @dataclasses.dataclass(frozen=True)

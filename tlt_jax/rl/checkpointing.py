@@ -10,7 +10,9 @@
 The drafter is stored once. When a spot trainer runs, its state holds the drafter's weights (the engine
 keeps none: each rollout drafts with a snapshot of them). Checkpoints written before this layout stored the
 engine's cast copy too ("drafter", with a spot trainer): `restore_state` still reads them, and drops it.
-The step, data position and step count go into the JSON meta.
+The step, data position and step count go into the JSON meta. The policy's decoder layers are stored in
+the trainer's layout: stacked ([L, ...] per weight) when config.trainer.scan_layers is on, else one entry per
+layer; a run resumed with the other setting reads the checkpoint and converts it (`PolicyTrainer.adopt`).
 
 With config.trainer.train_layers > 0 the embedding, tied head and lower layers never change (no update, no
 optimizer state): they are not stored (`Unsaved`), and a restore keeps the values the resumed run built from
@@ -88,6 +90,32 @@ def checkpoint_state(
     return state
 
 
+Convert = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _other_layouts(
+    like: dict[str, Any], engine: RolloutEngine, trainer: PolicyTrainer
+) -> list[tuple[str, dict[str, Any], Convert | None]]:
+    """Targets for checkpoints in another layout, each with what converts the state it reads (None: as it
+    is): the decoder layers stored the other way (stacked / unrolled: written with the other
+    config.trainer.scan_layers), and older layouts (`_older_layouts`)."""
+    out: list[tuple[str, dict[str, Any], Convert | None]] = [
+        (n, t, None) for n, t in _older_layouts(like, engine)
+    ]
+    other = trainer.other_layout()
+    if other is not None:
+        saved = "unrolled" if trainer.stacked else "stacked"
+
+        def adopt(state: dict[str, Any]) -> dict[str, Any]:
+            params, opt_state = trainer.adopt(state["params"], state["opt_state"])
+            return {**state, "params": params, "opt_state": opt_state}
+
+        out.append(
+            (f"the decoder layers {saved}", {**like, "params": other[0], "opt_state": other[1]}, adopt)
+        )
+    return out
+
+
 def _older_layouts(like: dict[str, Any], engine: RolloutEngine) -> list[tuple[str, dict[str, Any]]]:
     """Targets for checkpoints written before this layout: every parameter stored (no "frozen"), and/or the
     engine's drafter copy stored beside the spot trainer's state."""
@@ -128,26 +156,28 @@ def _check_frozen(saved: Any, like: Any, where: str) -> None:
 
 
 def restore_state(
-    ckpt: Checkpointer, step: int, like: dict[str, Any], engine: RolloutEngine
+    ckpt: Checkpointer, step: int, like: dict[str, Any], engine: RolloutEngine, trainer: PolicyTrainer
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Checkpoint `step` in the layout of `like` (`checkpoint_state`'s tree) and its meta, with the frozen
-    parameters (not stored) taken from `like`. Checkpoints of older layouts (every parameter stored; the
-    drafter in "drafter" as well as in the spot trainer's state) are read too, a second drafter copy dropped;
-    a checkpoint that fits none raises the current layout's ValueError, which names the leaves that differ."""
+    parameters (not stored) taken from `like`. Checkpoints of other layouts are read too and converted: the
+    decoder layers stored the other way (stacked / unrolled), older layouts (every parameter stored; the
+    drafter in "drafter" as well as in the spot trainer's state, the second copy dropped); a checkpoint that
+    fits none raises the current layout's ValueError, which names the leaves that differ."""
     where = f"step {step} in {ckpt.directory}"
     try:
         state, meta = ckpt.restore(step, like)
     except ValueError as current:
-        for name, target in _older_layouts(like, engine):
+        for name, target, convert in _other_layouts(like, engine, trainer):
             try:
                 state, meta = ckpt.restore(step, target)
             except ValueError:
                 continue
             logging.warning(
-                "%s has an older checkpoint layout (%s); read it: the next checkpoint has the current one",
+                "%s has another checkpoint layout (%s); read it: the next checkpoint has this run's",
                 where,
                 name,
             )
+            state = state if convert is None else convert(state)
             return {**state, "drafter": None} if like["spot"] is not None else state, meta
         raise current from None
     _check_frozen(state.pop("frozen", None), like.get("frozen"), where)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.kernels.flash_attention import SequenceParallel
-from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.models.kv_cache import KVCache, StackedKVCache
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl.batch import TrainBatch
 
@@ -48,7 +48,6 @@ def response_logprobs(
     return_hidden: bool = False,
     attn_impl: str | SequenceParallel | None = "auto",
     remat: str = "none",
-    scan_layers: bool = False,
     shard_rows: Any = None,
     gather_layer: Any = None,
     mlp_chunk: int = 0,
@@ -65,7 +64,8 @@ def response_logprobs(
     mask (materialises [T, S] scores; tests compare).
     shard_rows: applied to the repeated response rows' cache, tokens and hidden states (the trainer's sharding
     constraint spreading the rows of a micro-batch over the data axis even when its groups cannot be);
-    gather_layer: the trainer's FSDP all-gather of each scanned layer's parameters (`Transformer`);
+    gather_layer: the trainer's FSDP all-gather of each scanned layer's parameters (a stacked `Transformer`:
+    its layers run as one scan);
     mlp_chunk: the MLP in token chunks of this size (`llama.tiled`; 0: at once); shard_carry: the residual
     stream's layout between scanned layers (`Transformer`).
     """
@@ -81,14 +81,13 @@ def response_logprobs(
     attn = dict(
         causal_impl=attn_impl,
         remat=remat,
-        scan_layers=scan_layers,
         mlp_chunk=mlp_chunk,
         shard_carry=shard_carry,
         gather_layer=gather_layer,
         compute_logits=False,
     )
     # the prompt pass attends over exactly its Tp slots (query offset 0); the cache then grows for responses
-    cache = KVCache.init(cfg, g, tp)
+    cache = (StackedKVCache if model.stacked else KVCache).init(cfg, g, tp)
     pos_p = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (g, tp))
     out_p = model(prompt, pos_p, cache, **attn)
     last = jnp.take_along_axis(out_p.hidden, (batch.prompt_len - 1)[:, None, None], axis=1)  # [G, 1, H]

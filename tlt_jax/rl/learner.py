@@ -143,7 +143,7 @@ class Learner:
     def weights(self) -> tuple[Any, Any]:
         """The rollouts' (policy, drafter) weights, which the learner owns: the policy in its compute dtype
         and `drafter_weights`."""
-        return self.trainer.compute_params(), self.drafter_weights
+        return self.trainer.rollout_params(), self.drafter_weights
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -151,7 +151,9 @@ class Learner:
 
     def _restore(self) -> None:
         like = self._state()  # the newest step that reads back (a damaged one is moved aside, with a warning)
-        found = restore_newest(self.ckpt, lambda step: restore_state(self.ckpt, step, like, self.engine))
+        found = restore_newest(
+            self.ckpt, lambda step: restore_state(self.ckpt, step, like, self.engine, self.trainer)
+        )
         if found is None:
             return
         latest, (state, meta) = found
@@ -205,7 +207,7 @@ class Learner:
         clock = StepClock(self.engine, on_phase=lambda name: self.phases.set(step, name))
         with clock.phase("rollout"):
             problems, next_position = self.task.batch(self.data_position, plan.prompts)
-            params = self.trainer.compute_params()  # the rollout's weights, dropped before the update
+            params = self.trainer.rollout_params()  # the rollout's weights, dropped before the update
             if self.spot is not None:  # the drafter trains against this policy's embedding and head
                 self.spot.begin_step(step, params)
             rollout = self._rollout(problems, jax.random.fold_in(key, 0), params)

@@ -10,7 +10,9 @@ engine's sampling log-probs. Optionally in chunks of `logits_chunk` columns unde
 chunk zero-padded: any Nb), so a long response never materialises [B, Nb, V] logits for the backward pass.
 Attention is causal by `tlt_jax.kernels.flash_attention` (`attn_impl`: O(T x block) memory, no [T, S] scores)
 and each decoder layer may be rematerialised in the backward pass (`remat`, a `jax.checkpoint_policies` name),
-the layers running as one `lax.scan` over stacked parameters (`scan_layers`; see `tlt_jax.models.llama`).
+the layers running as one `lax.scan` (`scan_layers`): the trainer then stores the policy in the stacked
+layout (`llama.stack_layers`: masters, AdamW moments, gradients and checkpoints hold one [L, ...] array per
+weight, so its programs do not grow with depth) and hands the rollout the unrolled one (`rollout_params`).
 
 `PolicyTrainer` owns the policy parameters (float32 masters when the model computes in bfloat16), the optax
 state and an optional frozen reference copy. One `update` is one optimizer step on a mini-batch given as parts
@@ -38,6 +40,7 @@ from optax.transforms import MaskedNode
 
 from tlt_jax import sharding as shd
 from tlt_jax.kernels.flash_attention import SequenceParallel
+from tlt_jax.models import llama
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
@@ -122,11 +125,18 @@ def _path_parts(path: tuple) -> list[str]:
     return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
-def trainable_mask(params: Any, num_layers: int, train_layers: int) -> Any:
+def trainable_mask(params: Any, num_layers: int, train_layers: int, stacked: bool = False) -> Any:
     """Which parameters train: all (train_layers=0), or only the top `train_layers` decoder layers and the
-    final norm (embedding / tied LM head and lower layers frozen: their backward pass is never computed)."""
+    final norm (embedding / tied LM head and lower layers frozen: their backward pass is never computed).
+    `stacked` (the layers stored as one [L, ...] array per weight) trains every layer."""
     if not 0 <= train_layers <= num_layers:
         raise ValueError(f"train_layers={train_layers} must be in [0, {num_layers}] (0 = every parameter)")
+    if stacked and train_layers:
+        raise ValueError(
+            f"train_layers={train_layers} with the layers scanned: the scanned trainer stores each weight of "
+            "every layer as one stacked array and trains them all; set config.trainer.train_layers=0 or "
+            "config.trainer.scan_layers=False."
+        )
 
     def one(path: tuple, _: Any) -> bool:
         parts = _path_parts(path)
@@ -169,7 +179,8 @@ class PolicyTrainer:
     """Policy params + optimizer state + the jitted trainer forward and GRPO update (see module docstring).
 
     The trainer takes over the model's parameter buffers (its update donates them): do not use `model` after
-    constructing it; get weights from `params` / `compute_params()`.
+    constructing it; get weights from `params` / `compute_params()` (the trainer's layout) or
+    `rollout_params()` (the engine's).
     """
 
     def __init__(
@@ -183,7 +194,7 @@ class PolicyTrainer:
         graphdef, params = nnx.split(model, nnx.Param)
         self._configure(graphdef, params, model.cfg, mesh, loss, optim, options)
         self.params = jax.jit(
-            lambda p: jax.tree_util.tree_map(lambda x: x.astype(self.master_dtype), p),
+            lambda p: jax.tree_util.tree_map(lambda x: x.astype(self.master_dtype), self._layout(p)),
             out_shardings=self.param_shardings,
         )(params)
         self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
@@ -207,7 +218,9 @@ class PolicyTrainer:
         t = cls.__new__(cls)
         t._configure(graphdef, params, cfg, mesh, loss, optim, options)
         t.params = jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, t.master_dtype, sharding=s), params, t.param_shardings
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, t.master_dtype, sharding=s),
+            t._layout(params),
+            t.param_shardings,
         )
         state = jax.eval_shape(t.tx.init, t.params)
         t.opt_state = jax.tree_util.tree_map(
@@ -232,24 +245,32 @@ class PolicyTrainer:
         optim: OptimConfig,
         options: TrainerOptions,
     ) -> None:
-        """Everything but the buffers: layouts, the optimizer, the jitted programs (from shapes only)."""
-        self.mesh, self.loss, self.optim, self.graphdef = mesh, loss, optim, graphdef
+        """Everything but the buffers: layouts, the optimizer, the jitted programs (from shapes only).
+        `graphdef` / `params`: the model's (unrolled layout); the trainer's own are stacked when its layers
+        are scanned."""
+        self.stacked = bool(options.scan_layers)
+        self.rollout_graphdef = graphdef
+        self.graphdef = llama.layout_graphdef(cfg, True) if self.stacked else graphdef
+        self.mesh, self.loss, self.optim = mesh, loss, optim
         self.micro_batch_size = int(options.micro_batch_size)
         self.compute_dtype, self.master_dtype = jnp.dtype(cfg.dtype), jnp.dtype(options.master_dtype)
         fsdp, train_layers = options.fsdp, options.train_layers
         self.fsdp, self.mlp_chunk = bool(fsdp), int(options.mlp_chunk)
-        self.attn_impl, self.remat, self.scan_layers = options.attn_impl, options.remat, options.scan_layers
+        self.attn_impl, self.remat = options.attn_impl, options.remat
         self.seq_parallel = bool(options.seq_parallel)
         # the forward's attention: a SequenceParallel wrapping attn_impl when the tokens are split
         self._attn = SequenceParallel(mesh, SEQ_AXIS, self.attn_impl) if self.seq_parallel else self.attn_impl
         # fsdp: the hidden ("embed") dim of every weight is also split over the data axis, so master weights
         # and AdamW moments are sharded over all devices (XLA gathers each weight where it is used).
         self.rules = {**shd.DEFAULT_RULES, "embed": "data"} if fsdp else dict(shd.DEFAULT_RULES)
-        self.param_shardings = shd.param_shardings(params, mesh, self.rules)
-        self.trainable = trainable_mask(params, cfg.num_layers, train_layers)
+        rollout_shapes = jax.eval_shape(lambda p: p, params)
+        shapes = jax.eval_shape(self._layout, params)
+        self.param_shardings = shd.param_shardings(shapes, mesh, self.rules)
+        self.rollout_shardings = shd.param_shardings(rollout_shapes, mesh, self.rules)
+        self.trainable = trainable_mask(shapes, cfg.num_layers, train_layers, self.stacked)
         self.train_layers = int(train_layers)
         self.tx = policy_optimizer(optim, self.trainable if train_layers else None)
-        self.opt_shardings = optimizer_shardings(self.tx, params, self.param_shardings, mesh)
+        self.opt_shardings = optimizer_shardings(self.tx, shapes, self.param_shardings, mesh)
         self._zeros = jax.jit(
             lambda p: jax.tree_util.tree_map(jnp.zeros_like, p), out_shardings=self.param_shardings
         )
@@ -261,14 +282,47 @@ class PolicyTrainer:
         )
         self._logprobs = jax.jit(self._logprobs_fn, static_argnames=("return_hidden",))
         self._cast = jax.jit(self._cast_fn, out_shardings=self.param_shardings)
+        self._rollout_cast = jax.jit(
+            lambda p: llama.unstack_layers(self._cast_fn(p)), out_shardings=self.rollout_shardings
+        )
         self._surrogate = jax.jit(self._surrogate_fn)
         self._copy = jax.jit(
             lambda p: jax.tree_util.tree_map(jnp.copy, p), out_shardings=self.param_shardings
         )
 
     # ---- params -------------------------------------------------------------------------------------------
+    def _layout(self, params: Any) -> Any:
+        """The model's (unrolled) parameter state in the trainer's layout (stacked when scanned)."""
+        return llama.stack_layers(params) if self.stacked else params
+
     def _cast_fn(self, params: Any) -> Any:
         return jax.tree_util.tree_map(lambda x: x.astype(self.compute_dtype), params)
+
+    def rollout_params(self) -> Any:
+        """The policy as the rollout engine runs it: compute dtype, unrolled layout (new buffers when the
+        trainer stores it stacked or in another dtype; the masters themselves otherwise)."""
+        return self._rollout_cast(self.params) if self.stacked else self.compute_params()
+
+    def other_layout(self) -> tuple[Any, Any] | None:
+        """Abstract (params, opt_state) in the other layout of the decoder layers (stacked <-> unrolled),
+        sharded as this trainer would shard them: the restore target of a checkpoint written with the other
+        config.trainer.scan_layers (`adopt` converts what it reads). None with frozen layers (not stored)."""
+        if self.train_layers:
+            return None
+        convert = llama.unstack_layers if self.stacked else llama.stack_layers
+        shapes = jax.eval_shape(convert, self.params)
+        shardings = shd.param_shardings(shapes, self.mesh, self.rules)
+        opt = jax.eval_shape(self.tx.init, shapes)
+        opt_shardings = optimizer_shardings(self.tx, shapes, shardings, self.mesh)
+        sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+        return jax.tree.map(sds, shapes, shardings), jax.tree.map(sds, opt, opt_shardings)
+
+    def adopt(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """(params, opt_state) read in the other layout (`other_layout`) -> this trainer's layout."""
+        return jax.jit(
+            lambda p, o: llama.to_layout((p, o), self.stacked),
+            out_shardings=(self.param_shardings, self.opt_shardings),
+        )(params, opt_state)
 
     def compute_params(self, copy: bool = False) -> Any:
         """Policy params in the model's compute dtype (what the rollout engine runs); `copy` forces new
@@ -314,7 +368,6 @@ class PolicyTrainer:
             return_hidden=return_hidden,
             attn_impl=self._attn,
             remat=self.remat,
-            scan_layers=self.scan_layers,
             shard_rows=self._shard_rows,
             gather_layer=self._gather if gathers else None,
             mlp_chunk=self.mlp_chunk,
@@ -345,18 +398,20 @@ class PolicyTrainer:
         return jax.lax.with_sharding_constraint(params, shd.param_shardings(params, self.mesh))
 
     def _shard_rows(self, tree: Any) -> Any:
-        """Rows (leading axis) of every array over the data axis where they divide it, the other axes left to
-        the compiler (a cache's KV heads stay on the model axis); with sequence parallelism also the token
-        axis over `SEQ_AXIS`: tokens [B, T] and hidden states [B, T, H] at axis 1, a cache's [B, Hkv, S, D]
-        slots at axis 2 (the layout its attention takes them in)."""
+        """Rows of every array over the data axis where they divide it, the other axes left to the compiler
+        (a cache's KV heads stay on the model axis); with sequence parallelism also the token axis over
+        `SEQ_AXIS`: tokens [B, T] and hidden states [B, T, H] at axis 1, a cache's [B, Hkv, S, D] slots at
+        axis 2 (the layout its attention takes them in). Rows lead, except in a stacked cache's
+        [L, B, Hkv, S, D]."""
         axis = self.rules["batch"]
         free = P.UNCONSTRAINED
 
         def one(x: jax.Array) -> jax.Array:
             spec = [free] * x.ndim
-            if axis is not None and x.shape[0] % self.mesh.shape[axis] == 0:
-                spec[0] = axis
-            tok = {2: 1, 3: 1, 4: 2}.get(x.ndim) if self.seq_parallel else None
+            row = 1 if x.ndim == 5 else 0
+            if axis is not None and x.shape[row] % self.mesh.shape[axis] == 0:
+                spec[row] = axis
+            tok = {2: 1, 3: 1, 4: 2, 5: 3}.get(x.ndim) if self.seq_parallel else None
             if tok is not None and x.shape[tok] % self.mesh.shape[SEQ_AXIS] == 0:
                 spec[tok] = SEQ_AXIS
             if all(a is free for a in spec):

@@ -36,7 +36,7 @@ from tlt_jax import sharding as shd
 from tlt_jax.kernels import small_m_linear
 from tlt_jax.models.build import TextCodec
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.models.llama import Transformer
+from tlt_jax.models.llama import Transformer, unrolled
 from tlt_jax.rollout import admission, decode, scheduler, spmd
 from tlt_jax.rollout.hooks import IdleWork, RolloutHooks
 from tlt_jax.rollout.interface import EngineConfig
@@ -82,6 +82,7 @@ class RolloutEngine(RowPrograms):
         self.tokenizer = tokenizer
         self.mesh = mesh if mesh is not None else shd.make_mesh(1, 1, jax.devices()[:1])
         self.data_size = self.mesh.shape["data"]
+        model = unrolled(model)  # the decode loop reads each layer's weights and cache in place
         self.graphdef, params = nnx.split(model, nnx.Param)
         self._param_shardings = shd.param_shardings(params, self.mesh)
         self.params = jax.device_put(params, self._param_shardings)
