@@ -30,6 +30,10 @@ def get_config(arg: str | None = None):
     # x K,V x 1 of 8 KV heads x 128 x bf16 x 35,328 = 1.10 GiB: 18 GiB holds 16 rows, a cap of 16 per group
     c.rollout.kv_budget_gib = 18.0
     c.trainer.fsdp = True
+    # one response row per data group per micro-step (sub-groups of a group: `rl.batch.regroup`; on more
+    # than two nodes, the data axis's size): by the memory plan the update at 32K-token responses then needs
+    # 63.4 GiB per device on 2 x 8, where micro-batches of a whole group of 8 rows need 89.1
+    c.trainer.micro_batch_size = 2
     if arg.runlocal:
         config_lib.shrink_for_cpu(c, "qwen2")
         c.multiprocess = False  # the pipeline on one machine

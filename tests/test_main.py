@@ -137,7 +137,7 @@ def test_bad_overrides_fail_with_a_clear_message(env, tmp_path) -> None:
     assert "Traceback" not in proc.stderr
     proc = run_main(env, tmp_path, "--config.trainer.micro_batch_size=6")
     assert proc.returncode == 2
-    assert "config.trainer.micro_batch_size=6 must be a multiple of samples_per_prompt=8" in proc.stderr
+    assert "config.trainer.micro_batch_size=6 must divide the mini-batch of 16 rows" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
 

@@ -227,10 +227,12 @@ def abstract_micro(
     config: mlc.ConfigDict, mesh: Mesh, prompt_len: int, response_len: int
 ) -> tuple[TrainBatch, Any]:
     """One part of a mini-batch as `PolicyTrainer.put_micro` lays it out ([K, G/K, ...], groups over the
-    data axis) and its per-micro-batch weights."""
+    data axis; sub-groups of micro_batch_size samples when that is less than a group: `batch.regroup`) and
+    its per-micro-batch weights."""
     rl = config.rl
-    n, micro = int(rl.samples_per_prompt), int(config.trainer.micro_batch_size)
-    k = int(rl.prompts_per_step) * n // int(rl.mini_batches) // micro
+    micro = int(config.trainer.micro_batch_size)
+    n = min(int(rl.samples_per_prompt), micro)
+    k = int(rl.prompts_per_step) * int(rl.samples_per_prompt) // int(rl.mini_batches) // micro
     g = micro // n
     shapes = TrainBatch(
         prompt=((k, g, prompt_len), jnp.int32),

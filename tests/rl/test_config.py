@@ -36,13 +36,15 @@ def test_validate_lists_every_problem_with_its_fix() -> None:
     assert "config.model.linear_impl='fast': use one of ('auto', 'xla', 'cpu_ffi')" in msg
 
 
-def test_validate_micro_batches_hold_whole_groups() -> None:
+def test_validate_micro_batches_hold_whole_groups_or_sub_groups() -> None:
     c = load_config("smoke")  # 2 prompts x 8 samples = 16 rows
-    c.trainer.micro_batch_size = 2
+    c.trainer.micro_batch_size = 3
     with pytest.raises(
-        ValueError, match=r"micro_batch_size=2 must be a multiple of samples_per_prompt=8.*\[8, 16\]"
+        ValueError, match=r"micro_batch_size=3 must divide the mini-batch of 16 rows.*\[1, 2, 4, 8, 16\]"
     ):
         rl_config.validate_grpo(c)
+    c.trainer.micro_batch_size = 2  # sub-groups of a group (tlt_jax.rl.batch.regroup)
+    rl_config.validate_grpo(c)
     c.trainer.micro_batch_size = 4
     c.rl.mini_batches = 3
     with pytest.raises(ValueError, match="mini_batches=3 must divide the 16 rows"):

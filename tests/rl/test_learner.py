@@ -20,7 +20,8 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.batch import TrainBatch, build_train_batch, length_sorted_micro, micro_weights
 from tlt_jax.rl.forward import response_logprobs
 from tlt_jax.rl.learner import Learner
-from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions
+from tlt_jax.rl.optimizer import OptimConfig
+from tlt_jax.rl.trainer import PolicyLossConfig, PolicyTrainer, TrainerOptions
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
@@ -163,17 +164,18 @@ def test_shared_prompt_logprobs_match_a_full_forward(chunk: int) -> None:
 @pytest.mark.slow
 @pytest.mark.devices(2)
 def test_micro_batching_and_fsdp_do_not_change_the_update() -> None:
-    """Gradient accumulation over micro-batches (and sharding params over data) = one full-batch step."""
+    """Gradient accumulation over micro-batches (and sharding params over data) = one full-batch step, also
+    with micro-batches of one row, half a group each (`regroup`: the prompt recomputed per sub-group)."""
     batch = random_batch(1)  # 4 groups x 2 samples
     results = []
-    for micro, data, fsdp in [(8, 1, False), (2, 1, False), (4, 2, True)]:
+    for micro, data, fsdp in [(8, 1, False), (2, 1, False), (1, 1, False), (4, 2, True)]:
         tr = trainer(micro=micro, data=data, fsdp=fsdp)
         before = leaves(tr.params)  # the same initial parameters in every layout (model seed 0)
         mb = tr.put_micro(batch)
         old = np.asarray(tr.logprobs(mb).logp).reshape(batch.old_logp.shape)
         mb = tr.put_micro(batch.replace(old_logp=old))
         mask = np.asarray(batch.response_mask)
-        w = micro_weights(mask.reshape((8 // micro, -1) + mask.shape[1:]), tr.loss.aggregation)
+        w = micro_weights(mask.reshape(8 // micro, -1, 1, mask.shape[-1]), tr.loss.aggregation)
         grads = leaves(tr.gradients(mb, w))
         metrics, _ = tr.update([mb], [w])
         results.append((grads, leaves(tr.params), metrics, before))
@@ -221,8 +223,13 @@ def test_length_sorted_micro_batches_equal_the_full_width_update(agg: str) -> No
     unsorted = parts.unsort([np.asarray(x) for x in logps], 12)
     np.testing.assert_allclose(unsorted[mask], np.asarray(logp_full).reshape(8, 12)[mask], atol=1e-5)
     assert_same_update(before, leaves(full.params), leaves(cut.params), grads)
-    with pytest.raises(ValueError, match="whole groups of 2"):
+    with pytest.raises(ValueError, match="micro_batch_size=3 must divide the mini-batch of 8 rows"):
         length_sorted_micro(batch, lengths, 3, 4, agg)
+    one = length_sorted_micro(batch, lengths, 1, 4, agg)  # sub-groups of one row, sorted by their own length
+    assert [mb.num_response for mb in one.micro] == [12, 8, 8, 4, 4, 4, 4, 4]
+    assert one.unsort([np.full((1, mb.num_response), i) for i, mb in enumerate(one.micro)], 12)[
+        :, 0
+    ].tolist() == [5, 0, 6, 7, 1, 2, 3, 4]
 
 
 def test_train_layers_freezes_the_bottom_of_the_model() -> None:

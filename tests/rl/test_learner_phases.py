@@ -20,9 +20,9 @@ from tlt_jax.rl.metrics import (
     learning_metrics,
     scheduled_lr,
 )
+from tlt_jax.rl.optimizer import OptimConfig
 from tlt_jax.rl.plan import StepPlan
 from tlt_jax.rl.reward import Scores, score_rollout
-from tlt_jax.rl.trainer import OptimConfig
 from tlt_jax.rl.update import UpdateResult, old_logprobs, update_policy
 from tlt_jax.rollout.types import Rollout, RolloutStats
 from tlt_jax.tasks import Problem, RewardResult

@@ -13,9 +13,9 @@ import pytest
 from tlt_jax import config_lib
 from tlt_jax.rl import config as rl_config
 from tlt_jax.rl.metrics import scheduled_lr
+from tlt_jax.rl.optimizer import OptimConfig
 from tlt_jax.rl.plan import StepPlan
 from tlt_jax.rl.schedules import lr_schedule
-from tlt_jax.rl.trainer import OptimConfig
 
 SMOKE = pathlib.Path(__file__).resolve().parents[2] / "configs" / "smoke.py"
 

@@ -26,7 +26,8 @@ from tlt_jax.kernels import flash_attention as fa
 from tlt_jax.models.llama import Transformer, to_layout
 from tlt_jax.rl.batch import TrainBatch, micro_weights
 from tlt_jax.rl.config import trainer_options
-from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions
+from tlt_jax.rl.optimizer import OptimConfig
+from tlt_jax.rl.trainer import PolicyLossConfig, PolicyTrainer, TrainerOptions
 
 MICRO = 4  # rows per micro-batch: 2 groups of 2, so the 8-row batch is 2 accumulated micro-batches
 

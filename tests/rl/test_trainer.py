@@ -20,7 +20,8 @@ from tlt_jax.models.llama import Transformer, layout_graphdef, stack_layers, uns
 from tlt_jax.rl.batch import TrainBatch, build_train_batch
 from tlt_jax.rl.config import trainer_options
 from tlt_jax.rl.forward import ForwardOut, response_logprobs
-from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions
+from tlt_jax.rl.optimizer import OptimConfig
+from tlt_jax.rl.trainer import PolicyLossConfig, PolicyTrainer, TrainerOptions
 from tlt_jax.utils.config_checks import SectionError
 
 CFG = tiny_config(num_layers=2)

@@ -110,6 +110,42 @@ def build_train_batch(
     )
 
 
+def micro_problem(rows: int, group: int, micro_batch_size: int) -> str | None:
+    """Why `micro_batch_size` rows cannot split a mini-batch of `rows` rows in groups of `group` (None when
+    they can): a micro-batch holds whole groups, or a whole sub-group of one (a divisor of the group)."""
+    m = micro_batch_size
+    if m >= 1 and rows % m == 0 and (m % group == 0 or group % m == 0):
+        return None
+    options = [d for d in range(1, rows + 1) if rows % d == 0 and (d % group == 0 or group % d == 0)]
+    return (
+        f"config.trainer.micro_batch_size={m} must divide the mini-batch of {rows} rows (prompts_per_step * "
+        f"samples_per_prompt / mini_batches) and be a multiple or a divisor of samples_per_prompt={group} "
+        f"(micro-batches hold whole groups, or whole sub-groups of one); valid: {options}."
+    )
+
+
+def regroup(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
+    """Host batch [G, n, ...] -> [G * n / s, s, ...] sub-groups of s = micro_batch_size samples each with
+    its group's prompt, when micro-batches are smaller than a group (s < n; else the batch as it is). Rows
+    keep their order; each sub-group's prompt is recomputed in its own micro-batch (a 1K-token prompt
+    against 32K-token responses: cheap), which is what lets a long-response update run fewer rows at once."""
+    g, n = batch.response.shape[:2]
+    if micro_batch_size >= n:
+        return batch
+    r, s = n // micro_batch_size, micro_batch_size
+    per_row = lambda x: np.asarray(x).reshape((g * r, s) + x.shape[2:])  # noqa: E731
+    per_group = lambda x: np.repeat(np.asarray(x), r, axis=0)  # noqa: E731
+    return TrainBatch(
+        prompt=per_group(batch.prompt),
+        prompt_len=per_group(batch.prompt_len),
+        response=per_row(batch.response),
+        response_mask=per_row(batch.response_mask),
+        advantages=per_row(batch.advantages),
+        old_logp=per_row(batch.old_logp),
+        ref_logp=per_row(batch.ref_logp),
+    )
+
+
 def split_micro(batch: TrainBatch, num_micro: int) -> TrainBatch:
     """[G, ...] leaves -> [num_micro, G / num_micro, ...] (consecutive groups per micro-batch)."""
     return jax.tree_util.tree_map(lambda x: x.reshape((num_micro, -1) + x.shape[1:]), batch)
@@ -164,18 +200,18 @@ class SortedMicro:
 def length_sorted_micro(
     batch: TrainBatch, lengths: np.ndarray, micro_batch_size: int, seq_bucket: int, aggregation: str
 ) -> SortedMicro:
-    """Split a host mini-batch [G, ...] into micro-batches of `micro_batch_size` rows (whole groups), the
-    groups sorted by their longest response (`lengths`: [G * n] response tokens per row, longest first) and
-    each micro-batch's response columns cut to the bucket of its own longest response. The loss weights are
-    those of the full-width batch (padding carries no token, so the cut changes no loss)."""
+    """Split a host mini-batch [G, ...] into micro-batches of `micro_batch_size` rows (whole groups, or
+    sub-groups: `regroup`), the groups sorted by their longest response (`lengths`: [G * n] response tokens
+    per row, longest first) and each micro-batch's response columns cut to the bucket of its own longest
+    response. The loss weights are those of the full-width batch (padding carries no token, so the cut
+    changes no loss)."""
     g, n, nb = batch.response_mask.shape
     chex.assert_shape(lengths, (g * n,))
-    if micro_batch_size % n or (g * n) % micro_batch_size:
-        raise ValueError(
-            f"micro-batches of {micro_batch_size} rows must hold whole groups of {n} samples and divide the "
-            f"{g * n} rows of a mini-batch: set config.trainer.micro_batch_size to a multiple of "
-            "rl.samples_per_prompt that divides prompts_per_step * samples_per_prompt / mini_batches."
-        )
+    problem = micro_problem(g * n, n, micro_batch_size)
+    if problem:
+        raise ValueError(problem)
+    batch = regroup(batch, micro_batch_size)
+    g, n, nb = batch.response_mask.shape
     mask = np.asarray(batch.response_mask)
     lengths = np.asarray(lengths).reshape(g, n).max(-1)  # a group's longest response
     if lengths.max() > nb:

@@ -20,10 +20,12 @@ from tlt_jax.config_schema import GrpoConfig
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
+from tlt_jax.rl.batch import micro_problem
 from tlt_jax.rl.evaluation import eval_set_configs
+from tlt_jax.rl.optimizer import OptimConfig
 from tlt_jax.rl.reward import overlong_problems
 from tlt_jax.rl.schedules import decay_updates, schedule_problems
-from tlt_jax.rl.trainer import OptimConfig, PolicyLossConfig, PolicyTrainer, TrainerOptions
+from tlt_jax.rl.trainer import PolicyLossConfig, PolicyTrainer, TrainerOptions
 from tlt_jax.tasks.datasets import FILE_KINDS, TASK_KINDS, check_task_config, make_task
 from tlt_jax.utils.plain import plain_dict
 
@@ -54,19 +56,8 @@ def rl_problems(config: mlc.ConfigDict) -> list[str]:
             f"config.rl.mini_batches={rl.mini_batches} must divide the {rows} rows of a step "
             f"(prompts_per_step * samples_per_prompt)."
         )
-    elif (
-        tr.micro_batch_size < 1
-        or (rows // rl.mini_batches) % tr.micro_batch_size
-        or tr.micro_batch_size % rl.samples_per_prompt
-    ):
-        mini = rows // rl.mini_batches
-        n = rl.samples_per_prompt
-        options = [d for d in range(n, mini + 1, n) if mini % d == 0]
-        out.append(
-            f"config.trainer.micro_batch_size={tr.micro_batch_size} must be a multiple of "
-            f"samples_per_prompt={n} (micro-batches hold whole groups) that divides the mini-batch of {mini} "
-            f"rows (prompts_per_step * samples_per_prompt / mini_batches); valid: {options}."
-        )
+    elif problem := micro_problem(rows // rl.mini_batches, rl.samples_per_prompt, tr.micro_batch_size):
+        out.append(problem)
     out += overlong_problems(rl.overlong_buffer, ro.max_new_tokens)
     out += schedule_problems(
         rl.lr_schedule, rl.warmup_steps, rl.decay_steps, config.num_steps * rl.mini_batches

@@ -10,8 +10,8 @@ import dataclasses
 
 from tlt_jax.config_schema import GrpoConfig
 from tlt_jax.rl.config import optim_config
+from tlt_jax.rl.optimizer import OptimConfig
 from tlt_jax.rl.reward import OverlongShaping
-from tlt_jax.rl.trainer import OptimConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from tlt_jax.config_sections import LR_SCHEDULES
 
 
 class ScheduleSettings(Protocol):
-    """The optimizer settings a schedule reads (`tlt_jax.rl.trainer.OptimConfig` has them)."""
+    """The optimizer settings a schedule reads (`tlt_jax.rl.optimizer.OptimConfig` has them)."""
 
     lr: float
     warmup_steps: int

@@ -36,7 +36,6 @@ import optax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from optax.transforms import MaskedNode
 
 from tlt_jax import sharding as shd
 from tlt_jax.kernels.flash_attention import SequenceParallel
@@ -44,9 +43,15 @@ from tlt_jax.models import llama
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
-from tlt_jax.rl.batch import TrainBatch, split_micro
+from tlt_jax.rl.batch import TrainBatch, micro_problem, regroup, split_micro
 from tlt_jax.rl.forward import ForwardOut, response_logprobs
-from tlt_jax.rl.schedules import lr_schedule
+from tlt_jax.rl.optimizer import (
+    OptimConfig,
+    optimizer_shardings,
+    path_parts,
+    policy_optimizer,
+    trainable_mask,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,17 +68,10 @@ class PolicyLossConfig:
     logits_chunk: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-6
-    warmup_steps: int = 0
-    weight_decay: float = 0.01
-    b1: float = 0.9
-    b2: float = 0.999
-    grad_clip: float = 1.0
-    schedule: str = "constant"  # after the warm-up: constant | cosine | linear (tlt_jax.rl.schedules)
-    decay_steps: int = 0  # the update at which a decay reaches lr * min_lr_ratio
-    min_lr_ratio: float = 0.0
+def _micro_spec(mesh: Mesh, x: Any) -> NamedSharding:
+    """[K, G, ...] micro-batches: groups sharded over the data axis, everything else replicated."""
+    axes = (None, "batch") + (None,) * (x.ndim - 2)
+    return NamedSharding(mesh, shd.logical_spec(axes, x.shape, mesh))
 
 
 # Sequence (context) parallelism (`TrainerOptions.seq_parallel`) reuses the mesh's model axis: the rollout's
@@ -107,72 +105,6 @@ class TrainerOptions:
     scan_layers: bool = False
     mlp_chunk: int = 0
     seq_parallel: bool = False
-
-
-def policy_optimizer(oc: OptimConfig, trainable: Any = None) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping and warm-up (the VeRL actor's optimizer). `trainable`: a pytree of
-    bools like the params; False leaves get no update and no optimizer state (None: all trainable)."""
-    parts = [optax.clip_by_global_norm(oc.grad_clip)] if oc.grad_clip > 0 else []
-    parts.append(optax.adamw(lr_schedule(oc), b1=oc.b1, b2=oc.b2, weight_decay=oc.weight_decay))
-    tx = optax.chain(*parts)
-    if trainable is None:
-        return tx
-    labels = jax.tree_util.tree_map(lambda t: "train" if t else "frozen", trainable)
-    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
-
-
-def _path_parts(path: tuple) -> list[str]:
-    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-
-
-def trainable_mask(params: Any, num_layers: int, train_layers: int, stacked: bool = False) -> Any:
-    """Which parameters train: all (train_layers=0), or only the top `train_layers` decoder layers and the
-    final norm (embedding / tied LM head and lower layers frozen: their backward pass is never computed).
-    `stacked` (the layers stored as one [L, ...] array per weight) trains every layer."""
-    if not 0 <= train_layers <= num_layers:
-        raise ValueError(f"train_layers={train_layers} must be in [0, {num_layers}] (0 = every parameter)")
-    if stacked and train_layers:
-        raise ValueError(
-            f"train_layers={train_layers} with the layers scanned: the scanned trainer stores each weight of "
-            "every layer as one stacked array and trains them all; set config.trainer.train_layers=0 or "
-            "config.trainer.scan_layers=False."
-        )
-
-    def one(path: tuple, _: Any) -> bool:
-        parts = _path_parts(path)
-        if train_layers == 0:
-            return True
-        if parts[0] == "layers":
-            return int(parts[1]) >= num_layers - train_layers
-        return parts[0] == "norm"
-
-    return jax.tree_util.tree_map_with_path(one, params)
-
-
-def _micro_spec(mesh: Mesh, x: Any) -> NamedSharding:
-    """[K, G, ...] micro-batches: groups sharded over the data axis, everything else replicated."""
-    axes = (None, "batch") + (None,) * (x.ndim - 2)
-    return NamedSharding(mesh, shd.logical_spec(axes, x.shape, mesh))
-
-
-def optimizer_shardings(
-    tx: optax.GradientTransformation, params: Any, param_shardings: Any, mesh: Mesh | AbstractMesh
-) -> Any:
-    """Where the optimizer state lives: every params-shaped part (AdamW's moments, masked or not) with the
-    parameter it tracks, scalars (step counts) replicated. `jax.jit(tx.init)` alone would replicate the
-    moments on every device: nothing flows from the params into those zeros (a 7B's moments take 56.7 GiB
-    per device that way on 2 x 4 instead of 14.2)."""
-    state = jax.eval_shape(tx.init, params)
-    replicated = NamedSharding(mesh, P())
-    masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731  (frozen parameters have no state)
-    return optax.tree_map_params(
-        tx,
-        lambda x, s: x if masked(x) else s,
-        state,
-        param_shardings,
-        transform_non_params=lambda _: replicated,
-        is_leaf=masked,
-    )
 
 
 class PolicyTrainer:
@@ -336,29 +268,42 @@ class PolicyTrainer:
 
     # ---- device placement ---------------------------------------------------------------------------------
     def put_micro(self, batch: TrainBatch) -> TrainBatch:
-        """Split a host batch into micro-batches of `micro_batch_size` rows (whole groups) and shard each
-        micro-batch's groups over the data axis."""
-        groups, n = batch.prompt.shape[0], batch.group_size
-        rows = groups * n
-        if self.micro_batch_size % n or rows % self.micro_batch_size:
-            raise ValueError(
-                f"micro-batches of {self.micro_batch_size} rows must hold whole groups of {n} samples and "
-                f"divide the {rows} rows of a mini-batch: set config.trainer.micro_batch_size to a multiple "
-                "of rl.samples_per_prompt that divides prompts_per_step * samples_per_prompt / mini_batches."
-            )
+        """Split a host batch into micro-batches of `micro_batch_size` rows (whole groups, or whole
+        sub-groups of a group: `regroup`) and shard each micro-batch's groups over the data axis."""
+        rows = batch.prompt.shape[0] * batch.group_size
+        problem = micro_problem(rows, batch.group_size, self.micro_batch_size)
+        if problem:
+            raise ValueError(problem)
+        batch = regroup(batch, self.micro_batch_size)
         micro = split_micro(batch, rows // self.micro_batch_size)
         return jax.tree_util.tree_map(lambda x: jax.device_put(x, _micro_spec(self.mesh, x)), micro)
 
     # ---- forward ------------------------------------------------------------------------------------------
     def _forward(self, params: Any, mb: TrainBatch, return_hidden: bool) -> ForwardOut:
-        params = self._cast_fn(params)
         gathers = self.fsdp or self.seq_parallel
+        # a stacked model's layers are cast to the compute dtype one layer at a time inside the scan (with
+        # FSDP's gather), not as a compute-dtype copy of every layer up front (by the memory plan, 10 GiB less
+        # in the 32B log-prob pass)
+        late = lambda path: self.stacked and path_parts(path)[0] == "layers"  # noqa: E731
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x if late(path) else x.astype(self.compute_dtype), params
+        )
+        layer_hook = self._gather if gathers else None
+        if self.stacked:
+            layer_hook = (lambda s: self._gather(self._cast_fn(s))) if gathers else self._cast_fn
         # the LM head gathered once (a data-sharded contraction would give every row's logits), to the tensor-
         # parallel layout also with sequence parallelism (its vocabulary split over the model axis: 1.1 GiB
         # less than a whole head per device in the 7B update at 32K, by the memory plan)
+        # and an untied embedding split by hidden dim over the model axis: each device looks up its slice of
+        # every token and the lookup's gradient (a scatter-add) stays [V, H / model], where the data x model
+        # FSDP layout had XLA gather the whole table and scatter into a whole [V, H] float32 gradient
+        # (-4.9 GiB per device in the 32B update at 32K, by the memory plan)
         if gathers:
             head = "lm_head" if "lm_head" in params else "embed"
             params[head] = self._gather_tp(params)[head]
+            if head == "lm_head":
+                split = NamedSharding(self.mesh, P(None, SEQ_AXIS))
+                params["embed"] = jax.lax.with_sharding_constraint(params["embed"], split)
         model = nnx.merge(self.graphdef, params)
         return response_logprobs(
             model,
@@ -369,7 +314,7 @@ class PolicyTrainer:
             attn_impl=self._attn,
             remat=self.remat,
             shard_rows=self._shard_rows,
-            gather_layer=self._gather if gathers else None,
+            gather_layer=layer_hook,
             mlp_chunk=self.mlp_chunk,
             shard_carry=self._shard_carry,
         )
