@@ -102,7 +102,12 @@ def response_logprobs(
         pos_r = cache.lengths[:, None] + jnp.arange(nbp, dtype=jnp.int32)[None, :]
         hidden_p, hidden_r = out_p.hidden, model(resp, pos_r, cache, **attn).hidden
     last = jnp.take_along_axis(hidden_p, (batch.prompt_len - 1)[:, None, None], axis=1)  # [G, 1, H]
-    h = jnp.concatenate([last[rows], hidden_r[:, :-1]], axis=1)  # [B, Nb, H]: predicts response[:, j]
+    # h [B, Nb, H] predicts response[:, j]: the prompt's last hidden state (j = 0), else the response's at
+    # j - 1. A roll and a select: `concatenate([last, hidden_r[:, :-1]])` got wrong gradients from XLA's SPMD
+    # partitioner when the token axis is split over the model axis (tests/rl/test_trainer.py,
+    # test_paper_layout_gradients_equal_one_device)
+    first = (jnp.arange(nbp) == 0)[None, :, None]
+    h = jnp.where(first, last[rows], jnp.roll(hidden_r, 1, axis=1))
     if shard_rows is not None:
         h = shard_rows(h)
     if seq == 1:
