@@ -74,10 +74,9 @@ def response_logprobs(
     n, nb = batch.group_size, batch.num_response
     chex.assert_shape(batch.prompt_len, (g,))
     chex.assert_shape([batch.response, batch.response_mask], (g, n, nb))
-    cfg = model.cfg
     seq = attn_impl.size if isinstance(attn_impl, SequenceParallel) else 1
     prompt, resp = _pad_columns(batch.prompt, seq), _pad_columns(batch.rows(batch.response), seq)
-    tp, nbp = prompt.shape[1], resp.shape[1]
+    nbp = resp.shape[1]
     # causal attention (no mask given): the flash kernel, or (None) tree attention under a causal mask
     attn = dict(
         causal_impl=attn_impl,
@@ -90,17 +89,8 @@ def response_logprobs(
     rows = jnp.repeat(jnp.arange(g), n)
     if shard_rows is not None:
         resp = shard_rows(resp)
-    if model.stacked:
-        hidden_p, hidden_r = _joint_scan(model, (prompt, batch.prompt_len, resp, rows), attn, shard_rows)
-    else:
-        # the prompt pass attends over exactly its Tp slots (query offset 0); the cache then grows for the
-        # responses
-        pos_p = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (g, tp))
-        out_p = model(prompt, pos_p, KVCache.init(cfg, g, tp), **attn)
-        cache = out_p.cache.resize(tp + nbp).advance(batch.prompt_len).take_rows(rows)
-        cache = cache if shard_rows is None else shard_rows(cache)
-        pos_r = cache.lengths[:, None] + jnp.arange(nbp, dtype=jnp.int32)[None, :]
-        hidden_p, hidden_r = out_p.hidden, model(resp, pos_r, cache, **attn).hidden
+    passes = _joint_scan if model.stacked else _two_passes
+    hidden_p, hidden_r = passes(model, (prompt, batch.prompt_len, resp, rows), attn, shard_rows)
     last = jnp.take_along_axis(hidden_p, (batch.prompt_len - 1)[:, None, None], axis=1)  # [G, 1, H]
     # h [B, Nb, H] predicts response[:, j]: the prompt's last hidden state (j = 0), else the response's at
     # j - 1. A roll and a select: `concatenate([last, hidden_r[:, :-1]])` got wrong gradients from XLA's SPMD
@@ -123,6 +113,22 @@ def response_logprobs(
     logp, ent = chunked_logp_entropy(model, hs, ts, temperature, chunk)
     logp, ent = (x.reshape(b, nbp)[:, :nb] for x in (logp, ent))
     return ForwardOut(logp=logp, entropy=ent, hidden=h[:, :nb] if return_hidden else None)
+
+
+def _two_passes(
+    model: Transformer, tokens: tuple[jax.Array, ...], attn: dict[str, Any], shard_rows: Any
+) -> tuple[jax.Array, jax.Array]:
+    """An unrolled model's prompt pass (attending over exactly its Tp slots: query offset 0), then its
+    response pass on the prompt's cache grown for them (rows repeated per sample). Arguments and result as
+    `_joint_scan`'s."""
+    prompt, prompt_len, resp, rows = tokens
+    (g, tp), nb = prompt.shape, resp.shape[1]
+    pos_p = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (g, tp))
+    out_p = model(prompt, pos_p, KVCache.init(model.cfg, g, tp), **attn)
+    cache = out_p.cache.resize(tp + nb).advance(prompt_len).take_rows(rows)
+    cache = cache if shard_rows is None else shard_rows(cache)
+    pos_r = cache.lengths[:, None] + jnp.arange(nb, dtype=jnp.int32)[None, :]
+    return out_p.hidden, model(resp, pos_r, cache, **attn).hidden
 
 
 def _joint_scan(
