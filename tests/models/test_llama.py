@@ -8,16 +8,8 @@ from flax import nnx
 
 from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.kv_cache import KVCache, StackedKVCache
-from tlt_jax.models.llama import (
-    Transformer,
-    causal_mask,
-    from_hf_tensors,
-    layout_graphdef,
-    stack_layers,
-    tiled,
-    unrolled,
-    unstack_layers,
-)
+from tlt_jax.models.layouts import layout_graphdef, stack_layers, unrolled, unstack_layers
+from tlt_jax.models.llama import Transformer, causal_mask, from_hf_tensors, tiled
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tlt_jax import config_lib
-from tlt_jax.models.llama import stack_layers
+from tlt_jax.models.layouts import stack_layers
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
 from tlt_jax.rl.learner import Learner
 from tlt_jax.rl.spot import BUFFER_DIR, buffer_dir, buffer_root, save_buffer

@@ -23,7 +23,8 @@ from tlt_jax import config_lib, config_schema
 from tlt_jax import sharding as shd
 from tlt_jax.config_sections import TrainerSection
 from tlt_jax.kernels import flash_attention as fa
-from tlt_jax.models.llama import Transformer, to_layout
+from tlt_jax.models.layouts import to_layout
+from tlt_jax.models.llama import Transformer
 from tlt_jax.rl.batch import TrainBatch, micro_weights
 from tlt_jax.rl.config import trainer_options
 from tlt_jax.rl.optimizer import OptimConfig

@@ -16,7 +16,8 @@ from tlt_jax import config_lib, config_schema
 from tlt_jax import sharding as shd
 from tlt_jax.config_sections import TrainerSection
 from tlt_jax.models.config import ModelConfig, tiny_config
-from tlt_jax.models.llama import Transformer, layout_graphdef, stack_layers, unstack_layers
+from tlt_jax.models.layouts import layout_graphdef, stack_layers, unstack_layers
+from tlt_jax.models.llama import Transformer
 from tlt_jax.rl.batch import TrainBatch, build_train_batch
 from tlt_jax.rl.config import trainer_options
 from tlt_jax.rl.forward import ForwardOut, response_logprobs

@@ -10,8 +10,8 @@ in the backward pass (`remat`, a `jax.checkpoint_policies` name).
 Two layouts of the decoder stack: unrolled (`layers` a list of `DecoderLayer`, each weight its own array: the
 rollout's, whose decode loop reads each layer's weights and cache in place) and stacked (`stacked=True`:
 `layers` one `DecoderLayer` whose every weight leads with [L], run as one `lax.scan`: the trainer's, whose
-programs then hold one array per weight whatever the depth). `stack_layers` / `unstack_layers` convert a
-parameter state between them; checkpoints and loaders name the unrolled layout's HF tensors either way.
+programs then hold one array per weight whatever the depth). `tlt_jax.models.layouts` converts between them;
+loaders build the unrolled layout.
 
 Layouts (chosen by measurement on XLA:CPU, where a decode step is a chain of M=1..64 matmuls):
 - every weight is a 2-D [out, in] matrix (HF layout). Multi-dimensional weights made XLA copy (transpose)
@@ -239,9 +239,7 @@ class Transformer(nnx.Module):
         attn_impl: str = "reference",
         causal_impl: str | None = None,
         remat: str = "none",
-        gather_layer: Callable[[nnx.State], nnx.State] | None = None,
         mlp_chunk: int = 0,
-        shard_carry: Callable[[jax.Array], jax.Array] | None = None,
     ) -> ModelOutput:
         """Forward T new tokens per row.
 
@@ -250,10 +248,7 @@ class Transformer(nnx.Module):
         logits_index_bk: compute logits only at these token indices ([B, K]); e.g. the last prompt token.
         causal_impl: attention is causal (no mask_btt) by `flash_attention(impl=causal_impl)` (the trainer;
         None: `tree_attention` by `attn_impl`). remat: per-layer rematerialisation policy (REMAT_POLICIES).
-        A stacked model runs its layers as one `lax.scan` and takes a `StackedKVCache`; gather_layer /
-        shard_carry (stacked only): applied to each layer's parameters / to the residual stream between
-        layers inside the scan (the trainer's FSDP all-gather; its tokens split over the model axis, which is
-        all the backward pass keeps of a layer under remat nothing_saveable).
+        A stacked model runs its layers as one `lax.scan` and takes a `StackedKVCache`.
         mlp_chunk (with causal_impl only): the MLP in token chunks of this size (`tiled`; 0: at once).
         """
         b, t = tokens_bt.shape
@@ -282,7 +277,6 @@ class Transformer(nnx.Module):
                 remat,
                 (x, cos, sin, cache, lengths, mask_btt),
                 (attn_impl, causal_impl, mlp_chunk),
-                (gather_layer, shard_carry),
             )
         else:
             new_k, new_v = [], []
@@ -328,29 +322,20 @@ def _run_layer(
 
 
 def _scan_layers(
-    layers: DecoderLayer,
-    remat: str,
-    arrays: tuple,
-    impl: tuple[str, str | None, int],
-    hooks: tuple[Callable | None, Callable | None],
+    layers: DecoderLayer, remat: str, arrays: tuple, impl: tuple[str, str | None, int]
 ) -> tuple[jax.Array, StackedKVCache | None]:
     """The stacked decoder stack as one `lax.scan` over its [L]-leading parameters and the cache's [L] axis
     (nothing is stacked here: the program's operations do not grow with depth); the body under
-    `jax.checkpoint` with the named policy unless remat == "none"; `hooks` (gather, shard_carry): applied (if
-    given) to each layer's slice and to the carry. `arrays`: (x, cos, sin, cache, lengths, mask); `impl`:
-    (attn_impl, causal_impl, mlp_chunk). Returns (x, the updated cache or None)."""
+    `jax.checkpoint` with the named policy unless remat == "none". `arrays`: (x, cos, sin, cache, lengths,
+    mask); `impl`: (attn_impl, causal_impl, mlp_chunk). Returns (x, the updated cache or None)."""
     x, cos, sin, cache, lengths, mask = arrays
-    gather, shard_carry = hooks
     graphdef, stacked = nnx.split(layers)
     kv = None if cache is None else (cache.k, cache.v)
 
     def body(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple | None]:
         state, kv_l = xs
         kc, vc = (None, None) if kv_l is None else kv_l
-        state = state if gather is None else gather(state)
-        x = x if shard_carry is None else shard_carry(x)
         x, kc, vc = nnx.merge(graphdef, state)(x, cos, sin, kc, vc, lengths, mask, *impl)
-        x = x if shard_carry is None else shard_carry(x)
         return x, None if kv_l is None else (kc, vc)
 
     if remat != "none":
@@ -368,67 +353,6 @@ def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
         return DecoderLayer(cfg, rngs)
 
     return make(rngs)
-
-
-def _map_params(fn: Callable, params: nnx.State) -> nnx.State:
-    """`fn` on concrete arrays, `jax.eval_shape(fn)` on abstract ones (memory plans, nothing materialised)."""
-    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
-    return jax.eval_shape(fn, params) if abstract else fn(params)
-
-
-def stack_layers(params: nnx.State) -> nnx.State:
-    """A Transformer's parameter state in the unrolled layout -> the stacked one (`layers` {i: layer} -> one
-    layer whose leaves are [L, ...]). Works under jit and on abstract states; a stacked state is returned."""
-    layers = params["layers"]
-    if not all(isinstance(k, int) for k in layers):
-        return params
-
-    def stack(p: nnx.State) -> nnx.State:
-        per_layer = [p["layers"][i] for i in range(len(p["layers"]))]
-        out = nnx.State(dict(p.raw_mapping))  # State.__setitem__ stores a State's raw mapping
-        out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
-        return out
-
-    return _map_params(stack, params)
-
-
-def unstack_layers(params: nnx.State) -> nnx.State:
-    """The stacked layout's parameter state -> the unrolled one (`stack_layers` reversed); an unrolled state
-    is returned as it is."""
-    layers = params["layers"]
-    if all(isinstance(k, int) for k in layers):
-        return params
-
-    def unstack(p: nnx.State) -> nnx.State:
-        n = jax.tree.leaves(p["layers"])[0].shape[0]
-        out, layers = nnx.State(dict(p.raw_mapping)), nnx.State({})
-        for i in range(n):
-            layers[i] = jax.tree.map(lambda x, i=i: x[i], p["layers"])
-        out["layers"] = layers
-        return out
-
-    return _map_params(unstack, params)
-
-
-def to_layout(tree: object, stacked: bool) -> object:
-    """Every Transformer parameter state inside `tree` (the params, an optimizer's params-shaped moments)
-    converted to the stacked or the unrolled layout; the rest of `tree` as it is."""
-    convert = stack_layers if stacked else unstack_layers
-    is_model = lambda x: isinstance(x, nnx.State) and "layers" in x  # noqa: E731
-    return jax.tree.map(lambda x: convert(x) if is_model(x) else x, tree, is_leaf=is_model)
-
-
-def unrolled(model: Transformer) -> Transformer:
-    """`model` in the unrolled layout (itself if it is; else a new module holding per-layer copies)."""
-    if not model.stacked:
-        return model
-    return nnx.merge(layout_graphdef(model.cfg, False), unstack_layers(nnx.state(model, nnx.Param)))
-
-
-def layout_graphdef(cfg: ModelConfig, stacked: bool) -> nnx.GraphDef:
-    """The graph definition of a Transformer of `cfg` in the given layout (for `nnx.merge` with a state
-    converted by `stack_layers` / `unstack_layers`); nothing is materialised."""
-    return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), stacked=stacked)))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -65,10 +65,11 @@ def response_logprobs(
     mask (materialises [T, S] scores; tests compare).
     shard_rows: applied to the repeated response rows' cache, tokens and hidden states (the trainer's sharding
     constraint spreading the rows of a micro-batch over the data axis even when its groups cannot be);
-    gather_layer: the trainer's FSDP all-gather of each scanned layer's parameters (a stacked `Transformer`:
-    its layers run as one scan);
-    mlp_chunk: the MLP in token chunks of this size (`llama.tiled`; 0: at once); shard_carry: the residual
-    stream's layout between scanned layers (`Transformer`).
+    mlp_chunk: the MLP in token chunks of this size (`llama.tiled`; 0: at once).
+    A stacked model's layers run as one scan (`_joint_scan`): gather_layer is applied to each layer's
+    parameters in it (the trainer's cast and FSDP all-gather), shard_carry to the residual stream between
+    layers (its tokens split over the model axis: all the backward pass keeps of a layer under remat
+    nothing_saveable). An unrolled model's two passes take neither.
     """
     g, tp = batch.prompt.shape
     n, nb = batch.group_size, batch.num_response
@@ -78,19 +79,12 @@ def response_logprobs(
     prompt, resp = _pad_columns(batch.prompt, seq), _pad_columns(batch.rows(batch.response), seq)
     nbp = resp.shape[1]
     # causal attention (no mask given): the flash kernel, or (None) tree attention under a causal mask
-    attn = dict(
-        causal_impl=attn_impl,
-        remat=remat,
-        mlp_chunk=mlp_chunk,
-        shard_carry=shard_carry,
-        gather_layer=gather_layer,
-        compute_logits=False,
-    )
+    attn = dict(causal_impl=attn_impl, remat=remat, mlp_chunk=mlp_chunk, compute_logits=False)
     rows = jnp.repeat(jnp.arange(g), n)
     if shard_rows is not None:
         resp = shard_rows(resp)
-    passes = _joint_scan if model.stacked else _two_passes
-    hidden_p, hidden_r = passes(model, (prompt, batch.prompt_len, resp, rows), attn, shard_rows)
+    tokens, hooks = (prompt, batch.prompt_len, resp, rows), (shard_rows, gather_layer, shard_carry)
+    hidden_p, hidden_r = (_joint_scan if model.stacked else _two_passes)(model, tokens, attn, hooks)
     last = jnp.take_along_axis(hidden_p, (batch.prompt_len - 1)[:, None, None], axis=1)  # [G, 1, H]
     # h [B, Nb, H] predicts response[:, j]: the prompt's last hidden state (j = 0), else the response's at
     # j - 1. A roll and a select: `concatenate([last, hidden_r[:, :-1]])` got wrong gradients from XLA's SPMD
@@ -116,12 +110,13 @@ def response_logprobs(
 
 
 def _two_passes(
-    model: Transformer, tokens: tuple[jax.Array, ...], attn: dict[str, Any], shard_rows: Any
+    model: Transformer, tokens: tuple[jax.Array, ...], attn: dict[str, Any], hooks: tuple
 ) -> tuple[jax.Array, jax.Array]:
     """An unrolled model's prompt pass (attending over exactly its Tp slots: query offset 0), then its
     response pass on the prompt's cache grown for them (rows repeated per sample). Arguments and result as
-    `_joint_scan`'s."""
+    `_joint_scan`'s (of the hooks, only shard_rows applies)."""
     prompt, prompt_len, resp, rows = tokens
+    shard_rows = hooks[0]
     (g, tp), nb = prompt.shape, resp.shape[1]
     pos_p = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (g, tp))
     out_p = model(prompt, pos_p, KVCache.init(model.cfg, g, tp), **attn)
@@ -132,20 +127,21 @@ def _two_passes(
 
 
 def _joint_scan(
-    model: Transformer, tokens: tuple[jax.Array, ...], attn: dict[str, Any], shard_rows: Any
+    model: Transformer, tokens: tuple[jax.Array, ...], attn: dict[str, Any], hooks: tuple
 ) -> tuple[jax.Array, jax.Array]:
     """A stacked model's prompt and response passes as ONE scan over its layers: layer l runs the prompts
     [G, Tp], then the responses [B, Nb] on top of that layer's prompt keys / values (its rows repeated per
     sample). Equal to two passes over the stack; but the backward scan emits one [L, ...] gradient per weight,
     not one per pass, and no [L, B, Hkv, Tp + Nb, D] cache of every layer is built (by the memory plan, the
     32B update at 32K: 7.6 + ~3 GiB per device). `tokens`: (prompt [G, Tp], prompt_len [G], responses
-    [B, Nb], rows [B]: each row's prompt); `attn`: `response_logprobs`' keyword arguments for the model.
-    Returns the final normed hidden states (prompts [G, Tp, H], responses [B, Nb, H])."""
+    [B, Nb], rows [B]: each row's prompt); `attn`: `response_logprobs`' keyword arguments for the model;
+    `hooks`: its (shard_rows, gather_layer, shard_carry). Returns the final normed hidden states (prompts
+    [G, Tp, H], responses [B, Nb, H])."""
     cfg = model.cfg
     prompt, prompt_len, resp, rows = tokens
     (g, tp), (b, nb) = prompt.shape, resp.shape
     causal, remat = attn["causal_impl"], attn["remat"]
-    gather, shard_carry = attn["gather_layer"], attn["shard_carry"]
+    shard_rows, gather, shard_carry = hooks
     pos_p = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (g, tp))
     pos_r = prompt_len[rows][:, None] + jnp.arange(nb, dtype=jnp.int32)[None, :]
     rope_p = rope_cos_sin(pos_p, cfg.head_dim, cfg.rope_theta)

@@ -11,7 +11,7 @@ chunk zero-padded: any Nb), so a long response never materialises [B, Nb, V] log
 Attention is causal by `tlt_jax.kernels.flash_attention` (`attn_impl`: O(T x block) memory, no [T, S] scores)
 and each decoder layer may be rematerialised in the backward pass (`remat`, a `jax.checkpoint_policies` name),
 the layers running as one `lax.scan` (`scan_layers`): the trainer then stores the policy in the stacked
-layout (`llama.stack_layers`: masters, AdamW moments, gradients and checkpoints hold one [L, ...] array per
+layout (`layouts.stack_layers`: masters, AdamW moments, gradients and checkpoints hold one [L, ...] array per
 weight, so its programs do not grow with depth) and hands the rollout the unrolled one (`rollout_params`).
 
 `PolicyTrainer` owns the policy parameters (float32 masters when the model computes in bfloat16), the optax
@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from tlt_jax import sharding as shd
 from tlt_jax.kernels.flash_attention import SequenceParallel
-from tlt_jax.models import llama
+from tlt_jax.models import layouts
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
@@ -181,8 +181,7 @@ class PolicyTrainer:
         `graphdef` / `params`: the model's (unrolled layout); the trainer's own are stacked when its layers
         are scanned."""
         self.stacked = bool(options.scan_layers)
-        self.rollout_graphdef = graphdef
-        self.graphdef = llama.layout_graphdef(cfg, True) if self.stacked else graphdef
+        self.graphdef = layouts.layout_graphdef(cfg, True) if self.stacked else graphdef
         self.mesh, self.loss, self.optim = mesh, loss, optim
         self.micro_batch_size = int(options.micro_batch_size)
         self.compute_dtype, self.master_dtype = jnp.dtype(cfg.dtype), jnp.dtype(options.master_dtype)
@@ -215,7 +214,7 @@ class PolicyTrainer:
         self._logprobs = jax.jit(self._logprobs_fn, static_argnames=("return_hidden",))
         self._cast = jax.jit(self._cast_fn, out_shardings=self.param_shardings)
         self._rollout_cast = jax.jit(
-            lambda p: llama.unstack_layers(self._cast_fn(p)), out_shardings=self.rollout_shardings
+            lambda p: layouts.unstack_layers(self._cast_fn(p)), out_shardings=self.rollout_shardings
         )
         self._surrogate = jax.jit(self._surrogate_fn)
         self._copy = jax.jit(
@@ -225,7 +224,7 @@ class PolicyTrainer:
     # ---- params -------------------------------------------------------------------------------------------
     def _layout(self, params: Any) -> Any:
         """The model's (unrolled) parameter state in the trainer's layout (stacked when scanned)."""
-        return llama.stack_layers(params) if self.stacked else params
+        return layouts.stack_layers(params) if self.stacked else params
 
     def _cast_fn(self, params: Any) -> Any:
         return jax.tree_util.tree_map(lambda x: x.astype(self.compute_dtype), params)
@@ -241,8 +240,7 @@ class PolicyTrainer:
         config.trainer.scan_layers (`adopt` converts what it reads). None with frozen layers (not stored)."""
         if self.train_layers:
             return None
-        convert = llama.unstack_layers if self.stacked else llama.stack_layers
-        shapes = jax.eval_shape(convert, self.params)
+        shapes = jax.eval_shape(lambda p: layouts.to_layout(p, not self.stacked), self.params)
         shardings = shd.param_shardings(shapes, self.mesh, self.rules)
         opt = jax.eval_shape(self.tx.init, shapes)
         opt_shardings = optimizer_shardings(self.tx, shapes, shardings, self.mesh)
@@ -252,7 +250,7 @@ class PolicyTrainer:
     def adopt(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """(params, opt_state) read in the other layout (`other_layout`) -> this trainer's layout."""
         return jax.jit(
-            lambda p, o: llama.to_layout((p, o), self.stacked),
+            lambda p, o: layouts.to_layout((p, o), self.stacked),
             out_shardings=(self.param_shardings, self.opt_shardings),
         )(params, opt_state)
 
@@ -288,9 +286,7 @@ class PolicyTrainer:
         params = jax.tree_util.tree_map_with_path(
             lambda path, x: x if late(path) else x.astype(self.compute_dtype), params
         )
-        layer_hook = self._gather if gathers else None
-        if self.stacked:
-            layer_hook = (lambda s: self._gather(self._cast_fn(s))) if gathers else self._cast_fn
+        layer_hook = (lambda s: self._gather(self._cast_fn(s))) if gathers else self._cast_fn
         # the LM head gathered once (a data-sharded contraction would give every row's logits), to the tensor-
         # parallel layout also with sequence parallelism (its vocabulary split over the model axis: 1.1 GiB
         # less than a whole head per device in the 7B update at 32K, by the memory plan)
@@ -346,17 +342,15 @@ class PolicyTrainer:
         """Rows of every array over the data axis where they divide it, the other axes left to the compiler
         (a cache's KV heads stay on the model axis); with sequence parallelism also the token axis over
         `SEQ_AXIS`: tokens [B, T] and hidden states [B, T, H] at axis 1, a cache's [B, Hkv, S, D] slots at
-        axis 2 (the layout its attention takes them in). Rows lead, except in a stacked cache's
-        [L, B, Hkv, S, D]."""
+        axis 2 (the layout its attention takes them in)."""
         axis = self.rules["batch"]
         free = P.UNCONSTRAINED
 
         def one(x: jax.Array) -> jax.Array:
             spec = [free] * x.ndim
-            row = 1 if x.ndim == 5 else 0
-            if axis is not None and x.shape[row] % self.mesh.shape[axis] == 0:
-                spec[row] = axis
-            tok = {2: 1, 3: 1, 4: 2, 5: 3}.get(x.ndim) if self.seq_parallel else None
+            if axis is not None and x.shape[0] % self.mesh.shape[axis] == 0:
+                spec[0] = axis
+            tok = {2: 1, 3: 1, 4: 2}.get(x.ndim) if self.seq_parallel else None
             if tok is not None and x.shape[tok] % self.mesh.shape[SEQ_AXIS] == 0:
                 spec[tok] = SEQ_AXIS
             if all(a is free for a in spec):

@@ -36,7 +36,8 @@ from tlt_jax import sharding as shd
 from tlt_jax.kernels import small_m_linear
 from tlt_jax.models.build import TextCodec
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.models.llama import Transformer, unrolled
+from tlt_jax.models.layouts import unrolled
+from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout import admission, decode, scheduler, spmd
 from tlt_jax.rollout.hooks import IdleWork, RolloutHooks
 from tlt_jax.rollout.interface import EngineConfig
