@@ -21,6 +21,8 @@ from tlt_jax.utils.config_checks import STR, Section
 JOBS = ("grpo", "drafter_warmup")
 DRAFTER_KINDS = ("none", "ngram", "eagle", "auto")
 LR_SCHEDULES = ("constant", "cosine", "linear")  # after the warm-up (tlt_jax.rl.schedules)
+# what DAPO's dynamic sampling compares within a group (VeRL's algorithm.filter_groups.metric)
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +246,8 @@ class RLSection(Section):
         ("decay_steps", 0, ">= 0 (0 = the run's optimizer updates)"),
         ("overlong_buffer", 0, ">= 0 (0 = no overlong shaping)"),
         ("overlong_penalty", 0, ">= 0"),
+        ("max_num_gen_batches", 0, ">= 0 (0 = no limit)"),
+        ("gen_prompts_per_batch", 0, ">= 0 (0 = prompts_per_step)"),
     )
 
     prompts_per_step: int = 8
@@ -253,7 +257,14 @@ class RLSection(Section):
     loss_agg: str = "seq_mean_token_mean"  # token_mean (DAPO) | seq_mean_token_mean | seq_mean_token_sum_norm
     clip_low: float = 0.2
     clip_high: float = 0.2  # DAPO clip-higher: 0.28
-    dynamic_sampling: bool = False  # DAPO: groups with equal rewards are masked out of the loss
+    # DAPO's dynamic sampling (tlt_jax.rl.dynamic_sampling): groups whose `filter_metric` is the same for
+    # every sample are dropped and more prompts generated (batches of `gen_prompts_per_batch`, 0 = the step's
+    # prompts) until the step has `prompts_per_step` groups, or `max_num_gen_batches` batches ran (0: no limit;
+    # then the step trains on what it has, the rest of its rows masked out)
+    dynamic_sampling: bool = False
+    filter_metric: str = "acc"  # acc (the verifier's verdict) | score | seq_reward | seq_final_reward
+    max_num_gen_batches: int = 10
+    gen_prompts_per_batch: int = 0
     kl_coef: float = 0.0  # low_var_kl to the frozen initial policy; 0 skips the reference forward
     mini_batches: int = 1  # optimizer updates per RL step (PPO mini-batches over the step's samples)
     lr: float = 1e-6
@@ -298,6 +309,15 @@ class RLSection(Section):
             out.append(
                 f"config.rl.samples_per_prompt={self.samples_per_prompt}: GRPO compares samples within a "
                 "group, use >= 2 (the paper uses 8)."
+            )
+        if self.filter_metric not in FILTER_METRICS:
+            out.append(f"config.rl.filter_metric={self.filter_metric!r}: use one of {FILTER_METRICS}.")
+        gen = self.gen_prompts_per_batch
+        if gen and (gen < self.prompts_per_step or not self.dynamic_sampling):
+            out.append(
+                f"config.rl.gen_prompts_per_batch={gen}: generation batches larger than the step's "
+                f"prompts_per_step={self.prompts_per_step} need config.rl.dynamic_sampling=True (they "
+                "feed its filter); use 0 (= prompts_per_step) or a value >= prompts_per_step."
             )
         return out
 
