@@ -23,7 +23,10 @@ class StepPlan:
     mini_batches: int = 1
     advantage: str = "grpo"  # tlt_jax.rl.grpo.group_advantages(method=)
     adv_eps: float = 1e-6
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    dynamic_sampling: bool = False  # DAPO: drop groups whose filter metric is the same for all, refill
+    filter_metric: str = "acc"  # what dynamic sampling compares (tlt_jax.rl.dynamic_sampling)
+    max_gen_batches: int = 10  # generation batches per step at most (0: no limit)
+    gen_prompts: int = 0  # prompts per generation batch (0: `prompts`)
     kl_coef: float = 0.0  # > 0: the loss has a KL term to the reference policy (needs its log-probs)
     loss_agg: str = "seq_mean_token_mean"
     seq_bucket: int = 16  # trainer columns are rounded up to multiples of this
@@ -50,6 +53,9 @@ class StepPlan:
             advantage=rl.advantage,
             adv_eps=rl.adv_eps,
             dynamic_sampling=rl.dynamic_sampling,
+            filter_metric=rl.filter_metric,
+            max_gen_batches=rl.max_num_gen_batches,
+            gen_prompts=rl.gen_prompts_per_batch or rl.prompts_per_step,
             kl_coef=rl.kl_coef,
             loss_agg=rl.loss_agg,
             seq_bucket=job.trainer.seq_bucket,
