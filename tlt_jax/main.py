@@ -32,6 +32,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metr
 _ALLOW_CHANGE = flags.DEFINE_bool(
     ALLOW_CHANGE_FLAG, False, "Resume a workdir whose config.json differs from this config (changes logged)."
 )
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run",
+    False,
+    "Validate the config and the workdir, print the mesh over the visible devices (N fake CPU devices with "
+    "JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=N) and exit; nothing is written.",
+)
 
 
 def write_config(config: mlc.ConfigDict, workdir: str) -> str:
@@ -200,6 +206,24 @@ def run(config: mlc.ConfigDict, workdir: str, allow_config_change: bool = False)
     raise ValueError(f"config.job={config.job!r}: use one of ('grpo', 'drafter_warmup').")
 
 
+def dry_run(config: mlc.ConfigDict, workdir: str) -> str:
+    """What a launch would build, without starting it: the (data, model) mesh `config.mesh` resolves to on
+    this process's visible devices (`config_lib.build_mesh`, the run's own code) and whether `workdir`
+    resumes. One process, no distributed runtime: configs/cluster/slurm_grpo.sh's DRY_RUN=1 shows a
+    cluster's mesh on as many fake CPU devices."""
+    import jax
+
+    from tlt_jax import config_lib
+
+    mesh = config_lib.build_mesh(config)
+    data, model = mesh.shape["data"], mesh.shape["model"]
+    resume = "resumes its checkpoints" if (pathlib.Path(workdir) / "checkpoints").is_dir() else "starts anew"
+    return (
+        f"dry run: job {config.job}, mesh data={data} x model={model} over {data * model} of "
+        f"{jax.device_count()} {jax.default_backend()} devices; workdir {workdir} {resume}"
+    )
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(
@@ -216,6 +240,9 @@ def main(argv: list[str]) -> None:
         check_workdir_config(_CONFIG.value, _WORKDIR.value, _ALLOW_CHANGE.value)
         from tlt_jax.utils import distributed  # the launch variables, read before anything starts
 
+        if _DRY_RUN.value:
+            print(dry_run(_CONFIG.value, _WORKDIR.value), flush=True)
+            return
         if _CONFIG.value.multiprocess:
             distributed.resolve()
         else:

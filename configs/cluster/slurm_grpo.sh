@@ -1,41 +1,132 @@
 #!/bin/bash
-# TLT GRPO on a SLURM GPU cluster: `sbatch configs/cluster/slurm_grpo.sh` from the repository root, after
-# `make setup-gpu` on a node (the .venv must be on a filesystem every node reads, as must MODEL, DATA and
-# WORKDIR). One process per node with all its GPUs (the default); for one process per GPU see LAYOUT below.
+# TLT GRPO on a SLURM GPU cluster, from the repository root, after `make setup-gpu` on a node (the .venv must be
+# on a filesystem every node reads, as must MODEL, DATA and WORKDIR):
 #
-# What each variable is (edit or export before sbatch):
+#   MODEL=/models/Qwen2.5-7B DATA=/data/dapo_math_17k.parquet sbatch configs/cluster/slurm_grpo.sh \
+#       --config.rl.clip_high=0.28 --config.num_steps=200          # any tlt_jax.main flag, forwarded as given
+#   DRY_RUN=1 MODEL=... DATA=... bash configs/cluster/slurm_grpo.sh ...   # print the srun line and the mesh
+#
+# Arguments after the script name are passed to `python -m tlt_jax.main` after the script's own (a later
+# --config.x=v wins), so the recipe's settings need no edited script or config file. Two nodes:
+# `sbatch --nodes=2 configs/cluster/slurm_grpo.sh ...` (sbatch's own options go before the script name).
+#
+# What each variable is (export before sbatch: sbatch passes the environment to the job):
 #   CONFIG   the config file and its argument (configs/qwen2_5_7b.py: the paper's 7B GRPO, TP 4 x DP rest;
 #            dataset=parquet reads VeRL-layout parquet files scored by math-verify)
 #   MODEL    the HF model directory (config.json, *.safetensors, tokenizer files), e.g. Qwen2.5-7B
 #   DATA     the training parquet file(s): a path, a glob or a comma list
-#   WORKDIR  where checkpoints, metrics.jsonl and config.json go; rerunning the job resumes it
-#   LAYOUT   node (one process per node, all its GPUs) or gpu (one process per GPU)
+#   WORKDIR  where checkpoints, metrics.jsonl and config.json go (default workdirs/<job name>). It does not
+#            depend on the job id: a requeued job and a resubmitted one (same --job-name) resume the run
+#            from its newest checkpoint. Name each run: `sbatch --job-name=dapo-7b-a ...`; a workdir whose
+#            config.json differs from the new command is refused (tlt_jax.main says which keys differ).
+#   LAYOUT   node (one process per node with all its GPUs, the default) or gpu (one process per GPU:
+#            TLT_JAX_LOCAL_DEVICE_IDS=localid gives each task the GPU numbered SLURM_LOCALID). The
+#            allocation below fits both: per node 8 tasks x 8 CPUs are reserved; LAYOUT=node runs 1 task
+#            with all the node's CPUs, LAYOUT=gpu 8 tasks with 8 CPUs each (srun's --cpus-per-task is
+#            computed from what SLURM allocated: SLURM_CPUS_ON_NODE / tasks per node).
+#   DRY_RUN  1: print the srun line and the mesh it would build (the run's own config validation and
+#            mesh code, on nodes x GPUs fake CPU devices: `python -m tlt_jax.main --dry_run`), start nothing;
+#            outside an allocation the sizes are NODES, GPUS_PER_NODE, CPUS_PER_NODE (default 1, 8, 64)
+#   PYTHON   the interpreter (default .venv/bin/python)
 # SLURM sets SLURM_PROCID / SLURM_NTASKS / SLURM_STEP_NODELIST in every task: tlt_jax.utils.distributed reads
 # them (process id, process count, coordinator = the step's first node, port from SLURM_JOB_ID); set
-# TLT_JAX_COORDINATOR_PORT if that port is taken. TLT_JAX_LOCAL_DEVICE_IDS=localid gives each task the one GPU
-# numbered SLURM_LOCALID (LAYOUT=gpu; not needed when SLURM already gives each task one GPU).
+# TLT_JAX_COORDINATOR_PORT if that port is taken.
+#
+# The log: --output is opened by SLURM on the first node BEFORE this script runs, so its folder must exist
+# at submission; slurm-<job name>-<job id>.out in the submission directory always does. --open-mode=append:
+# a requeued job (same job id) appends to its log instead of truncating it.
+#
+# Preemption and the time limit. --requeue lets SLURM requeue the job when it is preempted or its node fails.
+# --signal=B:TERM@300 sends SIGTERM to this batch shell (B: only the shell, not the tasks) 300 s before the
+# time limit (SLURM's event resolution can make it up to 60 s earlier). The shell runs srun in the
+# background and forwards the TERM to it; srun forwards it to every task. The learner (PreemptionGuard)
+# then stops at its next safe point, every process at the same one, writes a checkpoint and exits; the
+# job then requeues itself (`scontrol requeue`) and resumes in WORKDIR when it starts again. 300 s is that
+# stop (bounded by the learner, within a chunk or micro-batch) plus the checkpoint write of a 7B run
+# (parameters and AdamW state, ~85 GB over the nodes' shared filesystem) plus the processes' exit; raise it
+# for larger models or slower filesystems (`sbatch --signal=B:TERM@600 ...`). At the time limit itself SLURM
+# sends TERM to everything and KILL after KillWait (30 s by default): too late to save a 7B checkpoint.
 #SBATCH --job-name=tlt-grpo
 #SBATCH --nodes=1
 #SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=16
+#SBATCH --ntasks-per-node=8
+#SBATCH --cpus-per-task=8
 #SBATCH --time=48:00:00
-#SBATCH --output=logs/%x-%j.out
+#SBATCH --requeue
+#SBATCH --signal=B:TERM@300
+#SBATCH --output=slurm-%x-%j.out
+#SBATCH --open-mode=append
 set -euo pipefail
 
 CONFIG=${CONFIG:-configs/qwen2_5_7b.py:dataset=parquet}
 MODEL=${MODEL:?set MODEL to the HF model directory, e.g. MODEL=/models/Qwen2.5-7B}
 DATA=${DATA:?set DATA to the training parquet file(s), e.g. DATA=/data/dapo_math_17k.parquet}
-WORKDIR=${WORKDIR:-workdirs/grpo_${SLURM_JOB_ID:-local}}
+JOB_NAME=${SLURM_JOB_NAME:-tlt-grpo}
+WORKDIR=${WORKDIR:-workdirs/${JOB_NAME}}
 LAYOUT=${LAYOUT:-node}
+PYTHON=${PYTHON:-.venv/bin/python}
+# the allocation's sizes; outside one (DRY_RUN on a login node) NODES / GPUS_PER_NODE / CPUS_PER_NODE or 1 x 8 x 64
+NODES=${SLURM_JOB_NUM_NODES:-${NODES:-1}}
+GPUS=${SLURM_GPUS_ON_NODE:-${GPUS_PER_NODE:-8}}
+CPUS=${SLURM_CPUS_ON_NODE:-${CPUS_PER_NODE:-64}}
 
+case "$LAYOUT" in
+  node) TASKS_PER_NODE=1 ;;
+  gpu) TASKS_PER_NODE=$GPUS ;;
+  *) echo "error: LAYOUT=$LAYOUT: use node (one process per node) or gpu (one process per GPU)" >&2; exit 2 ;;
+esac
+if (( CPUS < TASKS_PER_NODE )); then
+  echo "error: $CPUS CPUs per node for $TASKS_PER_NODE tasks per node: ask for more (sbatch --cpus-per-task)" >&2
+  exit 2
+fi
+CPUS_PER_TASK=$(( CPUS / TASKS_PER_NODE ))
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}  # leave the CUDA context room
 export WANDB_MODE=${WANDB_MODE:-offline}  # `wandb sync` the run afterwards; online needs WANDB_API_KEY
 if [ "$LAYOUT" = gpu ]; then
-  TASKS=(--ntasks-per-node="${SLURM_GPUS_ON_NODE:-8}")
   export TLT_JAX_LOCAL_DEVICE_IDS=localid
-else
-  TASKS=(--ntasks-per-node=1)
 fi
-mkdir -p logs
-srun "${TASKS[@]}" .venv/bin/python -m tlt_jax.main --config "$CONFIG" \
-  --config.multiprocess=True --config.model.path="$MODEL" --config.task.path="$DATA" --workdir "$WORKDIR"
+
+MAIN=("$PYTHON" -m tlt_jax.main --config "$CONFIG" --config.multiprocess=True --config.model.path="$MODEL"
+  --config.task.path="$DATA" --workdir "$WORKDIR" "$@")
+# --kill-on-bad-exit: a task that dies ends the others (they would wait on its collectives until a timeout)
+SRUN=(srun --nodes="$NODES" --ntasks-per-node="$TASKS_PER_NODE" --cpus-per-task="$CPUS_PER_TASK"
+  --kill-on-bad-exit=1)
+
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  echo "srun line ($LAYOUT layout, $NODES node(s) x $GPUS GPUs, $CPUS CPUs per node):"
+  printf '%q ' "${SRUN[@]}" "${MAIN[@]}"
+  echo
+  # the run's own validation and mesh on nodes x GPUs fake CPU devices; nothing is written
+  JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=$(( NODES * GPUS ))" \
+    "${MAIN[@]}" --dry_run
+  exit 0
+fi
+
+echo "job ${SLURM_JOB_ID:-?} (${JOB_NAME}, restart ${SLURM_RESTART_COUNT:-0}): $LAYOUT layout, $NODES node(s), workdir $WORKDIR"
+TERMED=0
+SRUN_PID=
+forward_term() {
+  TERMED=1
+  if [ -n "$SRUN_PID" ]; then
+    echo "SIGTERM (time limit or preemption): forwarding it to srun (pid $SRUN_PID)"
+    kill -TERM "$SRUN_PID"
+  fi
+}
+trap forward_term TERM
+"${SRUN[@]}" "${MAIN[@]}" &
+SRUN_PID=$!
+if [ "$TERMED" = 1 ]; then kill -TERM "$SRUN_PID"; fi  # a TERM that came before srun started
+# `wait` returns early when a trapped signal arrives: wait again until srun itself has exited
+rc=0
+wait "$SRUN_PID" || rc=$?
+while kill -0 "$SRUN_PID" 2>/dev/null; do
+  rc=0
+  wait "$SRUN_PID" || rc=$?
+done
+trap - TERM
+if [ "$TERMED" = 1 ]; then
+  echo "the run stopped on SIGTERM (exit $rc): requeueing job ${SLURM_JOB_ID:-?} to resume in $WORKDIR"
+  # a job SLURM itself preempts with requeue is requeued already: then this says so and changes nothing
+  scontrol requeue "${SLURM_JOB_ID:?}" || echo "scontrol requeue failed (exit $?): resubmit with the same --job-name to resume"
+fi
+exit "$rc"
