@@ -78,9 +78,12 @@ def test_group_advantages_and_dynamic_sampling() -> None:
     adv = step_advantages(rewards, PLAN)
     np.testing.assert_allclose(adv.values, [1, -1, 1, -1, 0, 0, 0, 0], atol=1e-5)
     assert adv.keep.all() and adv.keep.shape == (8,)
-    dapo = step_advantages(rewards, StepPlan(prompts=2, group=4, advantage="drgrpo", dynamic_sampling=True))
+    keep = np.asarray([True] * 4 + [False] * 4)  # dynamic sampling's filler group (rl/dynamic_sampling.py)
+    dapo = step_advantages(rewards, StepPlan(prompts=2, group=4, advantage="drgrpo"), keep=keep)
     np.testing.assert_allclose(dapo.values, [0.5, -0.5, 0.5, -0.5, 0, 0, 0, 0])
-    np.testing.assert_array_equal(dapo.keep, [True] * 4 + [False] * 4)
+    np.testing.assert_array_equal(dapo.keep, keep)
+    with pytest.raises(ValueError, match="keep has shape"):
+        step_advantages(rewards, PLAN, keep=keep[:4])
 
 
 def test_train_batch_carries_advantages_and_masks_dropped_groups() -> None:

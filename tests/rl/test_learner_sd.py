@@ -139,9 +139,11 @@ def test_acceptance_collapse_alarm_fires_on_a_broken_drafter_push(mirror, caplog
 @pytest.mark.slow
 def test_spot_trained_run_resumes_identically(tmp_path) -> None:
     """TLT on the smoke config: a saved EAGLE drafter drafts (a fixed-table selector: EAGLE at <= 4 running
-    rows, n-gram above) while the spot trainer trains it between chunks and pushes it after every step.
-    4 steps in one go vs 2 steps, a new Learner on the same workdir (restoring the policy, the drafter's train
-    state and data buffer, the selector), then 2 more: the same drafter weights, optimizer state, metrics."""
+    rows, n-gram above) while the spot trainer trains it between chunks and pushes it after every step, and
+    DAPO's dynamic sampling refills the step (groups whose reward does not vary dropped, at most 2 generation
+    batches of 2 prompts, each through the same engine and spot trainer). 4 steps in one go vs 2 steps, a
+    new Learner on the same workdir (restoring the policy, the drafter's train state and data buffer, the
+    selector, the data position), then 2 more: the same drafter weights, generation batches, metrics."""
     cfg = tiny_config(**{**dict(config_lib.tiny_random_model("llama")), "dtype": "float32"})
     drafter_dir = save_drafter(tmp_path / "warm", cfg)
 
@@ -155,6 +157,7 @@ def test_spot_trained_run_resumes_identically(tmp_path) -> None:
         c.bandit.algorithm, c.bandit.arms = "fixed", ("plain", "3_1_4", "ngram_3_1_4")
         c.bandit.bucket_bounds = (4, 8)
         c.bandit.fixed_table = ("3_1_4", "ngram_3_1_4", "ngram_3_1_4")
+        c.rl.dynamic_sampling, c.rl.filter_metric, c.rl.max_num_gen_batches = True, "score", 2
         return c
 
     whole = Learner(config(), str(tmp_path / "whole"))
@@ -177,11 +180,15 @@ def test_spot_trained_run_resumes_identically(tmp_path) -> None:
     finally:
         second.close()
     assert ref[-1]["spot/drafter_step"] > 0 and ref[-1]["spec/verify_rounds"] > 0
+    batches = [m["dynamic_sampling/gen_batches"] for m in ref]
+    assert max(batches) == 2  # refilled (the smoke policy's groups often score alike)
+    np.testing.assert_array_equal([m["data/position"] for m in ref], np.cumsum(np.asarray(batches) * 2))
     for a, b in zip(ref, part, strict=True):
         # the selector's choices per bucket and arm (a fixed table: deterministic); what it learned is not
         # compared: rewards are timings, and a restarted engine's first chunks compile (skipped as rewards)
         choices = {k for k in a if k.startswith("bandit/") and k.endswith("/chosen")}
-        keys = {"reward/mean", "spot/steps", "spot/loss", "buffer/tokens"} | choices
+        refill = {k for k in a if k.startswith("dynamic_sampling/")} | {"data/position", "rl/kept_frac"}
+        keys = {"reward/mean", "spot/steps", "spot/loss", "buffer/tokens"} | choices | refill
         for k in sorted(keys & set(a)):
             assert a[k] == pytest.approx(b[k], rel=1e-5), k
     for x, y in zip(leaves(ref_state), leaves(got_state), strict=True):

@@ -25,15 +25,14 @@ class Advantages:
     keep: np.ndarray
 
 
-def step_advantages(rewards: np.ndarray, plan: StepPlan) -> Advantages:
-    """The plan's advantage method over groups of `plan.group` consecutive rows, and its keep mask (all
-    True unless `plan.dynamic_sampling`, which drops groups whose rewards are all equal)."""
+def step_advantages(rewards: np.ndarray, plan: StepPlan, keep: np.ndarray | None = None) -> Advantages:
+    """The plan's advantage method over groups of `plan.group` consecutive rows, and the rows the update
+    keeps (`keep`, default all: dynamic sampling's filler groups are False, tlt_jax.rl.dynamic_sampling)."""
     r = jnp.asarray(rewards)
     values = np.asarray(grpo.group_advantages(r, plan.group, method=plan.advantage, eps=plan.adv_eps))
-    if plan.dynamic_sampling:
-        keep = np.asarray(grpo.dynamic_sampling_mask(r, plan.group))
-    else:
-        keep = np.ones((plan.rows,), bool)
+    keep = np.ones((plan.rows,), bool) if keep is None else np.asarray(keep, bool)
+    if keep.shape != values.shape:
+        raise ValueError(f"keep has shape {keep.shape}, the step's advantages {values.shape}")
     return Advantages(values, keep)
 
 

@@ -4,7 +4,8 @@ One step (`Learner.train_step`), each phase in a module of tlt_jax.rl named afte
   rollout     the task's next prompts (chat template) -> engine.generate, n samples each; the strategy
               selector, the speculation monitor and the spot trainer ride along as hooks   (rl/rollout.py)
   reward      every response decoded and scored by the task's verifier                     (rl/reward.py)
-  advantages  group advantages (GRPO / Dr.GRPO, optional DAPO dynamic sampling), the batch (rl/advantages.py)
+  (refill)    DAPO's dynamic sampling: groups that teach nothing out, more generated (rl/dynamic_sampling.py)
+  advantages  group advantages (GRPO / Dr.GRPO), the batch                                  (rl/advantages.py)
   update      reference / old log-probs, then PPO-clipped update(s) with optional low_var_kl (rl/update.py)
   (weights)   the learner owns them: each rollout gets the policy's compute weights and the spot-trained
               drafter (`engine.generate(params=, drafter_params=)`); the engine keeps none between steps
@@ -41,6 +42,7 @@ from tlt_jax.rl.checkpointing import (
     restore_newest,
     restore_state,
 )
+from tlt_jax.rl.dynamic_sampling import GenBatch, GroupCollector, StepSamples, generation_key
 from tlt_jax.rl.evaluation import held_out_eval
 from tlt_jax.rl.metrics import (
     LearnerStatus,
@@ -121,6 +123,7 @@ class Learner:
             self.engine,
             self.weights,
             self.sampling,
+            selector=self.selector,  # plays its current choices, learns nothing (rl/eval_decoding.py)
         )
         if self.evaluator is not None:  # training never reads the held-out problems, in any epoch
             self.task = self.evaluator.train_task
@@ -200,25 +203,47 @@ class Learner:
             drafter_params=self.drafter_weights,
         )
 
+    def _generate(self, step: int, key: jax.Array, clock: StepClock) -> tuple[StepSamples, int]:
+        """The step's groups and the data position after them: generation batches of the next prompts, each
+        rolled out and scored, until the collector has the step's groups (one batch unless DAPO's dynamic
+        sampling drops groups: tlt_jax.rl.dynamic_sampling). Every batch runs through the same engine, hooks
+        and spot trainer, and its time goes to the step's rollout, spot and reward parts."""
+        plan, position, params = self.plan, self.data_position, None
+        groups = GroupCollector(
+            plan.prompts, plan.group, plan.filter_metric, plan.max_gen_batches, plan.dynamic_sampling
+        )
+        while not groups.full:
+            index = len(groups.batches)
+            with clock.phase("rollout"):
+                problems, position = self.task.batch(position, plan.gen_prompts or plan.prompts)
+                if params is None:  # the rollout's weights, dropped before the update
+                    params = self.trainer.rollout_params()
+                    if self.spot is not None:  # the drafter trains against this policy's embedding and head
+                        self.spot.begin_step(step, params)
+                spot_before = self.spot.stats["spot/added_seconds"] if self.spot is not None else 0.0
+                rollout = self._rollout(problems, generation_key(key, index), params)
+            if self.spot is not None:  # its training between chunks is its own part of the step's time
+                added = self.spot.stats["spot/added_seconds"] - spot_before
+                clock.carve("rollout", "spot", added, compiled_kind="drafter")
+                with clock.phase("spot_after_rollout", part="spot"), compile_stats.scope("drafter"):
+                    self.spot.after_rollout()
+            with clock.phase("reward"):
+                rows = len(problems) * plan.group
+                scores = score_rollout(self.task, self.tokenizer, problems, rollout, rows, plan.overlong)
+            groups.add(GenBatch(problems, rollout, scores))
+        del params
+        with clock.phase("reward"):
+            return groups.samples(), position
+
     def train_step(self) -> dict[str, float]:
         """Run step `self.step + 1` (the phases in the module docstring); returns its metrics."""
         step, plan = self.step + 1, self.plan
         key = jax.random.fold_in(self.base_key, step)
         clock = StepClock(self.engine, on_phase=lambda name: self.phases.set(step, name))
-        with clock.phase("rollout"):
-            problems, next_position = self.task.batch(self.data_position, plan.prompts)
-            params = self.trainer.rollout_params()  # the rollout's weights, dropped before the update
-            if self.spot is not None:  # the drafter trains against this policy's embedding and head
-                self.spot.begin_step(step, params)
-            rollout = self._rollout(problems, jax.random.fold_in(key, 0), params)
-            del params
-        if self.spot is not None:  # its training between chunks is its own part of the step's time
-            clock.carve("rollout", "spot", self.spot.stats["spot/added_seconds"], compiled_kind="drafter")
-            with clock.phase("spot_after_rollout", part="spot"), compile_stats.scope("drafter"):
-                self.spot.after_rollout()
+        samples, next_position = self._generate(step, key, clock)
+        problems, rollout, scores = samples.batch.problems, samples.batch.rollout, samples.batch.scores
         with clock.phase("reward"):
-            scores = score_rollout(self.task, self.tokenizer, problems, rollout, plan.rows, plan.overlong)
-            adv = step_advantages(scores.rewards, plan)
+            adv = step_advantages(scores.rewards, plan, keep=samples.keep)
             batch = train_batch(rollout, adv, plan)
         with compile_stats.scope("update"), clock.phase("logprob"):
             batch, train_logp = old_logprobs(self.trainer, batch, plan)
@@ -227,6 +252,7 @@ class Learner:
                 update = update_policy(self.trainer, batch, rollout.lengths, train_logp, plan)
         self.phases.set(step, "metrics")
         metrics = learning_metrics(step, plan, rollout, scores, adv, update, next_position, clock)
+        metrics.update(samples.metrics)  # dynamic sampling's generation batches and groups
         metrics.update(engine_gap_metrics(rollout, update, self.trainer.loss.fuse_old_logprobs))
         metrics.update(reward_counts(scores.results))  # checker failures, unclosed think blocks
         metrics.update(self.monitor.metrics(step))
@@ -250,7 +276,7 @@ class Learner:
         heartbeat = Heartbeat(status_now, enabled=self.is_main)  # a line every 10 s of a long phase
         try:
             with PreemptionGuard() as guard, heartbeat:
-                if self.step == 0 and self.evaluator is not None:
+                if self.step == 0 and self.evaluator is not None and self.evaluator.cfg.due(0, num_steps):
                     self.phases.set(0, "eval")
                     with compile_stats.scope("eval"):
                         before = self.evaluator.run()  # the policy before any update

@@ -28,7 +28,7 @@ from tlt_jax.config_sections import DrafterSection
 from tlt_jax.drafter.eagle_format import WEIGHTS_FILE, load_eagle_drafter
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.rollout.hooks import ChunkView, RolloutHooks, RolloutInfo
+from tlt_jax.rollout.hooks import ChunkView, RolloutHooks
 from tlt_jax.rollout.types import ChunkRecord
 from tlt_jax.utils.tracking import interpreter
 
@@ -151,7 +151,9 @@ def announced_drafter(section: DrafterSection, policy: ModelConfig, announce: bo
 
 
 class RolloutMonitor(RolloutHooks):
-    """Per-step speculation metrics and the acceptance-collapse alarm (a rollout hook; reset per rollout).
+    """Per-step speculation metrics and the acceptance-collapse alarm (a rollout hook). It keeps the chunks
+    of every rollout since its metrics were last read: a step of several generation batches (DAPO's dynamic
+    sampling) reports all of them.
 
     min_accept: the floor of a step's mean accept length (tokens per row per verify round); below it, once
     `min_rounds` row-rounds were verified, `collapsed` is set and a warning names the likely cause.
@@ -162,17 +164,15 @@ class RolloutMonitor(RolloutHooks):
         self.records: list[ChunkRecord] = []
         self.collapsed = False
 
-    def on_start(self, info: RolloutInfo) -> None:
-        del info
-        self.records, self.collapsed = [], False
-
     def on_chunk(self, view: ChunkView) -> None:
         self.records.append(view.record)
 
     def metrics(self, step: int) -> dict[str, float]:
-        """Metrics of the rollout just finished: speculation (accept length, per mode; the alarm, logged when
-        acceptance collapsed) and decode speed per batch bucket for plain and SD chunks."""
-        sd = [c for c in self.records if c.mode != "plain"]
+        """Metrics of the rollouts since the last call (then forgotten): speculation (accept length, per
+        mode; the alarm, logged when acceptance collapsed) and decode speed per batch bucket for plain and SD
+        chunks."""
+        records, self.records, self.collapsed = self.records, [], False
+        sd = [c for c in records if c.mode != "plain"]
         rounds = sum(c.verify_rounds for c in sd)
         out: dict[str, float] = {"spec/verify_rounds": float(rounds)}
         if rounds:
@@ -197,8 +197,8 @@ class RolloutMonitor(RolloutHooks):
             out[f"spec/mode/{name}/seconds"] = sum(c.seconds for c in sel)
         # speed per batch bucket, without chunks whose program compiled first (their clock starts after the
         # compilation, but a fresh program's first execution runs ~8% slower than its reruns, up to 56%)
-        timed = [c for c in self.records if not c.compiled]
-        out["rollout/compiled_chunk_seconds"] = sum(c.seconds for c in self.records if c.compiled)
+        timed = [c for c in records if not c.compiled]
+        out["rollout/compiled_chunk_seconds"] = sum(c.seconds for c in records if c.compiled)
         for bucket in sorted({c.batch_bucket for c in timed}):
             for tag, sel in (
                 ("plain", [c for c in timed if c.mode == "plain"]),
