@@ -97,6 +97,7 @@ def test_collector_refills_in_order_then_fills_short_steps_masked() -> None:
     assert s.metrics["dynamic_sampling/short_groups"] == 1.0
     # off: one batch, every group as generated, no metrics
     off = GroupCollector(prompts=3, group=2, metric="acc", max_batches=5, enabled=False)
+    assert not off.full  # every step generates once
     off.add(first)
     assert off.full and [p.uid for p in off.samples().batch.problems] == ["a-0", "a-1", "a-2"]
     assert off.samples().keep.all() and off.samples().metrics == {}

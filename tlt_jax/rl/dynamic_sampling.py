@@ -152,6 +152,8 @@ class GroupCollector:
     @property
     def full(self) -> bool:
         """Enough groups kept, or no more generation batches allowed (dynamic sampling off: after one)."""
+        if not self.batches:
+            return False
         if self.kept >= self.prompts or not self.enabled:
             return True
         return 0 < self.max_batches <= len(self.batches)
