@@ -29,6 +29,7 @@ from ml_collections import config_dict
 
 from tlt_jax import config_schema
 from tlt_jax import sharding as shd
+from tlt_jax.config_sections import SET_SAMPLING_KEYS
 from tlt_jax.models.build import TextCodec, build_model_and_tokenizer
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.drafter import Drafter
@@ -118,18 +119,38 @@ def tiny_random_model(architecture: str = "llama", vocab_size: int = 264, **kw: 
     return mlc.ConfigDict(cfg)
 
 
-def eval_sets(spec: str, samples: int = 16, temperature: float = 0.6) -> dict[str, dict[str, object]]:
-    """`config.eval.sets` from a config argument "math500@/data/math500.parquet+aime24@/data/aime24.parquet"
-    (`+` between sets: the argument string already splits at commas): `samples` per problem at
-    `temperature` (mean@k / pass@k), the training task's reward and prompt."""
+def _set_value(key: str, raw: str, item: str) -> object:
+    """A value of an `evals=` setting: a number for the sampling keys, else a task key's bool or string."""
+    if key in SET_SAMPLING_KEYS:
+        kind = float if key in ("temperature", "top_p") else int
+        try:
+            return kind(raw)
+        except ValueError:
+            raise ValueError(f"evals item {item!r}: {key}={raw!r} is not {kind.__name__}") from None
+    return {"true": True, "false": False}.get(raw.lower(), raw)
+
+
+def eval_sets(spec: str) -> dict[str, dict[str, object]]:
+    """`config.eval.sets` from a config argument: NAME@PATH items joined by '+' (the argument string already
+    splits at commas), each optionally followed by @KEY=VALUE settings of that set, e.g.
+    "aime24@/data/aime24.parquet@samples=32@temperature=1.0@top_p=0.7+math500@/data/math500.parquet":
+    sampling keys (`SET_SAMPLING_KEYS`) or task keys (reward=dapo, prompt=r1, ...). What a set leaves out
+    comes from config.eval.samples / temperature / top_p / top_k (VeRL's val_kwargs; command line:
+    --config.eval.temperature=1.0), else from the rollout."""
     sets: dict[str, dict[str, object]] = {}
-    for item in (x for x in spec.split("+") if x.strip()):
-        name, at, path = item.partition("@")
-        if not at or not name.strip() or not path.strip():
+    for item in (x.strip() for x in spec.split("+") if x.strip()):
+        parts = item.split("@")
+        name, path, settings = parts[0], parts[1] if len(parts) > 1 else "", parts[2:]
+        if not path.strip() or not name.strip() or any("=" not in x for x in settings):
             raise ValueError(
-                f"evals={spec!r}: write NAME@PATH items joined by '+', e.g. math500@/data/m.parquet"
+                f"evals={spec!r}: write NAME@PATH items joined by '+', each with optional @KEY=VALUE "
+                "settings, e.g. aime24@/data/aime.parquet@samples=32@temperature=1.0+math500@/data/m.parquet"
             )
-        sets[name.strip()] = dict(path=path.strip(), samples=samples, temperature=temperature)
+        entry: dict[str, object] = {"path": path.strip()}
+        for setting in settings:
+            key, _, raw = (x.strip() for x in setting.partition("="))
+            entry[key] = _set_value(key, raw, item)
+        sets[name.strip()] = entry
     return sets
 
 
@@ -141,12 +162,14 @@ def paper_grpo(
     bfloat16 compute with float32 master weights.
 
     dataset: "parquet" for VeRL-layout parquet files (DAPO-Math-17k, MATH, GSM8K as VeRL writes them; chat
-    prompts, `reward_model.ground_truth`) scored by math-verify: pass --config.task.path=/data/train.parquet
+    prompts, `reward_model.ground_truth`) scored as VeRL scores them, by each row's `data_source`
+    (task.reward="verl": tasks.verl_routing), pass --config.task.path=/data/train.parquet
     (a glob or a comma list); "jsonl" for a local question/answer file (--config.task.path=/data/x.jsonl); or
     a reasoning-gym dataset name (generated offline). Every task key can then be set on the command line
     (`tasks.datasets.task_config`), e.g. --config.task.layout=math or --config.task.prompt=r1.
-    evals: benchmark sets (`eval_sets`: "math500@PATH+aime24@PATH"), evaluated before training, every 10
-    steps and at the end (16 samples at T = 0.6: mean@16 and pass@k).
+    evals: benchmark sets (`eval_sets`: "math500@PATH+aime24@PATH@samples=32"), evaluated before training,
+    every 10 steps and at the end, 16 samples at T = 0.6 unless a set or --config.eval.samples /
+    temperature / top_p / top_k say otherwise (mean@k, pass@k, maj@k, best@k).
     """
     c.num_steps = steps
     c.checkpoint_every = 10
@@ -155,7 +178,7 @@ def paper_grpo(
     c.trainer.master_dtype = "float32"  # AdamW at lr 1e-6 needs float32 master weights
     if dataset in ("parquet", "jsonl"):
         layout = "verl" if dataset == "parquet" else "qa"
-        reward = "math_verify" if dataset == "parquet" else "answer"
+        reward = "verl" if dataset == "parquet" else "answer"  # VeRL's routing by the rows' data_source
         c.task = mlc.ConfigDict(task_config(dataset, path="", layout=layout, reward=reward))
         c.task.path = config_dict.placeholder(str)  # required: the run is refused until it is given
     else:
@@ -188,6 +211,7 @@ def paper_grpo(
 
     if evals:
         c.eval.sets, c.eval.every, c.eval.prompts = eval_sets(evals), 10, 0
+        c.eval.samples, c.eval.temperature = 16, 0.6
 
     c.trainer.micro_batch_size = 8  # one group per micro-batch (its 8 rows split over the data axis)
     c.trainer.seq_bucket = 512

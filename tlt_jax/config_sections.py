@@ -203,30 +203,58 @@ class DrafterSection(Section):
         return out
 
 
+# a benchmark set's own sampling keys (config.eval.sets.<name>.<key>); its other keys are task keys
+SET_SAMPLING_KEYS = ("samples", "temperature", "top_p", "top_k", "max_new_tokens", "max_prompts")
+FLOAT = {"placeholder": float}  # a None default the command line can set to a float
+INT = {"placeholder": int}
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalConfig(Section):
-    """`config.eval` (tlt_jax.rl.evaluation), before training, every `every` steps and after the last (0 =
-    off). The held-out split: the training task's last `prompts` problems of its first epoch (never trained
-    on, in any epoch; 0 = no split), `samples` each, the same sampling keys every time (a paired measure of
-    learning; keep prompts x samples at the step's rows to reuse its programs). `sets`: benchmark files,
-    name -> a path, or {path, samples, temperature, top_p, top_k, max_new_tokens, max_prompts, and task keys
-    (layout, answer_key, reward, prompt, ...)}, scored as mean@k / pass@k."""
+    """`config.eval` (tlt_jax.rl.evaluation): before training (`before_train`), every `every` steps and
+    after the last (0 = off). The held-out split: the training task's last `prompts` problems of its first
+    epoch (never trained on, in any epoch; 0 = no split), the same sampling keys every time (a paired
+    measure of learning). `sets`: benchmark files, name -> a path, or {path, and any of SET_SAMPLING_KEYS
+    and task keys (layout, answer_key, reward, prompt, ...)}, scored as mean@k / pass@k / maj@k / best@k.
+    The sampling of every evaluation (VeRL's val_kwargs; a set's own keys override it): `samples` per
+    problem, `temperature` (0: greedy), `top_p`, `top_k` (0: off), None = the rollout's. `plain_baseline`:
+    decode each evaluation a second time without speculation, same keys, for its measured SD speed-up
+    (doubles the eval's cost)."""
 
-    every: int = 0
+    every: int = 0  # VeRL trainer.test_freq
+    before_train: bool = True  # VeRL trainer.val_before_train
     prompts: int = 16
-    samples: int = 2
+    samples: int = 2  # VeRL val_kwargs.n
+    temperature: float | None = dataclasses.field(default=None, metadata=FLOAT)
+    top_p: float | None = dataclasses.field(default=None, metadata=FLOAT)
+    top_k: int | None = dataclasses.field(default=None, metadata=INT)
+    plain_baseline: bool = False
     sets: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def problems(self) -> list[str]:
+        out = []
         if self.every < 0 or self.prompts < 0 or self.samples < 1:
-            return [
+            out.append(
                 f"config.eval every={self.every}, prompts={self.prompts}, samples={self.samples}: need "
                 "every >= 0 (0 = off), prompts >= 0 (0 = no held-out split) and samples >= 1."
-            ]
-        return []
+            )
+        try:
+            SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_k=self.top_k or 0,
+                top_p=1.0 if self.top_p is None else self.top_p,
+            )
+        except ValueError as e:
+            out.append(
+                f"config.eval temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}: {e} "
+                "(None: the rollout's)."
+            )
+        return out
 
     def due(self, step: int, num_steps: int) -> bool:
-        """Whether to evaluate after `step` completed steps (0: before training)."""
+        """Whether to evaluate after `step` completed steps (0: before training, when `before_train`)."""
+        if step == 0:
+            return self.every > 0 and self.before_train
         return self.every > 0 and (step % self.every == 0 or step == num_steps)
 
 

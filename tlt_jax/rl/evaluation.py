@@ -4,27 +4,29 @@ Held-out split (`config.eval.prompts` > 0): the policy's reward on a fixed set o
 keys. Why: the training reward of a step is measured on that step's fresh prompts, and on a small model the
 spread between prompt batches hides learning. For SmolLM2-135M on chain_sum (32 samples a step) a frozen
 policy's per-step reward ranges 0.04-0.17 over 10 steps, larger than what 10 RL steps can move. The held-out
-eval scores the SAME problems with the SAME sampling keys at every evaluation: plain decoding draws token i
-of a row by inverse CDF from the row's (key, i) uniform, so an unchanged policy reproduces its samples token
-for token and a changed one departs from them only where its probabilities moved. The problems are the LAST
-`prompts` of the task's first epoch; training reads the rest (`tasks.base.TrainSplit`) for as many epochs as
-the run lasts, never the held-out ones.
+eval scores the SAME problems with the SAME sampling keys at every evaluation: token i of a row is drawn by
+inverse CDF from the row's (key, i) uniform, so an unchanged policy reproduces its samples token for token
+and a changed one departs from them only where its probabilities moved. The problems are the LAST `prompts`
+of the task's first epoch; training reads the rest (`tasks.base.TrainSplit`) for as many epochs as the run
+lasts, never the held-out ones.
 
 Benchmark sets (`config.eval.sets`, name -> {path, samples, temperature, ...}; `eval_set_configs`): files
-read like a file task (the training task's prompt and reward keys unless the set overrides them), each with
-its own sample count and sampling (temperature 0: greedy). Logged as `eval/<name>/mean@k` (accuracy over all
-k samples), `eval/<name>/pass@j` (the unbiased estimator, j = 1, 2, 4, ... and k), `length_mean`,
-`clip_frac` (truncation rate) and `seconds`.
+read like a file task (the training task's prompt and reward keys unless the set overrides them). Sampling
+(VeRL's `val_kwargs`): a set's own keys, else `config.eval.samples / temperature / top_p / top_k`, else the
+rollout's (temperature 0: greedy). Logged as `eval/<name>/mean@k`, `pass@j`, `maj@j`, `best@j`
+(tlt_jax.rl.eval_metrics: exact estimators, j = 1, 2, 4, ... and k), `reward_mean`, `length_mean`,
+`clip_frac`, `seconds` and the decode's speed (`decode_seconds`, `sd_share`, `accept_len`, `tok_per_s`; with
+`config.eval.plain_baseline` the measured `sd_speedup` and `plain_match`). A set is generated in batches of
+the training step's rows (`prompts_per_step x samples_per_prompt` / its samples prompts), so its batch
+buckets are the step's and, at the rollout's sampling and token budget, its compiled programs too.
 
-Both run before training, every `every` steps and after the last. The rollout is plain decoding
-(`FixedMode("plain")`: no bandit, no spot trainer, no speculation), so evaluation neither feeds the adaptive
-engine's rewards nor the drafter's data.
+Both run before training (`config.eval.before_train`), every `every` steps and after the last, decoded by the
+training rollouts' engine with speculation as configured and nothing taught (tlt_jax.rl.eval_decoding).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 import time
 from collections.abc import Callable, Mapping
@@ -35,11 +37,13 @@ import numpy as np
 from absl import logging
 
 from tlt_jax.config_schema import GrpoConfig
-from tlt_jax.config_sections import EvalConfig
+from tlt_jax.config_sections import SET_SAMPLING_KEYS, EvalConfig
 from tlt_jax.models.build import TextCodec
+from tlt_jax.rl.eval_decoding import EvalDecoding
+from tlt_jax.rl.eval_metrics import sample_metrics, vote_key
 from tlt_jax.rl.rollout import PromptEncoder
+from tlt_jax.rollout.adaptive import AdaptivePolicy
 from tlt_jax.rollout.engine import RolloutEngine
-from tlt_jax.rollout.hooks import FixedMode
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, RewardResult, Task, make_task
@@ -47,8 +51,6 @@ from tlt_jax.tasks.base import TrainSplit
 from tlt_jax.tasks.datasets import TASK_KINDS
 
 EVAL_KEY_SALT = 0x5EED  # folded into the run's seed: the eval keys never coincide with a training step's
-# eval-set keys that are not task keys: the sampling and how many problems
-SET_SAMPLING_KEYS = ("samples", "temperature", "top_p", "top_k", "max_new_tokens", "max_prompts")
 # training-task keys an eval set inherits (the same prompt and checker), unless it sets them
 INHERITED_TASK_KEYS = (
     "reward", "think", "verify_timeout", "answer_mode",
@@ -56,26 +58,18 @@ INHERITED_TASK_KEYS = (
 )  # fmt: skip
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k estimator for one problem with `c` correct of `n` samples: 1 - C(n-c, k) / C(n, k),
-    the chance that k of the n samples drawn without replacement hold a correct one (Chen et al., 2021)."""
-    if not 0 < k <= n or not 0 <= c <= n:
-        raise ValueError(f"pass@k needs 0 < k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+def eval_sampling(cfg: EvalConfig, rollout: SamplingParams, own: Mapping[str, object]) -> SamplingParams:
+    """An evaluation's sampling: its own keys (`own`, a set's), else `config.eval`'s, else the rollout's."""
 
+    def pick(key: str, default: float) -> float:
+        value = own.get(key, getattr(cfg, key))
+        return default if value is None else value  # type: ignore[return-value]
 
-def sample_metrics(correct: np.ndarray, lengths: np.ndarray, truncated: np.ndarray) -> dict[str, float]:
-    """mean@k, pass@j (j = 1, 2, 4, ... < k, and k), length and truncation of [problems, k] samples."""
-    problems, k = correct.shape
-    counts = correct.sum(axis=1)
-    out = {f"mean@{k}": float(correct.mean())}
-    for j in sorted({2**i for i in range(k.bit_length()) if 2**i < k} | {k}):
-        out[f"pass@{j}"] = float(np.mean([pass_at_k(k, int(c), j) for c in counts]))
-    out["length_mean"] = float(np.mean(lengths))
-    out["clip_frac"] = float(np.mean(truncated))
-    return out
+    return SamplingParams(
+        temperature=float(pick("temperature", rollout.temperature)),
+        top_k=int(pick("top_k", rollout.top_k)),
+        top_p=float(pick("top_p", rollout.top_p)),
+    )
 
 
 def _score(task: Task, problems: list[Problem], rollout: Rollout, tokenizer: TextCodec) -> list[RewardResult]:
@@ -84,6 +78,10 @@ def _score(task: Task, problems: list[Problem], rollout: Rollout, tokenizer: Tex
         task.score(problems[int(g)], tokenizer.decode(rollout.response(i)))
         for i, g in zip(range(rows), rollout.prompt_index, strict=True)
     ]
+
+
+def _prefixed(prefix: str, metrics: Mapping[str, float]) -> dict[str, float]:
+    return {f"{prefix}{k}": v for k, v in metrics.items()}
 
 
 class HeldOutEval:
@@ -96,22 +94,20 @@ class HeldOutEval:
         split: TrainSplit,
         encode: Callable[[Problem], list[int]],  # prompt token ids (the learner's cached chat encoding)
         tokenizer: TextCodec,
-        engine: RolloutEngine,
-        weights: Callable[[], tuple[Any, Any]],  # the current (policy, drafter) weights: the learner's
+        decoding: EvalDecoding,
         sampling: SamplingParams,
         key: jax.Array,
     ):
         self.cfg, self.task, self.tokenizer = cfg, split.base, tokenizer
-        self.engine, self.weights, self.sampling, self.key = engine, weights, sampling, key
+        self.decoding, self.sampling, self.key = decoding, sampling, key
         self.problems = [split.base.problem(int(i)) for i in split.held_out_indices]
         self.prompts = [encode(p) for p in self.problems]
 
     def run(self) -> dict[str, float]:
-        t0, (params, dparams) = time.perf_counter(), self.weights()
-        rollout = self.engine.generate(
-            self.prompts, n=self.cfg.samples, key=self.key, sampling=self.sampling,
-            hooks=[FixedMode("plain")], params=params, drafter_params=dparams,
-        )  # fmt: skip
+        t0, run = time.perf_counter(), self.decoding.begin()
+        rollout = run.generate(
+            self.prompts, n=self.cfg.samples, key=self.key, sampling=self.sampling, max_new=None
+        )
         results = _score(self.task, self.problems, rollout, self.tokenizer)
         lengths = np.asarray(rollout.lengths, np.float64)
         return {
@@ -120,6 +116,7 @@ class HeldOutEval:
             "eval/format": float(np.mean([r.format_ok for r in results])),
             "eval/length_mean": float(lengths.mean()),
             "eval/clip_frac": float(np.mean(np.asarray(rollout.finish_reason) == "length")),
+            **_prefixed("eval/", run.tally.metrics()),
             "eval/seconds": time.perf_counter() - t0,
         }
 
@@ -139,8 +136,8 @@ class EvalSet:
 def eval_set_configs(
     sets: Mapping[str, object], train_task: Mapping[str, object]
 ) -> dict[str, tuple[dict, dict]]:
-    """name -> (the set's task config, its sampling keys), sets in name order; a ValueError naming the set
-    and key. The task config: kind from the file's extension (".parquet", else "jsonl") unless given, the
+    """name -> (the set's task config, its own sampling keys), sets in name order; a ValueError naming the
+    set and key. The task config: kind from the file's extension (".parquet", else "jsonl") unless given, the
     training task's prompt and reward keys (INHERITED_TASK_KEYS) unless the set gives its own."""
     out = {}
     for name in sorted(sets):
@@ -164,74 +161,89 @@ def eval_set_configs(
     return out
 
 
-def _eval_set(name: str, task_cfg: dict, sampling: dict, default: SamplingParams) -> EvalSet:
+def _eval_set(name: str, task_cfg: dict, own: dict, cfg: EvalConfig, rollout: SamplingParams) -> EvalSet:
     task = make_task(task_cfg)
-    count = int(sampling.get("max_prompts", 0)) or len(task)
-    params = SamplingParams(
-        temperature=float(sampling.get("temperature", default.temperature)),
-        top_k=int(sampling.get("top_k", default.top_k)),
-        top_p=float(sampling.get("top_p", default.top_p)),
-    )
-    samples = int(sampling.get("samples", 1))
+    count = int(own.get("max_prompts", 0)) or len(task)
+    samples = int(own.get("samples", cfg.samples))
     if samples < 1:
         raise ValueError(f"config.eval.sets.{name}.samples={samples}: must be >= 1")
     problems = [task.problem(i) for i in range(min(count, len(task)))]
-    return EvalSet(name, task, problems, samples, params, int(sampling.get("max_new_tokens", 0)) or None)
+    sampling = eval_sampling(cfg, rollout, own)
+    return EvalSet(name, task, problems, samples, sampling, int(own.get("max_new_tokens", 0)) or None)
 
 
 class SetEval:
-    """Scores the engine's current policy on the benchmark sets, `batch_prompts` prompts per rollout, with
-    the same keys at every evaluation (paired, like the held-out eval)."""
+    """Scores the engine's current policy on the benchmark sets, in batches of about `rows` rows (the
+    training step's: its batch buckets), with the same keys at every evaluation (paired, like the held-out
+    eval)."""
 
     def __init__(
-        self,
-        sets: list[EvalSet],
-        tokenizer: TextCodec,
-        engine: RolloutEngine,
-        weights: Callable[[], tuple[Any, Any]],  # the current (policy, drafter) weights: the learner's
-        key: jax.Array,
-        batch_prompts: int,
+        self, sets: list[EvalSet], tokenizer: TextCodec, decoding: EvalDecoding, key: jax.Array, rows: int
     ):
-        self.sets, self.tokenizer, self.engine, self.key = sets, tokenizer, engine, key
-        self.weights = weights
-        self.batch_prompts = max(int(batch_prompts), 1)
+        self.sets, self.tokenizer, self.decoding, self.key = sets, tokenizer, decoding, key
+        self.rows = max(int(rows), 1)
         self.encoders = [PromptEncoder(s.task, tokenizer) for s in sets]
 
+    def batch_prompts(self, index: int) -> int:
+        """Prompts per rollout of set `index`: the step's rows over its samples (at least one prompt)."""
+        return max(self.rows // self.sets[index].samples, 1)
+
     def run_set(self, index: int) -> dict[str, float]:
-        s, t0, (params, dparams) = self.sets[index], time.perf_counter(), self.weights()
-        correct, lengths, truncated = [], [], []
-        for start in range(0, len(s.problems), self.batch_prompts):
-            problems = s.problems[start : start + self.batch_prompts]
-            rollout = self.engine.generate(
+        s, t0, run = self.sets[index], time.perf_counter(), self.decoding.begin()
+        correct, rewards, votes, lengths, truncated = [], [], [], [], []
+        step = self.batch_prompts(index)
+        for start in range(0, len(s.problems), step):
+            problems = s.problems[start : start + step]
+            rollout = run.generate(
                 [self.encoders[index](p) for p in problems],
                 n=s.samples,
                 key=jax.random.fold_in(jax.random.fold_in(self.key, index), start),
                 sampling=s.sampling,
-                max_new_tokens=s.max_new_tokens,
-                hooks=[FixedMode("plain")],
-                params=params,
-                drafter_params=dparams,
+                max_new=s.max_new_tokens,
             )
             order = np.argsort(np.asarray(rollout.prompt_index), kind="stable")  # prompt-major rows
-            results = _score(s.task, problems, rollout, self.tokenizer)
-            correct.append(np.asarray([results[i].correct for i in order]).reshape(len(problems), s.samples))
+            scored = _score(s.task, problems, rollout, self.tokenizer)
+            results = [scored[i] for i in order]
+            shape = (len(problems), s.samples)
+            correct.append(np.asarray([r.correct for r in results]).reshape(shape))
+            rewards.append(np.asarray([r.reward for r in results], np.float64).reshape(shape))
+            keys = [vote_key(r.extracted) for r in results]
+            votes += [keys[i : i + s.samples] for i in range(0, len(keys), s.samples)]
             lengths += [int(rollout.lengths[i]) for i in order]
             truncated += [rollout.finish_reason[i] == "length" for i in order]
-        metrics = sample_metrics(np.concatenate(correct), np.asarray(lengths), np.asarray(truncated))
+        metrics = sample_metrics(
+            np.concatenate(correct),
+            np.concatenate(rewards),
+            votes,
+            np.asarray(lengths),
+            np.asarray(truncated),
+        )
+        metrics.update(run.tally.metrics())
         metrics["seconds"] = time.perf_counter() - t0
-        k = s.samples
-        logging.info(
-            "eval %s (%d problems x %d): mean@%d %.3f pass@%d %.3f | length %.0f, truncated %.1f%% (%.1f s)",
-            s.name, len(s.problems), k, k, metrics[f"mean@{k}"], k, metrics[f"pass@{k}"],
-            metrics["length_mean"], 100 * metrics["clip_frac"], metrics["seconds"],
-        )  # fmt: skip
-        return {f"eval/{s.name}/{k}": v for k, v in metrics.items()}
+        _log_set(s, metrics)
+        return _prefixed(f"eval/{s.name}/", metrics)
 
     def run(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for i in range(len(self.sets)):
             out.update(self.run_set(i))
         return out
+
+
+def _log_set(s: EvalSet, m: Mapping[str, float]) -> None:
+    """The console line of one set's evaluation: its estimators at k, lengths, time and SD."""
+    k = s.samples
+    sd = f"SD {100 * m['sd_share']:.0f}% of decode"
+    if "accept_len" in m:
+        sd += f", accept {m['accept_len']:.2f}"
+    if "sd_speedup" in m:
+        sd += f", {m['sd_speedup']:.2f}x plain (paired pass; {100 * m['plain_match']:.0f}% identical)"
+    logging.info(
+        "eval %s (%d problems x %d): mean@%d %.3f pass@%d %.3f maj@%d %.3f best@%d %.3f | length %.0f, "
+        "truncated %.1f%% | %.1f s, %.0f tok/s, %s",
+        s.name, len(s.problems), k, k, m[f"mean@{k}"], k, m[f"pass@{k}"], k, m[f"maj@{k}"], k, m[f"best@{k}"],
+        m["length_mean"], 100 * m["clip_frac"], m["seconds"], m["tok_per_s"], sd,
+    )  # fmt: skip
 
 
 class Evaluator:
@@ -254,22 +266,29 @@ def held_out_eval(
     encode: Callable[[Problem], list[int]],
     tokenizer: TextCodec,
     engine: RolloutEngine,
-    weights: Callable[[], tuple[Any, Any]],
+    weights: Callable[[], tuple[Any, Any]],  # the current (policy, drafter) weights: the learner's
     sampling: SamplingParams,
+    selector: AdaptivePolicy | None = None,
 ) -> Evaluator | None:
     """The GRPO run's evaluations (`job.eval`) of the policy whose (policy, drafter) weights `weights()`
-    returns, None when off (`every` = 0, or nothing to evaluate)."""
+    returns, decoded by the training rollouts' `engine` with its `selector`'s current choices
+    (tlt_jax.rl.eval_decoding); None when off (`every` = 0, or nothing to evaluate). `sampling`: the
+    rollout's."""
     cfg = job.eval
     if not cfg.every or not (cfg.prompts or cfg.sets):
         return None
+    decoding = EvalDecoding(engine, weights, selector, cfg.plain_baseline)
     key = jax.random.fold_in(jax.random.key(job.run.seed), EVAL_KEY_SALT)
     held_out, train_task = None, task
     if cfg.prompts:
         train_task = TrainSplit(task, cfg.prompts)
-        held_out = HeldOutEval(cfg, train_task, encode, tokenizer, engine, weights, sampling, key)
+        held_out = HeldOutEval(
+            cfg, train_task, encode, tokenizer, decoding, eval_sampling(cfg, sampling, {}), key
+        )
     sets = None
     if cfg.sets:
         specs = eval_set_configs(cfg.sets, job.task)
-        built = [_eval_set(name, t, s, sampling) for name, (t, s) in specs.items()]
-        sets = SetEval(built, tokenizer, engine, weights, jax.random.fold_in(key, 1), job.rl.prompts_per_step)
+        built = [_eval_set(name, t, s, cfg, sampling) for name, (t, s) in specs.items()]
+        rows = job.rl.prompts_per_step * job.rl.samples_per_prompt
+        sets = SetEval(built, tokenizer, decoding, jax.random.fold_in(key, 1), rows)
     return Evaluator(cfg, train_task, held_out, sets)
