@@ -7,7 +7,7 @@ comma-separated (their cells merged, the later file's winning): Qwen2.5-7B shape
 random bf16 weights on the device, plain decode steps at (batch, cache bucket) and speculative rounds at
 (batch, TV), every fixed per-kernel cost included, plus the device's copy bandwidth and bf16 matmul rate.
 
-The model: `project_sd.Roofline` at the measured bandwidth and matmul rate, each plain step and round
+The model: `roofline.Roofline` at the measured bandwidth and matmul rate, each plain step and round
 multiplied by measured / roofline: exact at every measured cell; between and beyond them the ratio is
 interpolated (log2 batch, log2 cache for steps; TV and log2 batch for rounds; held flat past the ends), so
 the roofline supplies only the shape between measured points. `describe()` says which inputs are measured
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.models import project_sd as ps
+from experiments.models.roofline import QWEN2_5_7B, Roofline
 
 SPOT_STEP_ASSUMED = 0.056  # seconds per spot-trainer step at 7B when no GPU call measured one (an assumption)
 
@@ -108,7 +108,7 @@ def _interp(x: float, pts: dict[float, float]) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class MeasuredCosts(ps.Roofline):
+class MeasuredCosts(Roofline):
     """`Roofline` scaled to a GPU call's measured 7B steps and rounds (see the module docstring)."""
 
     device: str = ""  # the GPU that measured the cells
@@ -132,20 +132,20 @@ class MeasuredCosts(ps.Roofline):
         return _interp(math.log2(batch), per_batch)
 
     def plain(self, batch: int, cache: int, kv: int = 0) -> float:
-        return ps.Roofline.plain(self, batch, cache, kv) * self._plain_scale(batch, cache)
+        return Roofline.plain(self, batch, cache, kv) * self._plain_scale(batch, cache)
 
     def round(self, batch: int, tv: int, cache: int, kv: int = 0) -> float:
-        return ps.Roofline.round(self, batch, tv, cache, kv) * self._round_scale(batch, tv)
+        return Roofline.round(self, batch, tv, cache, kv) * self._round_scale(batch, tv)
 
 
 def measured_costs(m: dict[str, Any], draft_vocab: int | None = None) -> MeasuredCosts:
     """The cost model of `load`'s cells: ratios measured / roofline at each cell (rounds at their cache)."""
-    roof = ps.Roofline(ps.QWEN2_5_7B, m["bw"], m["flops"], draft_vocab)
+    roof = Roofline(QWEN2_5_7B, m["bw"], m["flops"], draft_vocab)
     plain = {k: s / roof.plain(*k) for k, s in m["plain"].items()}
     cache = m["round_cache"][0] if m["round_cache"] else 4096
     rounds = {(b, tv): s / roof.round(b, tv, cache) for (b, tv), s in m["rounds"].items()}
     return MeasuredCosts(
-        ps.QWEN2_5_7B,
+        QWEN2_5_7B,
         m["bw"],
         m["flops"],
         draft_vocab,
@@ -173,12 +173,12 @@ def describe(m: dict[str, Any], costs: MeasuredCosts) -> list[str]:
 
 def projection_costs(
     gpu: dict[str, Any], measured: str | None, spot_step: float | None
-) -> tuple[ps.Roofline, str, str, float]:
+) -> tuple[Roofline, str, str, float]:
     """simulate_rl's projection inputs: (the cost model, what it is, where the spot drafter's step time
     comes from, that time). With `measured` (a GPU call's JSON) the measured steps, rounds and drafter step
     (printing `describe`); else the roofline of the 2026-11-24 run's ceilings, fixed costs assumed hidden."""
     if not measured:
-        roof = ps.Roofline(ps.QWEN2_5_7B, gpu["bw"][1], gpu["flops"])
+        roof = Roofline(QWEN2_5_7B, gpu["bw"][1], gpu["flops"])
         text = (
             f"project_sd's roofline at {gpu['bw'][1] / 1e12:.2f} TB/s / {gpu['flops'] / 1e12:.0f} TFLOP/s "
             "with paged KV (fixed per-kernel costs assumed hidden)"

@@ -60,6 +60,7 @@ import jax  # noqa: E402
 from jax.sharding import AbstractMesh, AxisType  # noqa: E402
 
 from experiments.lib import harness as h  # noqa: E402
+from experiments.models.layer_fit import CONFIGS, Spec, estimate, extrapolate, fit_errors  # noqa: E402
 from experiments.paper.program_layouts import ALL_LAYOUTS, layout_programs, layout_totals  # noqa: E402
 from tlt_jax import config_lib, config_schema  # noqa: E402
 from tlt_jax import memory_plan as mpp  # noqa: E402
@@ -67,7 +68,6 @@ from tlt_jax.models.build import model_config_from  # noqa: E402
 from tlt_jax.rl import config as rl_config  # noqa: E402
 from tlt_jax.rollout.programs import ProgramInfo  # noqa: E402
 
-CONFIGS = {"7b": h.CONFIGS / "qwen2_5_7b.py", "32b": h.CONFIGS / "qwen2_5_32b.py"}
 # one strategy per BEG-MAB bucket (bs 1 -> 48, 2-4 -> 32, 5-20 -> 16, >= 21 -> 8 tokens to verify), as the
 # paper's Table 5 setting (naive 30.39 = 3.9 x single 7.81 GB: about four strategies)
 PAPER_STRATEGIES = ",".join(config_lib.PAPER_STRATEGIES)
@@ -75,7 +75,6 @@ PAPER_GB = {"single": 7.81, "naive": 30.39, "bucketed": 10.69}  # Table 5, CUDA-
 DEVICE_GIB = 78.0  # what JAX sees of an 80 GB H100 (docs: "about 78 GiB")
 GIB = 2**30
 PHASES = ("rollout", "update", "drafter")
-FIELDS = ("argument_bytes", "output_bytes", "temp_bytes", "code_bytes", "alias_bytes")
 # resident state outside each kind of program's arguments (see `resident`)
 OUTSIDE = {
     "rollout": ("masters", "optimizer", "reference", "drafter_state"),
@@ -83,19 +82,6 @@ OUTSIDE = {
     "update_apply": ("engine_params", "engine_drafter", "reference", "drafter_state"),
     "drafter": ("masters", "optimizer", "reference", "engine_rest", "engine_drafter"),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """One program to plan: its key, phase ("rollout", "update", "update_apply", "drafter"), the program
-    whose per-layer slope it takes (itself, a batch bucket's first speculative chunk, or () for none: the
-    drafter's step does not depend on the target's depth) and the layouts it belongs to."""
-
-    key: tuple
-    phase: str
-    rep: tuple
-    layouts: tuple[str, ...] = ()
-    mode: str = "plain"
 
 
 def program_specs(config: Any, engines: dict[str, Any], args: argparse.Namespace) -> list[Spec]:
@@ -160,53 +146,6 @@ class Compiler:
                     self._update[i.key if nb else key] = i
             info = self._update[key]
         return dataclasses.replace(info, key=key)
-
-
-def extrapolate(
-    specs: list[Spec], m1: dict, m2: dict, l1: int, l2: int, layers: int
-) -> dict[tuple, ProgramInfo]:
-    """Each program at `layers` layers: its bytes at l1 plus its slope program's change per layer."""
-    out = {}
-    for s in specs:
-        a = m1[s.key]
-        r1, r2 = (m1[s.rep], m2[s.rep]) if s.rep else (a, a)
-        vals = {
-            f: getattr(a, f) + (getattr(r2, f) - getattr(r1, f)) * (layers - l1) / (l2 - l1) for f in FIELDS
-        }
-        ints = {f: max(round(v), 0) for f, v in vals.items()}
-        out[s.key] = ProgramInfo(key=s.key, compile_seconds=a.compile_seconds, **ints)
-    return out
-
-
-def fit_errors(specs: list[Spec], m: dict, layers: tuple[int, int, int]) -> list[tuple]:
-    """The (l1, l2) fit checked at depth l3 on every slope program: (error / the program's measured need,
-    error / the field's measured value (at least 1 MiB), key, field) per program and field (arguments,
-    outputs, temporaries), worst first."""
-    l1, l2, l3 = layers
-    pred = extrapolate([s for s in specs if s.rep == s.key], m[l1], m[l2], l1, l2, l3)
-    out = []
-    for k, p in pred.items():
-        got = m[l3][k]
-        need = got.argument_bytes + got.footprint_bytes
-        for f in ("argument_bytes", "output_bytes", "temp_bytes"):
-            err = abs(getattr(p, f) - getattr(got, f))
-            out.append((err / max(need, 2**20), err / max(getattr(got, f), 2**20), k, f))
-    return sorted(out, key=lambda e: e[:2], reverse=True)
-
-
-def fit_error(specs: list[Spec], m: dict, layers: tuple[int, int, int]) -> float:
-    """The largest relative error of a field at the check depth (see `fit_errors`)."""
-    return max(e[1] for e in fit_errors(specs, m, layers))
-
-
-def estimate(bf16: ProgramInfo, f32: ProgramInfo) -> dict[str, ProgramInfo]:
-    """The GPU estimate's ends: the bfloat16 program's arguments/outputs/code with temporaries "high" (the
-    smaller of the two compiles') and "low" (half the float32 compile's)."""
-    high = min(bf16.temp_bytes, f32.temp_bytes)
-    return {
-        "high": dataclasses.replace(bf16, temp_bytes=high),
-        "low": dataclasses.replace(bf16, temp_bytes=min(high, f32.temp_bytes // 2)),
-    }
 
 
 def plan_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -425,7 +364,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--compile-times", action="store_true", help="with --responses: scanned vs unrolled")
     ap.add_argument("--micro-batch", type=int, default=0, help="trainer.micro_batch_size (0: the config's)")
     ap.add_argument("--seq-parallel", action="store_true", help="trainer.seq_parallel (with --responses)")
-    from experiments.models import rollout_plan  # --rollout: the paper's rollout (issue 36; imports this)
+    from experiments.models import rollout_plan  # --rollout: the paper's rollout (issue 36)
 
     rollout_plan.add_args(ap)
     a = ap.parse_args()

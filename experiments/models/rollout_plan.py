@@ -7,10 +7,10 @@ capped rollout (`tlt_jax.rollout_memory_plan`: the prompt cache, the start of th
 --insert-rows (rows per shard) the start of the inserted rows and the insert, the plain chunk at the cap, the
 SD chunk of the deepest BEG-MAB arm at the tail's batch bucket, the drafter step and the composed spot tick)
 compiled from abstract shapes at --layers (two small depths, bfloat16 and float32) and extrapolated linearly
-to the model's depth, as the main plan does (`memory_plans.extrapolate`; --check-layers compiles once more and
+to the model's depth, as the main plan does (`layer_fit.extrapolate`; --check-layers compiles once more and
 reports the fit's error). Temporaries: XLA:CPU copies a bfloat16 KV cache to float32 around each layer's cache
 write (a CPU artefact), so high = the smaller of the two compiles' temporaries, low = half the float32 one
-(`memory_plans.estimate`); arguments are the bfloat16 program's. "need" adds what is alive outside the program
+(`layer_fit.estimate`); arguments are the bfloat16 program's. "need" adds what is alive outside the program
 (masters, AdamW, reference, the spot trainer's drafter state; the prompt cache; the running batch beside an
 insert's start). Final line: RESULT <program>_gib=<low-high> .. cap_rows=.. top_cache=..
 fits_72gib=yes|no|uncertain wall_s=..
@@ -22,7 +22,8 @@ import argparse
 import time
 from typing import Any
 
-from experiments.models import memory_plans as mp
+from experiments.lib import harness
+from experiments.models import layer_fit as lf
 from tlt_jax import config_lib
 from tlt_jax import memory_plan as mpp
 from tlt_jax import rollout_memory_plan as rmp
@@ -47,7 +48,7 @@ def measure(
     """(specs, {(dtype, depth): {key: ProgramInfo}}): the programs compiled at each depth and dtype (at the
     second and check depths only those with a per-layer slope)."""
     keys = rmp.rollout_keys(config, shape)
-    specs = [mp.Spec(k, "rollout", () if k[0] == "drafter_step" else k) for k in keys]
+    specs = [lf.Spec(k, "rollout", () if k[0] == "drafter_step" else k) for k in keys]
     (l1, l2), check = args.layers, args.check_layers
     measured, t0 = {}, time.perf_counter()
     for dtype in ("bfloat16", "float32"):
@@ -65,7 +66,7 @@ def measure(
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     """Compile, extrapolate and account the rollout programs of configs/qwen2_5_7b.py (module docstring)."""
-    config = config_lib.load_config_file(mp.CONFIGS["7b"])
+    config = config_lib.load_config_file(lf.CONFIGS["7b"])
     config.model.init = "random"
     mesh, cfg = config_lib.build_mesh(config), model_config_from(config)
     engine = rmp.plan_engine(config, mesh)
@@ -74,13 +75,13 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         f"mesh {dict(mesh.shape)}; {shape.line}; top cache bucket {shape.top_cache}; SD arm {shape.sd_mode}"
     )
     specs, measured = measure(config, engine, cfg, shape, args)
-    mpp.dump("rollout_7b", mp.h.out_dir(args), measured)
+    mpp.dump("rollout_7b", harness.out_dir(args), measured)
     (l1, l2), check = args.layers, args.check_layers
     full = {
-        dt: mp.extrapolate(specs, measured[dt, l1], measured[dt, l2], l1, l2, cfg.num_layers)
+        dt: lf.extrapolate(specs, measured[dt, l1], measured[dt, l2], l1, l2, cfg.num_layers)
         for dt in ("bfloat16", "float32")
     }
-    est = {k: mp.estimate(full["bfloat16"][k], full["float32"][k]) for k in full["bfloat16"]}
+    est = {k: lf.estimate(full["bfloat16"][k], full["float32"][k]) for k in full["bfloat16"]}
     res = mpp.resident(config, cfg, mesh)
     live = rmp.live_bytes(config, engine, cfg, shape)
     needs = {
@@ -91,7 +92,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         err = max(  # the worst field of any program, either dtype: (of need, of field, key, field, dtype)
             e + (dt,)
             for dt in ("bfloat16", "float32")
-            for e in mp.fit_errors(specs, {d: measured[dt, d] for d in (l1, l2, check)}, (l1, l2, check))
+            for e in lf.fit_errors(specs, {d: measured[dt, d] for d in (l1, l2, check)}, (l1, l2, check))
         )
     return dict(shape=shape, full=full, needs=needs, res=res, live=live, err=err, cfg=cfg, mesh=mesh)
 
@@ -156,4 +157,4 @@ def main(args: argparse.Namespace, t0: float) -> None:
     args.insert_rows = [int(x) for x in str(args.insert_rows).split(",") if x.strip()]
     out = report(plan(args))
     out["wall_s"] = round(time.perf_counter() - t0, 1)
-    mp.h.result(out, args, fmt="")
+    harness.result(out, args, fmt="")

@@ -61,6 +61,7 @@ from experiments.lib import harness as h
 from experiments.models import measured_costs as mc
 from experiments.models import project_sd as ps
 from experiments.models import rl_model as rm
+from experiments.models.roofline import strategy_for
 
 
 class CostTable:
@@ -314,7 +315,7 @@ def project_sources(gpu: dict[str, Any]) -> dict[str, tuple[list[rm.Mode], float
 
     out = {}
     for name, acc in ps.accept_sources(gpu).items():
-        modes = [rm.Mode.speculative("{}_{}_{}".format(*ps.strategy_for(tv), tv), acc(tv)) for tv in ps.TVS]
+        modes = [rm.Mode.speculative("{}_{}_{}".format(*strategy_for(tv), tv), acc(tv)) for tv in ps.TVS]
         out[name] = (modes, acc(48))
     return out
 

@@ -211,7 +211,7 @@ def bench_shapes(args: argparse.Namespace) -> dict[str, Any]:
     """Plain steps and verify rounds at bench_sd.py's shapes (its engine config, TV -> strategy mapping,
     prompts, n-gram strategy), for `project_sd.py`'s CPU validation: same JSON rows, plus `columns`
     (bench_sd's column -> mode and TV)."""
-    from experiments.models.project_sd import strategy_for
+    from experiments.models.roofline import strategy_for
     from tlt_jax.drafter.draft_vocab import load_draft_vocab
     from tlt_jax.drafter.warmup import init_drafter, load_drafter
     from tlt_jax.models.loading import DEFAULT_GGUF_PATH

@@ -14,6 +14,7 @@ from flax import nnx
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+from experiments.models import layer_fit as lf  # noqa: E402
 from experiments.models import memory_plans as mp  # noqa: E402
 from experiments.paper.program_layouts import layout_programs  # noqa: E402
 from tlt_jax.memory_plan import layout_engine, update_table  # noqa: E402
@@ -33,9 +34,9 @@ def test_extrapolation_is_linear_in_layers_and_shares_a_bucket_slope() -> None:
     or (speculative chunks) its batch bucket's representative; the drafter step has none."""
     rep, other, drafter = ("chunk", 2, 64, 8, ("a",)), ("chunk", 2, 64, 16, ("b",)), ("drafter_step",)
     specs = [
-        mp.Spec(rep, "rollout", rep),
-        mp.Spec(other, "rollout", rep, ("naive",), "b"),
-        mp.Spec(drafter, "drafter", ()),
+        lf.Spec(rep, "rollout", rep),
+        lf.Spec(other, "rollout", rep, ("naive",), "b"),
+        lf.Spec(drafter, "drafter", ()),
     ]
     at2 = {
         rep: info(rep, 100, 40, 10, 40),
@@ -43,7 +44,7 @@ def test_extrapolation_is_linear_in_layers_and_shares_a_bucket_slope() -> None:
         drafter: info(drafter, 7, 1, 5),
     }
     at4 = {rep: info(rep, 140, 60, 14, 60)}  # + 20 args, 10 out, 2 temp, 10 alias per layer
-    full = mp.extrapolate(specs, at2, at4, 2, 4, 28)
+    full = lf.extrapolate(specs, at2, at4, 2, 4, 28)
     assert (full[rep].argument_bytes, full[rep].output_bytes, full[rep].temp_bytes) == (620, 300, 62)
     assert full[rep].alias_bytes == 300 and full[rep].footprint_bytes == 62
     assert (full[other].argument_bytes, full[other].temp_bytes) == (620, 82)  # its own base, the rep's slope
@@ -55,16 +56,16 @@ def test_extrapolation_is_linear_in_layers_and_shares_a_bucket_slope() -> None:
         4: {rep: info(rep, 140 * mib, 60 * mib, 14 * mib)},
         6: {rep: info(rep, 180 * mib, 80 * mib, 28 * mib)},
     }
-    assert mp.fit_error(specs[:1], m, (2, 4, 6)) == pytest.approx(10 / 28)
+    assert lf.fit_error(specs[:1], m, (2, 4, 6)) == pytest.approx(10 / 28)
 
 
 def test_gpu_estimate_ends() -> None:
     """high: the smaller temporary of the bfloat16 and float32 compiles; low: half the float32 one."""
     key = ("update_accum", 1024)
-    ends = mp.estimate(info(key, 50, 10, 73, 8), info(key, 99, 20, 66, 16))
+    ends = lf.estimate(info(key, 50, 10, 73, 8), info(key, 99, 20, 66, 16))
     assert (ends["high"].temp_bytes, ends["low"].temp_bytes) == (66, 33)
     assert ends["high"].argument_bytes == 50 and ends["high"].footprint_bytes == 66 + 2
-    ends = mp.estimate(info(key, 50, 10, 6), info(key, 99, 20, 40))
+    ends = lf.estimate(info(key, 50, 10, 6), info(key, 99, 20, 40))
     assert (ends["high"].temp_bytes, ends["low"].temp_bytes) == (6, 6)
 
 

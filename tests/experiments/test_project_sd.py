@@ -14,39 +14,40 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 from experiments.models import project_sd as ps  # noqa: E402
 from experiments.models import rl_model as rm  # noqa: E402
+from experiments.models import roofline as rf  # noqa: E402
 from experiments.models import simulate_rl  # noqa: E402
 
 # one layer, hidden 4, one head of 4, intermediate 8, vocab 10: 4 * (2*4 + 2*4) + 3 * 4 * 8 = 160 weights
 # per layer, + 40 for the LM head = 200 read per step (400 bytes); KV 1 layer x 2 x 4 x 2 bytes = 16 / token
-TOY = ps.ModelShape("toy", layers=1, hidden=4, heads=1, kv_heads=1, head_dim=4, intermediate=8, vocab=10)
+TOY = rf.ModelShape("toy", layers=1, hidden=4, heads=1, kv_heads=1, head_dim=4, intermediate=8, vocab=10)
 
 
 def test_model_shape_counts():
     assert (TOY.layer_params, TOY.step_params, TOY.kv_bytes_per_token) == (160, 200, 16)
     assert TOY.drafter_params() == 2 * 16 + 160 + 40
-    m = ps.QWEN2_5_7B  # + the embedding table; the published count adds ~0.3M biases and norms
+    m = rf.QWEN2_5_7B  # + the embedding table; the published count adds ~0.3M biases and norms
     assert m.step_params + m.vocab * m.hidden == pytest.approx(7_615_616_512, rel=1e-3)
     assert m.kv_bytes_per_token == 28 * 2 * 4 * 128 * 2
 
 
 def test_roofline_memory_and_compute_bound():
-    roof = ps.Roofline(TOY, bw=1000.0, flops=1e9)
+    roof = rf.Roofline(TOY, bw=1000.0, flops=1e9)
     # batch 2 at cache 8: 400 weight bytes + 2 x 8 x 16 KV bytes at 1000 B/s
     assert roof.plain(2, 8) == pytest.approx((400 + 256) / 1000)
     assert roof.plain(2, 8, kv=5) == pytest.approx((400 + 5 * 16) / 1000)  # paged: only live KV
-    slow = ps.Roofline(TOY, bw=1e12, flops=100.0)
+    slow = rf.Roofline(TOY, bw=1e12, flops=100.0)
     # 2 x 200 x 2 rows + attention 4 x 1 token x 16 KV tokens x 4 (heads x head_dim) x 1 layer
     assert slow.plain(2, 8) == pytest.approx((800 + 256) / 100.0)
     # TV 4 -> strategy 3_1_4: the target pass over 4 tokens + 3 drafter passes of 232 weights each
     assert roof.round(1, 4, 8) == pytest.approx((400 + 128) / 1000 + 3 * 464 / 1000)
     assert roof("3_1_4", 1, 8) == roof("tv:4", 1, 8) == roof.round(1, 4, 8)
-    fixed = ps.Roofline(TOY, bw=1000.0, flops=1e9, fixed_plain=0.5, fixed_round={4: 1.0, 8: 3.0})
+    fixed = rf.Roofline(TOY, bw=1000.0, flops=1e9, fixed_plain=0.5, fixed_round={4: 1.0, 8: 3.0})
     assert fixed.plain(2, 8) == pytest.approx(roof.plain(2, 8) + 0.5)
     assert fixed.round(1, 6, 8) == pytest.approx(roof.round(1, 6, 8) + 2.0)  # interpolated in TV
 
 
 def test_strategy_mapping_is_bench_sds():
-    assert [ps.strategy_for(tv) for tv in (3, 4, 8, 16, 32, 64)] == [
+    assert [rf.strategy_for(tv) for tv in (3, 4, 8, 16, 32, 64)] == [
         (2, 1),
         (3, 1),
         (7, 1),
