@@ -177,3 +177,42 @@ def test_eval_sets_are_drawn_by_their_mean_and_largest_pass_at_k() -> None:
         {"step": 0, "eval/math500/mean@4": 0.5, "eval/math500/pass@4": 0.7, "eval/reward": 0.3},
     ]
     assert _eval_set_keys(rows) == [("aime", ("mean@16", "pass@16")), ("math500", ("mean@4", "pass@4"))]
+
+
+EVAL_ROWS = [  # two evaluations of the held-out split and of a benchmark set with the paired plain pass
+    {
+        "step": s,
+        "eval/reward": 0.2 + s,
+        "eval/accuracy": 0.1 * s,
+        "eval/seconds": 3.0,
+        "eval/sd_share": 0.4,
+        "eval/aime/mean@8": 0.1 + s / 10,
+        "eval/aime/pass@2": 0.2,
+        "eval/aime/pass@8": 0.5,
+        "eval/aime/maj@2": 0.1,
+        "eval/aime/maj@8": 0.3,
+        "eval/aime/best@8": 0.6,
+        "eval/aime/seconds": 40.0 - s,
+        "eval/aime/sd_share": 0.6,
+        "eval/aime/sd_speedup": 1.5 + s / 4,
+    }
+    for s in (0, 2)
+]
+
+
+def test_evaluations_get_their_own_figure(tmp_path) -> None:
+    """plots/eval.png: a row per evaluation (held-out split, then each set) with its estimators at the
+    largest k, its seconds, SD share and measured speed-up; none for a run without evaluations."""
+    from tlt_jax.utils.run_plots import eval_rows
+
+    assert eval_rows(EVAL_ROWS) == [
+        ("held-out split", "eval/", ("accuracy", "reward")),
+        ("aime", "eval/aime/", ("mean@8", "pass@8", "maj@8", "best@8")),
+    ]
+    assert metric_series(EVAL_ROWS, "eval/aime/sd_speedup") == ([0, 2], [1.5, 2.0])
+    write_run(tmp_path / "run", [*EVAL_ROWS, GRPO_ROWS[1]], {"job": "grpo", "num_steps": 2})
+    plot_run(tmp_path / "run")
+    assert_drawn(read_png(tmp_path / "run" / "plots" / "eval.png"), (2 * 256, 960))  # 2 x (12 x 3.2 in)
+    write_run(tmp_path / "plain", GRPO_ROWS[1:2], {"job": "grpo", "num_steps": 2})
+    plot_run(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "plots" / "eval.png").exists()

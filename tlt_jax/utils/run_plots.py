@@ -9,6 +9,10 @@ A GRPO run (from `metrics.jsonl` and `rollout_timeline.jsonl`), six panels:
   bandit            the selector's arm shares per running-row bucket, over every step's chunks
 A drafter warm-up (`config.json` job "drafter_warmup"): its training loss and top-1 accuracy, and the
 held-out accept length before and after.
+A GRPO run with evaluations (`eval/...`, tlt_jax.rl.evaluation) also gets `<workdir>/plots/eval.png`, a row
+per evaluation (the held-out split, then each benchmark set): its estimators at the largest k (mean@k,
+pass@k, maj@k, best@k; the held-out split: accuracy and reward) and its time per evaluation with the share
+of decode time in SD chunks and, with the paired plain pass, the measured speed-up.
 
 Series come from small functions (`metric_series`, `time_parts`, `arm_shares`, `read_timeline`) that the
 tests check against the metrics. matplotlib runs on its Agg backend (files only). The learner refreshes the
@@ -32,6 +36,8 @@ from tlt_jax.utils.tracking import CONFIG_FILE, METRICS_FILE, TIME_PARTS, read_m
 
 PLOT_DIR = "plots"
 PLOT_FILE = "run.png"
+EVAL_PLOT_FILE = "eval.png"
+ESTIMATORS = ("mean@", "pass@", "maj@", "best@")  # a benchmark set's accuracy estimators (eval/<name>/<e>k)
 TIMELINE_FILE = "rollout_timeline.jsonl"  # one line per RL step: its rollout's chunks (RolloutWatch.timeline)
 Rows = Sequence[Mapping[str, Any]]
 _MAX_RUNNING = 2**31 - 1  # the selector's open-ended last bound (rollout.selector_config.MAX_RUNNING)
@@ -133,22 +139,64 @@ def _reward_panel(ax: Any, rows: Rows) -> None:
     ax.legend(fontsize=8)
 
 
-def _eval_set_keys(rows: Rows) -> list[tuple[str, tuple[str, ...]]]:
-    """(set name, (its mean@k key, its largest pass@k key)) of the benchmark sets logged as eval/<name>/..."""
+def _eval_set_keys(
+    rows: Rows, estimators: Sequence[str] = ("mean@", "pass@")
+) -> list[tuple[str, tuple[str, ...]]]:
+    """(set name, (the key of each estimator at its largest k)) of the benchmark sets logged as
+    eval/<name>/<estimator><k> (numbers compared: pass@16 beats pass@2)."""
     found: dict[str, set[str]] = {}
     for r in rows:
         for key in r:
             parts = key.split("/")
-            if len(parts) == 3 and parts[0] == "eval" and parts[2].startswith(("mean@", "pass@")):
+            if len(parts) == 3 and parts[0] == "eval" and parts[2].startswith(tuple(estimators)):
                 found.setdefault(parts[1], set()).add(parts[2])
     out = []
     for name, keys in sorted(found.items()):
         top = [
-            max((k for k in keys if k.startswith(p)), key=lambda k: int(k[5:]), default="")
-            for p in ("mean@", "pass@")
+            max((k for k in keys if k.startswith(e)), key=lambda k: int(k[len(e) :]), default="")
+            for e in estimators
         ]
         out.append((name, tuple(k for k in top if k)))
     return out
+
+
+def eval_rows(rows: Rows) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The rows of the eval figure: (label, metric prefix, accuracy keys) for the held-out split (when
+    eval/reward was logged) and each benchmark set."""
+    out = (
+        [("held-out split", "eval/", ("accuracy", "reward"))] if metric_series(rows, "eval/reward")[0] else []
+    )
+    return out + [(name, f"eval/{name}/", keys) for name, keys in _eval_set_keys(rows, ESTIMATORS)]
+
+
+def _eval_row(ax: Any, time_ax: Any, rows: Rows, label: str, prefix: str, keys: Sequence[str]) -> None:
+    """One evaluation's accuracy estimators over the steps, and its seconds per evaluation with SD's share
+    of its decode time and the paired plain pass's speed-up (when logged)."""
+    for i, key in enumerate(keys):
+        ax.plot(*metric_series(rows, prefix + key), "os^v"[i % 4] + "-", ms=4, label=key)
+    ax.set(title=f"{label}: accuracy", xlabel="step (0: before training)")
+    ax.legend(fontsize=8)
+    steps, secs = metric_series(rows, prefix + "seconds")
+    time_ax.bar(steps, secs, color="0.75", label="seconds")
+    time_ax.set(title=f"{label}: time per evaluation", xlabel="step", ylabel="seconds")
+    twin = time_ax.twinx()
+    twin.plot(
+        *metric_series(rows, prefix + "sd_share"), "o-", ms=4, color="tab:green", label="SD share of decode"
+    )
+    x, speedup = metric_series(rows, prefix + "sd_speedup")
+    if x:
+        twin.plot(x, speedup, "s--", ms=5, color="tab:red", label="speed-up vs plain (paired pass)")
+    twin.set(ylabel="share / speed-up (x)", ylim=(0, max([1.05, *speedup]) * 1.15))
+    twin.legend(fontsize=7, loc="upper left")
+
+
+def _eval_figure(plt: Any, rows: Rows, title: str) -> Any:
+    panels = eval_rows(rows)
+    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 3.2 * len(panels)), squeeze=False)
+    for (label, prefix, keys), (ax, time_ax) in zip(panels, axes, strict=True):
+        _eval_row(ax, time_ax, rows, label, prefix, keys)
+    fig.suptitle(title + ": evaluations")
+    return fig
 
 
 def _time_panel(ax: Any, rows: Rows) -> None:
@@ -279,9 +327,21 @@ def _config(workdir: pathlib.Path) -> dict[str, Any]:
         return {}
 
 
+def _save(plt: Any, fig: Any, out: pathlib.Path) -> None:
+    """Write `fig` to `out` atomically (a reader never sees half a file) and close it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".tmp"), dpi=80, format="png")
+    finally:
+        plt.close(fig)
+    os.replace(out.with_suffix(".tmp"), out)
+
+
 def plot_run(workdir: str | os.PathLike) -> pathlib.Path:
     """Draw the run in `workdir` (its metrics.jsonl, rollout_timeline.jsonl and config.json) into
-    `<workdir>/plots/run.png` (replaced atomically: a reader never sees half a file) and return its path."""
+    `<workdir>/plots/run.png` (and a GRPO run's evaluations into `plots/eval.png`), each replaced atomically,
+    and return run.png's path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -307,13 +367,9 @@ def plot_run(workdir: str | os.PathLike) -> pathlib.Path:
         _bandit_panel(axes[1, 2], rows, config.get("bandit", {}).get("bucket_bounds", ()))
         fig.suptitle(title)
     out = wd / PLOT_DIR / PLOT_FILE
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".tmp"), dpi=80, format="png")
-    finally:
-        plt.close(fig)
-    os.replace(out.with_suffix(".tmp"), out)
+    _save(plt, fig, out)
+    if config.get("job") != "drafter_warmup" and eval_rows(rows):
+        _save(plt, _eval_figure(plt, rows, title), wd / PLOT_DIR / EVAL_PLOT_FILE)
     return out
 
 
