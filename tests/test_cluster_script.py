@@ -70,7 +70,7 @@ def test_its_default_config_with_its_overrides_validates(tmp_path: pathlib.Path)
     default = re.search(r"CONFIG=\$\{CONFIG:-([^}]+)\}", SCRIPT.read_text()).group(1)
     path, _, arg = default.partition(":")
     c = config_lib.load_config_file(ROOT / path, arg)
-    assert c.task.kind == "parquet" and c.task.reward == "math_verify"
+    assert c.task.kind == "parquet" and c.task.reward == "verl"
     assert (c.rl.prompts_per_step, c.rl.samples_per_prompt, c.rollout.max_new_tokens) == (64, 8, 32768)
     assert (c.rl.lr, c.rl.kl_coef, c.rollout.temperature, c.spec.threshold) == (1e-6, 0.001, 0.9, 32)
     c.multiprocess = True
@@ -161,6 +161,7 @@ def test_dry_run_prints_the_srun_line_and_the_mesh(tmp_path: pathlib.Path) -> No
     model, data = tmp_path / "Qwen2.5-7B", tmp_path / "train.parquet"
     model.mkdir()
     verl_row = {"prompt": [[{"role": "user", "content": "1+1?"}]], "reward_model": [{"ground_truth": "2"}]}
+    verl_row["data_source"] = ["math_dapo"]  # the recipe scores by it (task.reward="verl")
     pq.write_table(pa.table(verl_row), data)  # VeRL's parquet layout, which the recipe reads
     name = f"dry-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TLT_JAX_", "XLA_", "JAX_"))}

@@ -353,7 +353,7 @@ def test_make_task_kinds(tmp_path) -> None:
 
 def test_make_task_errors() -> None:
     with pytest.raises(
-        ValueError, match=r"unknown task kind 'gsm'.*\['counting', 'jsonl', 'parquet', 'reasoning_gym'\]"
+        ValueError, match=r"unknown task kind 'gsm'.*\['counting', 'jsonl', 'parquet', 'reasoning_gym'"
     ):
         make_task({"kind": "gsm"})
     with pytest.raises(ValueError, match="unknown task kind None"):

@@ -27,6 +27,7 @@ training rollouts' engine with speculation as configured and nothing taught (tlt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import time
 from collections.abc import Callable, Mapping
@@ -41,6 +42,7 @@ from tlt_jax.config_sections import SET_SAMPLING_KEYS, EvalConfig
 from tlt_jax.models.build import TextCodec
 from tlt_jax.rl.eval_decoding import EvalDecoding
 from tlt_jax.rl.eval_metrics import sample_metrics, vote_key
+from tlt_jax.rl.prompt_budget import fit_to_rollout
 from tlt_jax.rl.rollout import PromptEncoder
 from tlt_jax.rollout.adaptive import AdaptivePolicy
 from tlt_jax.rollout.engine import RolloutEngine
@@ -53,8 +55,8 @@ from tlt_jax.tasks.datasets import TASK_KINDS
 EVAL_KEY_SALT = 0x5EED  # folded into the run's seed: the eval keys never coincide with a training step's
 # training-task keys an eval set inherits (the same prompt and checker), unless it sets them
 INHERITED_TASK_KEYS = (
-    "reward", "think", "verify_timeout", "answer_mode",
-    "prompt", "system_prompt", "instruction", "chat_template",
+    "reward", "think", "verify_timeout", "answer_mode", "reward_scale", "math_verify_mode",
+    "prompt", "system_prompt", "instruction", "chat_template", "filter_overlong_prompts", "truncation",
 )  # fmt: skip
 
 
@@ -161,8 +163,18 @@ def eval_set_configs(
     return out
 
 
-def _eval_set(name: str, task_cfg: dict, own: dict, cfg: EvalConfig, rollout: SamplingParams) -> EvalSet:
+def _eval_set(
+    name: str,
+    task_cfg: dict,
+    own: dict,
+    cfg: EvalConfig,
+    rollout: SamplingParams,
+    fit: Callable[..., Task] | None = None,  # prompt_budget.fit_to_rollout with the run's rollout
+) -> EvalSet:
     task = make_task(task_cfg)
+    if fit is not None:  # its prompts fitted to the room its own max_new_tokens leaves
+        max_new = int(own.get("max_new_tokens", 0)) or None
+        task = fit(task, what=f"config.eval.sets.{name}", max_new_tokens=max_new)
     count = int(own.get("max_prompts", 0)) or len(task)
     samples = int(own.get("samples", cfg.samples))
     if samples < 1:
@@ -288,7 +300,8 @@ def held_out_eval(
     sets = None
     if cfg.sets:
         specs = eval_set_configs(cfg.sets, job.task)
-        built = [_eval_set(name, t, s, cfg, sampling) for name, (t, s) in specs.items()]
+        fit = functools.partial(fit_to_rollout, rollout=job.rollout, tokenizer=tokenizer)
+        built = [_eval_set(name, t, s, cfg, sampling, fit) for name, (t, s) in specs.items()]
         rows = job.rl.prompts_per_step * job.rl.samples_per_prompt
         sets = SetEval(built, tokenizer, decoding, jax.random.fold_in(key, 1), rows)
     return Evaluator(cfg, train_task, held_out, sets)

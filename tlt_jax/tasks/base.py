@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -34,6 +35,37 @@ class PromptTokenizer(Protocol):
     def id_to_token(self, token_id: int) -> str | None: ...
 
 
+@runtime_checkable
+class ChatTokenizer(PromptTokenizer, Protocol):
+    """A tokenizer that renders chat templates to text and encodes many texts at once (the load-time prompt
+    length check's fast path; tlt_jax.models.tokenizer.Tokenizer has it)."""
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]: ...
+
+
+TRUNCATIONS = ("error", "left", "right", "middle")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLimit:
+    """What happens to a prompt longer than the engine takes (`tasks.prompt_fit`): `filter` drops it when
+    the data loads (VeRL's data.filter_overlong_prompts); otherwise `truncation` keeps its end ("left": the
+    start is cut), its start ("right") or both ends ("middle"), or "error" refuses the data naming the rows
+    (VeRL's data.truncation)."""
+
+    filter: bool = True
+    truncation: str = "error"
+
+    def problems(self) -> list[str]:
+        if self.truncation not in TRUNCATIONS:
+            return [f"config.task.truncation={self.truncation!r}: use one of {list(TRUNCATIONS)}"]
+        return []
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """One prompt: a stable id, the question text (chat data: the last user message), the reference answer,
@@ -56,15 +88,19 @@ class RewardResult:
     format_ok: the response ends with the requested `Answer:` line (`answers.ends_with_answer_line`; counting
         task: the response is non-empty).
     extracted: the answer string that was scored, or None when none could be extracted.
-    verify_failed / think_unterminated: why a response scored 0 without a verdict (`rewards.reward_counts`).
+    verify_failed / think_unterminated: why a response scored low without a verdict (`rewards.reward_counts`).
+    source: the row's data_source (file tasks), for per-source accuracy when a step mixes sources.
+    extra: a custom reward function's other numeric entries (logged as step means, `reward/<key>`).
     """
 
     reward: float
     correct: bool
     format_ok: bool
     extracted: str | None
-    verify_failed: bool = False  # the checker gave up (timeout, parser error): scored 0, counted
-    think_unterminated: bool = False  # the think block never closed: scored 0, counted
+    verify_failed: bool = False  # the checker gave up (timeout, parser error): scored low, counted
+    think_unterminated: bool = False  # the think block never closed: scored low, counted
+    source: str | None = None
+    extra: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 def build_messages(
@@ -100,6 +136,8 @@ class Task(abc.ABC):
     resumes exactly by storing the position returned by `batch`.
     """
 
+    prompt_limit = PromptLimit()  # what the load-time length check does with an over-long prompt
+
     def __init__(self, seed: int, shuffle: bool) -> None:
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
@@ -125,6 +163,10 @@ class Task(abc.ABC):
         """Prompt token ids: the messages through the tokenizer's chat template (tasks with their own
         template, `config.task.chat_template`, render it themselves)."""
         return tokenizer.encode_chat(self.messages(problem))
+
+    def prompt_text(self, problem: Problem, tokenizer: ChatTokenizer) -> str | None:
+        """The text `encode_prompt` tokenizes (no special tokens added), None when it is not one text."""
+        return tokenizer.apply_chat_template(self.messages(problem))
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The problem indices of one epoch, in the order they are served."""
@@ -173,7 +215,7 @@ class TrainSplit(Task):
             )
         super().__init__(task.seed, task.shuffle)
         order = task.epoch_order(0)
-        self.base = task
+        self.base, self.prompt_limit = task, task.prompt_limit
         self.train_indices, self.held_out_indices = order[: n - held_out], order[n - held_out :]
 
     def __len__(self) -> int:
@@ -190,6 +232,9 @@ class TrainSplit(Task):
 
     def encode_prompt(self, problem: Problem, tokenizer: PromptTokenizer) -> list[int]:
         return self.base.encode_prompt(problem, tokenizer)
+
+    def prompt_text(self, problem: Problem, tokenizer: ChatTokenizer) -> str | None:
+        return self.base.prompt_text(problem, tokenizer)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         return np.arange(len(self)) if epoch == 0 else super().epoch_order(epoch)

@@ -23,13 +23,15 @@ import glob
 import json
 import os
 import pathlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tlt_jax.tasks.answers import last_boxed
-from tlt_jax.tasks.base import Problem, PromptTokenizer, RewardResult, Task
-from tlt_jax.tasks.prompts import NONE, encode_prompt, prompt_messages, resolve_prompt
+from tlt_jax.tasks.base import ChatTokenizer, Problem, PromptLimit, PromptTokenizer, RewardResult, Task
+from tlt_jax.tasks.prompts import NONE, encode_prompt, prompt_messages, prompt_text, resolve_prompt
 from tlt_jax.tasks.rewards import ReferenceScorer
+from tlt_jax.tasks.verl_routing import check_sources
 
 ANSWER_FROM = ("value", "boxed", "gsm8k")
 BATCH_ROWS = 1024  # parquet rows converted to Python at a time
@@ -138,6 +140,8 @@ def _problem(row: dict, layout: Layout, uid: str, entry: dict) -> Problem:
             entry[name] = _get(row, key) if key else None
         except RowError:
             entry[name] = None
+    if isinstance(row.get("extra_info"), dict):  # what VeRL passes a custom reward function
+        entry["extra_info"] = row["extra_info"]
     if entry["id"] is not None:
         uid = str(entry["id"])
     return Problem(uid=uid, question=question, answer=answer, entry=entry, messages=messages)
@@ -274,8 +278,10 @@ def resolve_layout(
 
 class FileTask(Task):
     """Problems read from local parquet / JSONL files (module docstring), scored against their reference by
-    `config.task.reward` (tasks.rewards) and prompted as `config.task.prompt` says (tasks.prompts; "auto":
-    "none" for chat-message data, "default" for question text)."""
+    `config.task.reward` (tasks.rewards; "verl": by each row's data_source, every source checked routable
+    when the data loads) and prompted as `config.task.prompt` says (tasks.prompts; "auto": "none" for
+    chat-message data, "default" for question text). Over-long prompts: `filter_overlong_prompts`,
+    `truncation` (tasks.prompt_fit)."""
 
     FORMAT = "jsonl"
 
@@ -299,10 +305,17 @@ class FileTask(Task):
         system_prompt: str | None = "",
         instruction: str | None = "",
         chat_template: str = "",
+        reward_scale: str = "verl",
+        math_verify_mode: str = "verl",
+        filter_overlong_prompts: bool = True,
+        truncation: str = "error",
     ) -> None:
         super().__init__(seed, shuffle)
         if max_rows < 0:
             raise ValueError(f"config.task.max_rows={max_rows}: must be >= 0 (0 = every row)")
+        self.prompt_limit = PromptLimit(bool(filter_overlong_prompts), truncation)
+        if problems := self.prompt_limit.problems():
+            raise ValueError(problems[0])
         files = expand_paths(path)
         self.layout = resolve_layout(
             layout, files[0], self.FORMAT, prompt_key, answer_key, answer_from, id_key
@@ -312,7 +325,17 @@ class FileTask(Task):
         chat = self.problems[0].messages is not None
         preset = (NONE if chat else "default") if prompt == "auto" else prompt
         self.spec = resolve_prompt(preset, system_prompt, instruction, chat_template, think)
-        self.scorer = ReferenceScorer(reward, answer_mode, format_reward, self.spec.think, verify_timeout)
+        self.scorer = ReferenceScorer(
+            reward,
+            answer_mode,
+            format_reward,
+            self.spec.think,
+            verify_timeout,
+            reward_scale,
+            math_verify_mode,
+        )
+        if reward == "verl":
+            check_sources(Counter(p.entry["data_source"] for p in self.problems))
 
     def __len__(self) -> int:
         return len(self.problems)
@@ -326,8 +349,12 @@ class FileTask(Task):
     def encode_prompt(self, problem: Problem, tokenizer: PromptTokenizer) -> list[int]:
         return encode_prompt(self.spec, self.messages(problem), tokenizer)
 
+    def prompt_text(self, problem: Problem, tokenizer: ChatTokenizer) -> str | None:
+        return prompt_text(self.spec, self.messages(problem), tokenizer)
+
     def score(self, problem: Problem, response_text: str) -> RewardResult:
-        return self.scorer(response_text, problem.answer)
+        entry = problem.entry
+        return self.scorer(response_text, problem.answer, entry.get("data_source"), entry.get("extra_info"))
 
 
 class JsonlTask(FileTask):

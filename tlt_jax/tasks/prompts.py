@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import jinja2
 import jinja2.sandbox
 
-from tlt_jax.tasks.base import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT, PromptTokenizer
+from tlt_jax.tasks.base import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM_PROMPT, ChatTokenizer, PromptTokenizer
 
 NONE = "none"
 MODEL_TEMPLATE = "model"
@@ -156,3 +156,11 @@ def encode_prompt(spec: PromptSpec, messages: list[dict[str, str]], tokenizer: P
     if spec.chat_template is None:
         return tokenizer.encode_chat(messages)
     return tokenizer.encode(render_chat(spec.chat_template, messages, tokenizer), add_special_tokens=False)
+
+
+def prompt_text(spec: PromptSpec, messages: list[dict[str, str]], tokenizer: ChatTokenizer) -> str:
+    """The prompt as text, the one `encode_prompt` tokenizes (without special tokens added): for encoding
+    many prompts in one `encode_batch` call."""
+    if spec.chat_template is None:
+        return tokenizer.apply_chat_template(messages)
+    return render_chat(spec.chat_template, messages, tokenizer)

@@ -1,24 +1,35 @@
-"""Reward checkers for tasks with a reference answer, and the `<think>` handling of R1-style responses.
+"""Reward checkers for tasks with a reference answer, VeRL's routing by data_source, and the `<think>`
+handling of R1-style responses.
 
 `config.task.reward` picks the checker:
-- "answer" (default): today's checker, the `Answer:` value (or the last number, `answer_mode`) compared to the
+- "answer": tlt_jax's checker, the `Answer:` value (or the last number, `answer_mode`) compared to the
   reference by normalised numbers or text (`answers.answers_match`); reasoning-gym tasks use the dataset's own
   verifier instead.
-- "math_verify": HF's math-verify (`math_verify_reward`), as VeRL's `math_verify` reward: sympy equivalence
-  of the last `\\boxed{}` (or expression) with the reference; a timeout or parser error is a counted failure.
-- "dapo": DAPO's check: the last `Answer:` line within the response's last 300 characters, normalised the
-  Minerva way (units, `\\text{}`, `$`, thousands separators removed) and compared as a string (DAPO-Math-17k's
-  answers are integers). DAPO scores -1 / +1; here it is 0 / 1 like every checker (GRPO's advantages are
-  unchanged by that affine map; Dr.GRPO's are halved).
+- "math_verify": HF's math-verify (`math_verify_reward`): sympy equivalence of the response's answer with the
+  reference; `math_verify_mode` "verl" calls it as VeRL's math_verify.py does, "tail" is tlt_jax's variant.
+- "dapo": DAPO's Minerva check of the last `Answer:` line (`dapo_reward`, VeRL's math_dapo.py).
+- "math_reward": the MATH scorer (`math_reward`, VeRL's math_reward.py: Hendrycks' `is_equiv` of the boxed
+  answer). "gsm8k": GSM8K's `#### n` check (`gsm8k_reward`, VeRL's gsm8k.py).
+- "verl": each row's checker picked by its data_source as VeRL's `default_compute_score` does
+  (`verl_routing`; file tasks only).
+- "module:function" / "path/to/file.py:function": a function of the user's (`custom_reward`), VeRL's
+  custom_reward_function; its score is the reward as it is.
+
+`reward_scale`: "verl" (default) scores each checker as VeRL does (dapo -1 / +1, the others 0 / 1), "unit"
+scores every checker 0 / 1 (GRPO's advantages are unchanged by that affine map; Dr.GRPO's halve, and a DAPO
+overlong penalty then weighs twice as much against correctness). A wrong, unanswered, failed (timeout) or
+unterminated-think response gets the checker's low value.
 
 Think handling (`think` on, or a prompt preset that opens `<think>`): the answer is read after the last
-`</think>`; a response that never closes its think block scores 0 and is counted
-(`reward/think_unterminated`).
+`</think>`; a response that never closes its think block scores low and is counted
+(`reward/think_unterminated`). A custom function gets the whole response, as in VeRL.
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Mapping
+
+import numpy as np
 
 from tlt_jax.tasks.answers import (
     answers_match,
@@ -29,76 +40,55 @@ from tlt_jax.tasks.answers import (
     split_think,
 )
 from tlt_jax.tasks.base import RewardResult
-from tlt_jax.tasks.math_verify_reward import CheckVerdict, math_verify_check
+from tlt_jax.tasks.custom_reward import call_reward_fn, is_custom, load_reward_fn
+from tlt_jax.tasks.dapo_reward import dapo_check, dapo_normalize
+from tlt_jax.tasks.gsm8k_reward import gsm8k_check
+from tlt_jax.tasks.math_reward import math_reward_check
+from tlt_jax.tasks.math_verify_reward import MATH_VERIFY_MODES, CheckVerdict, math_verify_check
+from tlt_jax.tasks.verl_routing import route, why_unrouted
 
-REWARD_KINDS = ("answer", "math_verify", "dapo")
+__all__ = ["REWARD_KINDS", "ReferenceScorer", "dapo_normalize", "reward_counts"]
 
-# ----------------------------------------------------------------------------------------------------------
-# DAPO's answer check (Minerva-style normalisation)
-# ----------------------------------------------------------------------------------------------------------
-
-_DAPO_ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
-_DAPO_TAIL = 300
-_SUBSTITUTIONS = (
-    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
-    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
-)  # fmt: skip
-_REMOVED = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
-    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
-    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
-    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;",
-    ",\\!", "{,}", '"', "\\dots",
-)  # fmt: skip
-
-
-def dapo_normalize(answer: str) -> str:
-    """DAPO's (Minerva's) normalisation of a final answer: the right-hand side of `=`, words and units out,
-    `$`, `\\text{}`, `\\boxed{}` unwrapped, `\\frac12` braced, thousands separators of integers removed."""
-    s = answer.split("=")[-1]
-    for before, after in _SUBSTITUTIONS:
-        s = s.replace(before, after)
-    for expr in _REMOVED:
-        s = s.replace(expr, "")
-    s = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", s)
-    for command in ("text", "textbf", "overline"):
-        s = re.sub(r"(\\" + command + r"\{)(.*?)(\})", "\\2", s)
-    s = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", s)
-    s = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", s)
-    s = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", s)
-    s = s.replace("$", "")
-    if s.replace(",", "").isdigit():
-        s = s.replace(",", "")
-    return s.strip()
-
-
-def dapo_check(response: str, reference: str) -> CheckVerdict:
-    """DAPO's verdict: the last `Answer:` value in the response's tail equals the reference, both normalised
-    (a boxed reference is unboxed first)."""
-    matches = _DAPO_ANSWER_RE.findall(response[-_DAPO_TAIL:])
-    if not matches:
-        return CheckVerdict(False, None)
-    pred = dapo_normalize(matches[-1])
-    gold = dapo_normalize(last_boxed(reference) or reference)
-    return CheckVerdict(pred == gold, pred)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Scoring a response against a reference
-# ----------------------------------------------------------------------------------------------------------
+REWARD_KINDS = ("answer", "math_verify", "dapo", "math_reward", "gsm8k", "verl")
+REWARD_SCALES = ("verl", "unit")
+VERL_LOW = {"dapo": -1.0}  # VeRL's score of a wrong answer, where it is not 0 (math_dapo.py)
+_RESERVED = {"mean", "std", "overlong_mean", "overlong_frac", "verify_failed", "think_unterminated", "score"}
 
 
 def check_reward_kind(reward: str) -> None:
-    if reward not in REWARD_KINDS:
-        raise ValueError(f"unknown reward {reward!r}: set config.task.reward to one of {list(REWARD_KINDS)}")
+    if not is_custom(reward) and reward not in REWARD_KINDS:
+        raise ValueError(
+            f"unknown reward {reward!r}: set config.task.reward to one of {list(REWARD_KINDS)} or to a "
+            "function of yours, 'module:function' or 'path/to/file.py:function'"
+        )
+
+
+def reward_problems(reward: str, reward_scale: str, math_verify_mode: str, verify_timeout: int) -> list[str]:
+    """What is wrong with the reward keys (a custom function is imported and its signature checked)."""
+    out = []
+    try:
+        check_reward_kind(reward)
+        if is_custom(reward):
+            load_reward_fn(reward)
+    except ValueError as e:
+        out.append(str(e))
+    if reward_scale not in REWARD_SCALES:
+        out.append(f"config.task.reward_scale={reward_scale!r}: use one of {list(REWARD_SCALES)}")
+    if math_verify_mode not in MATH_VERIFY_MODES:
+        out.append(f"config.task.math_verify_mode={math_verify_mode!r}: use one of {list(MATH_VERIFY_MODES)}")
+    if verify_timeout < 0:
+        out.append(f"verify_timeout={verify_timeout}: must be >= 0 seconds (0: no limit)")
+    return out
 
 
 class ReferenceScorer:
-    """Scores a response against a reference answer with one checker (`reward`), after the think block.
+    """Scores a response against a reference answer with one checker (`reward`; "verl": the row's
+    data_source picks it), after the think block.
 
-    reward = 1.0 when correct (+ `format_reward` when the format is kept: for "answer", the response ends with
-    its `Answer:` line; "dapo": an `Answer:` line; "math_verify": a `\\boxed{}` answer or a final `Answer:`
-    line, the two formats the prompt presets ask for).
+    reward = the checker's high value when correct, else its low value (`reward_scale`), plus `format_reward`
+    when the format is kept: for "answer", the response ends with its `Answer:` line; "dapo": an `Answer:`
+    line; "gsm8k": a `#### n` line; "math_reward": a `\\boxed{}` answer; "math_verify": a `\\boxed{}` answer
+    or a final `Answer:` line, the two formats the prompt presets ask for.
     """
 
     def __init__(
@@ -108,41 +98,80 @@ class ReferenceScorer:
         format_reward: float = 0.0,
         think: bool = False,
         verify_timeout: int = 5,
+        reward_scale: str = "verl",
+        math_verify_mode: str = "verl",
     ) -> None:
-        check_reward_kind(reward)
         check_answer_mode(answer_mode)
-        if verify_timeout < 0:
-            raise ValueError(f"verify_timeout={verify_timeout}: must be >= 0 seconds (0: no limit)")
-        self.reward, self.answer_mode = reward, answer_mode
+        problems = reward_problems(reward, reward_scale, math_verify_mode, verify_timeout)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.reward, self.answer_mode, self.reward_scale = reward, answer_mode, reward_scale
         self.format_reward, self.think = float(format_reward), bool(think)
-        self.verify_timeout = verify_timeout
+        self.verify_timeout, self.math_verify_mode = verify_timeout, math_verify_mode
 
-    def verdict(self, answer_text: str, reference: str) -> tuple[CheckVerdict, bool]:
+    def checker(self, data_source: str | None) -> str:
+        """The checker of a row from `data_source` (its route when reward is "verl")."""
+        if self.reward != "verl":
+            return self.reward
+        checker = route(data_source)
+        if checker is None:
+            why = why_unrouted(data_source)
+            raise ValueError(f"config.task.reward='verl': data_source {data_source!r}: {why}")
+        return checker
+
+    def values(self, checker: str) -> tuple[float, float]:
+        """(low, high): the reward of a wrong and of a right answer."""
+        return (VERL_LOW.get(checker, 0.0) if self.reward_scale == "verl" else 0.0), 1.0
+
+    def verdict(self, checker: str, answer_text: str, reference: str) -> tuple[CheckVerdict, bool]:
         """(the checker's verdict, format kept) for the answer part of a response."""
-        if self.reward == "math_verify":
-            v = math_verify_check(answer_text, reference, self.verify_timeout)
+        if checker == "math_verify":
+            v = math_verify_check(answer_text, reference, self.verify_timeout, self.math_verify_mode)
             return v, last_boxed(answer_text) is not None or ends_with_answer_line(answer_text)
-        if self.reward == "dapo":
-            v = dapo_check(answer_text, reference)
+        if checker in ("dapo", "gsm8k", "math_reward"):
+            check = {"dapo": dapo_check, "gsm8k": gsm8k_check, "math_reward": math_reward_check}[checker]
+            v = check(answer_text, reference)
             return v, v.extracted is not None
         extracted = extract_answer(answer_text, self.answer_mode)
         return CheckVerdict(answers_match(extracted, reference), extracted), ends_with_answer_line(
             answer_text
         )
 
-    def __call__(self, response: str, reference: str) -> RewardResult:
+    def __call__(
+        self,
+        response: str,
+        reference: str,
+        data_source: str | None = None,
+        extra_info: Mapping | None = None,
+    ) -> RewardResult:
+        if is_custom(self.reward):
+            s = call_reward_fn(self.reward, data_source, response, reference, extra_info)
+            return RewardResult(s.score, s.correct, False, None, source=data_source, extra=s.extra)
+        checker = self.checker(data_source)
+        low, high = self.values(checker)
         answer_text, unterminated = split_think(response, self.think)
         if answer_text is None:
-            return RewardResult(0.0, False, False, None, think_unterminated=unterminated)
-        v, format_ok = self.verdict(answer_text, reference)
-        reward = (1.0 if v.correct else 0.0) + (self.format_reward if format_ok else 0.0)
-        return RewardResult(reward, v.correct, format_ok, v.extracted, verify_failed=v.failed)
+            return RewardResult(low, False, False, None, think_unterminated=unterminated, source=data_source)
+        v, format_ok = self.verdict(checker, answer_text, reference)
+        reward = (high if v.correct else low) + (self.format_reward if format_ok else 0.0)
+        return RewardResult(
+            reward, v.correct, format_ok, v.extracted, verify_failed=v.failed, source=data_source
+        )
 
 
 def reward_counts(results: list[RewardResult]) -> dict[str, float]:
-    """A step's counted reward failures: responses whose checker gave up (timeout/error) and responses that
-    never closed their think block (both scored 0)."""
-    return {
+    """A step's counted reward failures (responses whose checker gave up, responses that never closed their
+    think block), the accuracy per data_source when the step mixes sources (`reward/<source>/acc`), and the
+    step means of a custom function's other numeric entries (`reward/<key>`, VeRL's reward_extra_info)."""
+    out = {
         "reward/verify_failed": float(sum(r.verify_failed for r in results)),
         "reward/think_unterminated": float(sum(r.think_unterminated for r in results)),
     }
+    sources = sorted({r.source for r in results if r.source is not None})
+    if len(sources) > 1:
+        for s in sources:
+            out[f"reward/{s}/acc"] = float(np.mean([r.correct for r in results if r.source == s]))
+    keys = sorted({k for r in results for k in r.extra} - _RESERVED)
+    for k in keys:
+        out[f"reward/{k}"] = float(np.mean([r.extra[k] for r in results if k in r.extra]))
+    return out
