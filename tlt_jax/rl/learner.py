@@ -54,6 +54,7 @@ from tlt_jax.rl.metrics import (
 )
 from tlt_jax.rl.outputs import log_samples, open_outputs
 from tlt_jax.rl.plan import StepPlan
+from tlt_jax.rl.prompt_budget import fit_to_rollout
 from tlt_jax.rl.reward import score_rollout
 from tlt_jax.rl.rollout import PromptEncoder, generate_rollout
 from tlt_jax.rl.selector import build_selector, load_selector_state, selector_metrics
@@ -113,7 +114,7 @@ class Learner:
         del model  # the trainer owns (and donates) its buffers now
         # one owner per weight: the engine keeps no policy copy (and no drafter the spot trainer trains)
         self.engine.release_weights(drafter=self.spot is not None)
-        self.task = make_task(job.task)
+        self.task = fit_to_rollout(make_task(job.task), job.rollout, self.tokenizer)  # over-long prompts
         self.encode = PromptEncoder(self.task, self.tokenizer)
         self.evaluator = held_out_eval(
             job,

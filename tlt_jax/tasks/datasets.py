@@ -37,9 +37,9 @@ from tlt_jax.tasks.answers import (
     normalize_number,
     split_think,
 )
-from tlt_jax.tasks.base import Problem, PromptTokenizer, RewardResult, Task
+from tlt_jax.tasks.base import ChatTokenizer, Problem, PromptLimit, PromptTokenizer, RewardResult, Task
 from tlt_jax.tasks.files import JsonlTask, ParquetTask
-from tlt_jax.tasks.prompts import encode_prompt, prompt_messages, resolve_prompt
+from tlt_jax.tasks.prompts import encode_prompt, prompt_messages, prompt_text, resolve_prompt
 from tlt_jax.tasks.rewards import ReferenceScorer
 
 
@@ -68,12 +68,32 @@ class ReasoningGymTask(Task):
         verify_timeout: int = 5,
         prompt: str = "default",
         chat_template: str = "",
+        reward_scale: str = "verl",
+        math_verify_mode: str = "verl",
+        filter_overlong_prompts: bool = True,
+        truncation: str = "error",
     ) -> None:
         super().__init__(seed, shuffle)
         check_answer_mode(answer_mode)
+        if reward == "verl":
+            raise ValueError(
+                "config.task.reward='verl' routes each row by its data_source (parquet / JSONL data in "
+                "VeRL's layout); reasoning-gym problems have none: use 'answer' (the dataset's verifier)"
+            )
+        self.prompt_limit = PromptLimit(bool(filter_overlong_prompts), truncation)
+        if problems := self.prompt_limit.problems():
+            raise ValueError(problems[0])
         self.spec = resolve_prompt(prompt, system_prompt, instruction, chat_template, think)
         # reward "answer": the dataset's verifier (below); otherwise a checker against the entry's answer
-        self.scorer = ReferenceScorer(reward, answer_mode, format_reward, self.spec.think, verify_timeout)
+        self.scorer = ReferenceScorer(
+            reward,
+            answer_mode,
+            format_reward,
+            self.spec.think,
+            verify_timeout,
+            reward_scale,
+            math_verify_mode,
+        )
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         try:
@@ -119,6 +139,9 @@ class ReasoningGymTask(Task):
     def encode_prompt(self, problem: Problem, tokenizer: PromptTokenizer) -> list[int]:
         return encode_prompt(self.spec, self.messages(problem), tokenizer)
 
+    def prompt_text(self, problem: Problem, tokenizer: ChatTokenizer) -> str | None:
+        return prompt_text(self.spec, self.messages(problem), tokenizer)
+
     def _verify(self, answer: str, problem: Problem) -> float:
         try:
             return float(self.dataset.score_answer(answer, problem.entry))
@@ -126,8 +149,8 @@ class ReasoningGymTask(Task):
             return 0.0
 
     def score(self, problem: Problem, response_text: str) -> RewardResult:
-        if self.scorer.reward != "answer":
-            return self.scorer(response_text, problem.answer)
+        if self.scorer.reward != "answer":  # a custom function sees data_source "reasoning_gym/<name>"
+            return self.scorer(response_text, problem.answer, f"reasoning_gym/{self.name}", problem.entry)
         response_text, unterminated = split_think(response_text, self.spec.think)
         if response_text is None:
             return RewardResult(0.0, False, False, None, think_unterminated=unterminated)
