@@ -35,6 +35,9 @@ class RunSection(Section):
     num_steps: int = 10
     checkpoint_every: int = 5  # save every k steps (and always at the end / on SIGTERM); 0: only then
     keep_checkpoints: int = 2
+    # the policy and the drafter as HF directories every k steps and at the last (0: off), kept whatever
+    # keep_checkpoints removes: W/exports/step_<k>/{policy, drafter, drafter_vllm} (tlt_jax/rl/exports.py)
+    export_every: int = 0
     log_every: int = 1  # console summary line every k steps (metrics.jsonl gets every step)
     progress_bar: bool = True  # tqdm rollout bar (shown only on a TTY)
     log_samples: int = 2  # responses per step written to workdir/samples.jsonl (the first to the console)
@@ -54,6 +57,8 @@ class RunSection(Section):
             )
         if self.keep_checkpoints < 1:
             out.append(f"config.keep_checkpoints={self.keep_checkpoints}: must be >= 1.")
+        if self.export_every < 0:
+            out.append(f"config.export_every={self.export_every}: must be >= 0 (0 = no periodic export).")
         return out
 
 

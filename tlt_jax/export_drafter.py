@@ -1,6 +1,12 @@
 """Export a workdir's drafter as an EAGLE checkpoint for SGLang / vLLM (`tlt_jax.drafter.eagle_format`).
 
-    python -m tlt_jax.export_drafter --workdir W --out DIR [--force] [--dtype bfloat16] [--full-vocab]
+    python -m tlt_jax.export_drafter --workdir W --out DIR [--engine sglang|vllm] [--force] [--dtype bfloat16]
+                                     [--full-vocab]
+    python -m tlt_jax.export_drafter --from-dir EXPORT --out DIR --engine vllm [--full-vocab] [--force]
+
+`--engine` picks the layout of the serving engine's EAGLE-1 loader (default sglang; they differ in fc.bias and
+in what they make of a reduced draft vocabulary: eagle_format's docstring). `--from-dir` converts an export
+(e.g. a periodic one, W/exports/step_N/drafter, written in SGLang's layout) to the other engine's layout.
 
 The drafter is the newest one in W's checkpoints:
     an RL workdir   W/checkpoints/<latest>: the spot trainer's weights, or the rollout drafter's when no
@@ -10,8 +16,9 @@ The drafter is the newest one in W's checkpoints:
 Its target's architecture comes from the drafter checkpoint's metadata (warm-up) or W/config.json's model
 section (a model path is opened for its config only). The reduced draft vocabulary is the warm-up's
 `drafter/draft_vocab.npy`, or for an RL run the one its rollouts drafted with (config.drafter: init_from's
-d2t, else the warm-up workdir of drafter.path). `--full-vocab` leaves it out (SGLang's Qwen2 loader refuses
-the d2t/t2d tensors).
+d2t or token map, else the warm-up workdir of drafter.path). It goes to token_map.pt (SGLang's
+`--speculative-token-map`); vLLM's EAGLE-1 has no reduced vocabulary, so `--engine vllm` refuses one unless
+`--full-vocab` leaves it out (the drafter then drafts over the full head).
 
 Checkpoints are opened read-only and only the drafter's leaves are restored (orbax partial restore): no
 policy or optimizer state is read, nothing in W is written or cleaned, so a running job's workdir is safe to
@@ -33,9 +40,12 @@ import orbax.checkpoint as ocp
 
 from tlt_jax.drafter.draft_vocab import load_draft_vocab
 from tlt_jax.drafter.eagle_format import (
+    ENGINES,
     HF_CONFIG_FILE,
     TLT_SECTION,
+    EagleExport,
     draft_vocab_from_maps,
+    for_engine,
     read_eagle_dir,
     to_eagle,
     write_eagle_dir,
@@ -180,47 +190,78 @@ def workdir_draft_vocab(
     return None
 
 
+def _refuse_non_empty(out: str | pathlib.Path, force: bool) -> None:
+    if not force and pathlib.Path(out).is_dir() and any(pathlib.Path(out).iterdir()):
+        raise FileExistsError(
+            f"--out {out} is not empty: pass --force to replace it, or choose another path."
+        )
+
+
 def export_drafter(
     workdir: str | pathlib.Path,
     out: str | pathlib.Path,
     force: bool = False,
     dtype: str | None = None,
     full_vocab: bool = False,
+    engine: str = "sglang",
 ) -> tuple[pathlib.Path, DrafterSource]:
-    """Export `workdir`'s newest drafter to `out` (config.json + model.safetensors); returns (out, source)."""
-    if not force and pathlib.Path(out).is_dir() and any(pathlib.Path(out).iterdir()):
-        raise FileExistsError(
-            f"--out {out} is not empty: pass --force to replace it, or choose another path."
-        )
+    """Export `workdir`'s newest drafter to `out` in `engine`'s layout (config.json + model.safetensors, and
+    token_map.pt with a reduced vocabulary); returns (out, source)."""
+    _refuse_non_empty(out, force)
     config = load_workdir_config(workdir)
     src = find_drafter(workdir)
     target = target_config(config, src)
     vocab = None if full_vocab else workdir_draft_vocab(workdir, config, src, target.vocab_size)
-    tensors, hf_config = to_eagle(read_drafter(src), target, vocab, dtype)
-    hf_config[TLT_SECTION]["source"] = {
+    export = to_eagle(read_drafter(src), target, vocab, dtype, engine)
+    export.config[TLT_SECTION]["source"] = {
         "workdir": str(pathlib.Path(workdir).resolve()),
         "what": src.describe(),
     }
-    return write_eagle_dir(out, tensors, hf_config, force=force), src
+    return write_eagle_dir(out, export, force=force), src
+
+
+def convert_drafter(
+    src: str | pathlib.Path,
+    out: str | pathlib.Path,
+    engine: str,
+    full_vocab: bool = False,
+    force: bool = False,
+) -> tuple[pathlib.Path, EagleExport]:
+    """The EAGLE-1 export in `src` (ours) rewritten for `engine` into `out` (eagle_format.for_engine)."""
+    _refuse_non_empty(out, force)
+    tensors, hf_config = read_eagle_dir(src)
+    export = for_engine(tensors, hf_config, engine, full_vocab)
+    return write_eagle_dir(out, export, force=force), export
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", required=True, help="a drafter warm-up or RL workdir")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workdir", help="a drafter warm-up or RL workdir")
+    source.add_argument("--from-dir", help="an EAGLE export to convert to --engine's layout")
     ap.add_argument("--out", required=True, help="the export directory (config.json + model.safetensors)")
+    ap.add_argument("--engine", choices=ENGINES, default="sglang", help="the serving engine's layout")
     ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
     ap.add_argument("--dtype", choices=_DTYPES, default=None, help="tensor dtype (default: as trained)")
     ap.add_argument("--full-vocab", action="store_true", help="leave out the reduced draft vocabulary")
     args = ap.parse_args(argv)
     try:
-        out, src = export_drafter(args.workdir, args.out, args.force, args.dtype, args.full_vocab)
+        if args.from_dir:
+            out, _ = convert_drafter(args.from_dir, args.out, args.engine, args.full_vocab, args.force)
+            what = f"converted from {args.from_dir}"
+        else:
+            out, src = export_drafter(
+                args.workdir, args.out, args.force, args.dtype, args.full_vocab, args.engine
+            )
+            what = f"from {src.describe()}"
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     cfg = json.loads((out / HF_CONFIG_FILE).read_text())
-    vocab = cfg.get("draft_vocab_size")
+    size = cfg.get("draft_vocab_size")
+    vocab = f"draft vocabulary {size} (token_map.pt)" if size else "full vocabulary"
     print(
-        f"{out}: EAGLE-1 drafter from {src.describe()}; hidden {cfg['hidden_size']}, {cfg['torch_dtype']}, "
-        f"{'draft vocabulary ' + str(vocab) if vocab else 'full vocabulary'} of {cfg['vocab_size']}"
+        f"{out}: EAGLE-1 drafter for {args.engine} {what}; hidden {cfg['hidden_size']}, "
+        f"{cfg['torch_dtype']}, {vocab} of {cfg['vocab_size']}"
     )
 
 

@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,27 +40,14 @@ from flax import nnx
 
 from tlt_jax.models.build import TextCodec, build_model_and_tokenizer
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.hf_export import EXPORT_DTYPES, hf_config, params_to_hf, write_shards
-from tlt_jax.models.tokenizer import Tokenizer
+from tlt_jax.models.hf_export import EXPORT_DTYPES, params_to_hf
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
+from tlt_jax.rl.exports import write_policy_dir
 from tlt_jax.utils.checkpoint import flatten_paths
 from tlt_jax.utils.export_io import read_only_manager, restore_leaves, write_atomically
 from tlt_jax.utils.tracking import CONFIG_FILE
 
 _PARAMS, _FROZEN = "params/", "frozen/"
-# a HF model directory's files that describe its tokenizer and generation defaults (copied when present)
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,45 +175,6 @@ def policy_params(
     return cfg, flat, tokenizer
 
 
-def _write_tokenizer(directory: pathlib.Path, config: mlc.ConfigDict, tokenizer: Tokenizer | None) -> str:
-    """The tokenizer files (see the module docstring) into `directory`; returns what was written."""
-    path = config.model.get("path")
-    if path and os.path.isdir(path):
-        copied = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))]
-        for name in copied:
-            shutil.copy2(os.path.join(path, name), directory / name)
-        return f"tokenizer files copied from {path}"
-    if tokenizer is None:
-        return "no tokenizer (a random-weight preset has no text)"
-    tokenizer.save(directory)
-    return f"the run's {type(tokenizer).__name__}"
-
-
-def _generation_config(directory: pathlib.Path, tokenizer: Tokenizer | None, eos: list[int]) -> None:
-    """generation_config.json: the one the tokenizer files brought, with bos/eos ids where it lacks them."""
-    file = directory / "generation_config.json"
-    gen = json.loads(file.read_text()) if file.is_file() else {}
-    gen.setdefault("eos_token_id", eos[0] if len(eos) == 1 else eos)
-    if tokenizer is not None and tokenizer.bos_token_id is not None:
-        gen.setdefault("bos_token_id", tokenizer.bos_token_id)
-    file.write_text(json.dumps(gen, indent=2) + "\n")
-
-
-def _model_config(
-    config: mlc.ConfigDict, cfg: ModelConfig, dtype: str, tokenizer: Tokenizer | None, eos: list[int]
-) -> dict[str, Any]:
-    """config.json: the source directory's own (dtype updated), else built from `cfg`."""
-    path = config.model.get("path")
-    source = pathlib.Path(path or "") / "config.json"
-    if path and source.is_file():
-        out = json.loads(source.read_text())
-        out["torch_dtype"] = dtype
-        if "dtype" in out:  # transformers >= 5 writes this name
-            out["dtype"] = dtype
-        return out
-    return hf_config(cfg, dtype, None if tokenizer is None else tokenizer.bos_token_id, eos)
-
-
 def export_policy(
     workdir: str | pathlib.Path,
     out: str | pathlib.Path,
@@ -248,20 +194,14 @@ def export_policy(
     config = rl_workdir_config(workdir)
     src = find_policy(workdir, step)
     cfg, flat, codec = policy_params(config, src)
-    tokenizer = codec if isinstance(codec, Tokenizer) else None  # a random preset's has no text to save
     dtype = dtype or config.model.get("dtype", "float32")
     tensors = {k: v.astype(EXPORT_DTYPES[dtype]) for k, v in params_to_hf(cfg, flat).items()}
     del flat
-    eos = [int(i) for i in codec.eos_token_ids]
-    hf = _model_config(config, cfg, dtype, tokenizer, eos)
-    hf["tlt_jax_export"] = {"workdir": str(pathlib.Path(workdir).resolve()), "step": src.step}
+    provenance = {"workdir": str(pathlib.Path(workdir).resolve()), "step": src.step}
     written: list[str] = []
 
     def fill(tmp: pathlib.Path) -> None:
-        write_shards(tmp, tensors)
-        written.append(_write_tokenizer(tmp, config, tokenizer))
-        _generation_config(tmp, tokenizer, eos)
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        written.append(write_policy_dir(tmp, config, cfg, tensors, codec, dtype, provenance))
 
     return write_atomically(out, force, fill), src, written[0]
 

@@ -21,6 +21,7 @@ from safetensors.numpy import load_file
 from tlt_jax import config_lib, config_schema
 from tlt_jax.drafter import eagle_format as ef
 from tlt_jax.drafter.loss import LossConfig
+from tlt_jax.drafter.token_map import read_token_map
 from tlt_jax.drafter.trainer import TRAIN_STATE_DIR, DrafterTrainer
 from tlt_jax.export_drafter import main as export_main
 from tlt_jax.models.config import ModelConfig, tiny_config
@@ -65,9 +66,9 @@ def logits(drafter: Drafter, target: Transformer, vocab: np.ndarray | None) -> n
 def test_export_reads_back_as_the_same_drafter(tmp_path, arch, vocab) -> None:
     cfg = tiny_config(arch)
     target, drafter = Transformer(cfg, nnx.Rngs(0)), random_drafter(cfg, 1)
-    tensors, hf_config = ef.to_eagle(params_of(drafter), cfg, vocab)
-    out = ef.write_eagle_dir(tmp_path / "eagle", tensors, hf_config)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    out = ef.write_eagle_dir(tmp_path / "eagle", ef.to_eagle(params_of(drafter), cfg, vocab))
+    maps = ["token_map.pt"] if vocab is not None else []  # a reduced vocabulary: SGLang's token map
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", *maps]
 
     st = load_file(str(out / "model.safetensors"))  # plain safetensors + json, not our reader
     conf = json.loads((out / "config.json").read_text())
@@ -96,16 +97,14 @@ def test_export_reads_back_as_the_same_drafter(tmp_path, arch, vocab) -> None:
                 for n, s in (("q", heads * d), ("k", kv * d), ("v", kv * d))
             }
         )
-        want.update({"d2t": (VOCAB.size,), "t2d": (128,)})
         assert conf["draft_vocab_size"] == VOCAB.size
-        np.testing.assert_array_equal(np.arange(VOCAB.size) + st["d2t"], VOCAB)  # EAGLE-3's offsets
-        np.testing.assert_array_equal(np.flatnonzero(st["t2d"]), VOCAB)
+        np.testing.assert_array_equal(read_token_map(out / "token_map.pt"), VOCAB)
     else:
         assert "draft_vocab_size" not in conf
     assert {k: v.shape for k, v in st.items()} == want
     assert not np.any(st["fc.bias"]) and st["fc.weight"].dtype == np.float32
 
-    params, got_vocab = ef.from_eagle(st, conf, cfg)
+    params, got_vocab = ef.from_eagle(*ef.read_eagle_dir(out), cfg)  # the token map read as d2t/t2d
     rebuilt = ef.build_drafter(params, cfg)
     jax.tree.map(np.testing.assert_array_equal, params_of(rebuilt), params_of(drafter))
     np.testing.assert_array_equal(logits(rebuilt, target, got_vocab), logits(drafter, target, vocab))
@@ -122,7 +121,7 @@ def test_a_torch_hf_decoder_layer_computes_what_the_drafter_does(tmp_path, arch)
 
     cfg = tiny_config(arch, num_heads=4, num_kv_heads=1)  # GQA groups of 4
     target, drafter = Transformer(cfg, nnx.Rngs(0)), random_drafter(cfg, 2)
-    out = ef.write_eagle_dir(tmp_path / "eagle", *ef.to_eagle(params_of(drafter), cfg))
+    out = ef.write_eagle_dir(tmp_path / "eagle", ef.to_eagle(params_of(drafter), cfg))
     conf = json.loads((out / "config.json").read_text())
     st = torch_load(str(out / "model.safetensors"))
     hf = AutoConfig.for_model(**{k: v for k, v in conf.items() if k not in ("architectures", "tlt_drafter")})
@@ -160,14 +159,15 @@ def test_a_torch_hf_decoder_layer_computes_what_the_drafter_does(tmp_path, arch)
     np.testing.assert_allclose(y.numpy(), np.asarray(drafter(emb, hid, pos)[0]), rtol=1e-4, atol=1e-5)
 
     # a bfloat16 export is bfloat16 in torch and says so in config.json
-    out16 = ef.write_eagle_dir(tmp_path / "bf16", *ef.to_eagle(params_of(drafter), cfg, dtype="bfloat16"))
+    out16 = ef.write_eagle_dir(tmp_path / "bf16", ef.to_eagle(params_of(drafter), cfg, dtype="bfloat16"))
     assert torch_load(str(out16 / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
     assert json.loads((out16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
 def test_drafters_that_do_not_fit_are_refused(tmp_path) -> None:
     cfg = tiny_config("llama")
-    tensors, conf = ef.to_eagle(params_of(random_drafter(cfg, 3)), cfg)
+    export = ef.to_eagle(params_of(random_drafter(cfg, 3)), cfg)
+    tensors, conf = export.tensors, export.config
     with pytest.raises(ValueError, match=r"hidden_size 64 vs 32"):
         ef.from_eagle(tensors, conf, tiny_config("llama", hidden_size=32, head_dim=8))
     with pytest.raises(ValueError, match=r"vocab_size 128 vs 256"):
@@ -177,9 +177,8 @@ def test_drafters_that_do_not_fit_are_refused(tmp_path) -> None:
     )  # config.json says it fits, the weights do not: both shapes named
     with pytest.raises(ValueError, match=r"fc.weight \(64, 128\) vs \(32, 64\)"):
         ef.from_eagle(tensors, bad, tiny_config("llama", hidden_size=32, head_dim=8))
-    qwen_tensors, qwen_conf = ef.to_eagle(
-        params_of(random_drafter(tiny_config("qwen2"), 3)), tiny_config("qwen2")
-    )
+    qwen = ef.to_eagle(params_of(random_drafter(tiny_config("qwen2"), 3)), tiny_config("qwen2"))
+    qwen_tensors, qwen_conf = qwen.tensors, qwen.config
     with pytest.raises(ValueError, match=r"unexpected .*q_proj.bias.* \(q/k/v biases: a Qwen2 drafter\)"):
         ef.from_eagle(qwen_tensors, {**qwen_conf, "rope_theta": cfg.rope_theta}, cfg)
     with pytest.raises(ValueError, match=r"nonzero fc.bias"):
@@ -193,7 +192,7 @@ def test_drafters_that_do_not_fit_are_refused(tmp_path) -> None:
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(FileExistsError, match=r"not empty: pass --force"):
-        ef.write_eagle_dir(tmp_path / "full", tensors, conf)
+        ef.write_eagle_dir(tmp_path / "full", export)
     assert (tmp_path / "full" / "x").exists()
 
 
@@ -216,7 +215,7 @@ def test_export_command_on_a_warmup_workdir(tmp_path, capsys) -> None:
     export_main(["--workdir", str(wd), "--out", str(out)])
     assert "step 6" in capsys.readouterr().out
     conf = json.loads((out / "config.json").read_text())
-    params, got_vocab = ef.from_eagle(load_file(str(out / "model.safetensors")), conf, cfg)
+    params, got_vocab = ef.from_eagle(*ef.read_eagle_dir(out), cfg)
     jax.tree.map(np.testing.assert_array_equal, params, params_of(drafter))
     np.testing.assert_array_equal(got_vocab, vocab)
     assert "drafter step 6" in conf["tlt_drafter"]["source"]["what"]
@@ -258,15 +257,22 @@ def spot_config(init_from: str) -> ml_collections.ConfigDict:
 
 
 def test_init_from_starts_the_spot_trainer_and_the_run_exports_back(tmp_path) -> None:
+    """... and the learner's periodic export (`rl/exports.py`, config.export_every) of the same state, from
+    memory with the trainer's layers stored stacked (gathered one layer at a time), equals what the two
+    export commands write from its checkpoint: the policy tensor for tensor, the drafter with its token map;
+    no vLLM drafter with a reduced vocabulary."""
+    from tlt_jax import export_policy
+    from tlt_jax.rl import exports
     from tlt_jax.rl.learner import Learner
     from tlt_jax.rl.speculation import resolve_drafter
 
     c = spot_config(str(tmp_path / "eagle"))
+    c.trainer.scan_layers, c.export_every = True, 2
     policy = ModelConfig(**dict(c.model.random), dtype=c.model.dtype)
     vocab = np.arange(1, policy.vocab_size, 5)
     assert any("holds no config.json" in p for p in config_schema.collect(c)[1])
     drafter = random_drafter(policy, 5)
-    ef.write_eagle_dir(tmp_path / "eagle", *ef.to_eagle(params_of(drafter), policy, vocab))
+    ef.write_eagle_dir(tmp_path / "eagle", ef.to_eagle(params_of(drafter), policy, vocab))
     assert config_schema.collect(c)[1] == []
     c.drafter.kind = "ngram"
     assert any("set kind=eagle" in p for p in config_schema.collect(c)[1])
@@ -284,12 +290,40 @@ def test_init_from_starts_the_spot_trainer_and_the_run_exports_back(tmp_path) ->
         )  # as if the spot trainer moved it
         learner.spot.state = learner.spot.state.replace(params=trained)
         learner.save()
+        assert [exports.export_due(2, s, 5) for s in range(6)] == [False, False, True, False, True, True]
+        assert exports.after_step(learner) is None  # step 0: not due (export_every=2)
+        periodic = exports.export_step(learner)
     finally:
         learner.close()
     out = tmp_path / "export"
     export_main(["--workdir", str(tmp_path / "run"), "--out", str(out)])
-    params, got_vocab = ef.from_eagle(
-        load_file(str(out / "model.safetensors")), json.loads((out / "config.json").read_text()), policy
-    )
+    params, got_vocab = ef.from_eagle(*ef.read_eagle_dir(out), policy)
     jax.tree.map(np.testing.assert_array_equal, params, nnx.to_pure_dict(trained))
     np.testing.assert_array_equal(got_vocab, vocab)
+
+    assert periodic == tmp_path / "run" / "exports" / "step_0"
+    assert sorted(p.name for p in periodic.iterdir()) == ["drafter", "policy"]  # reduced vocab: no vLLM one
+    assert sorted(p.name for p in (tmp_path / "run" / "exports").iterdir()) == ["step_0"]  # no temporary left
+    assert_same_dir(periodic / "drafter", out, skip=("source",))
+    policy_out, _, _ = export_policy.export_policy(tmp_path / "run", tmp_path / "policy")
+    assert_same_dir(periodic / "policy", policy_out)
+
+
+def assert_same_dir(a: pathlib.Path, b: pathlib.Path, skip: tuple[str, ...] = ()) -> None:
+    """Two export folders hold the same files: equal tensors, equal JSON (but `skip`'s keys of the drafter's
+    tlt_drafter section), equal other bytes."""
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for f in a.iterdir():
+        if f.suffix == ".safetensors":
+            x, y = load_file(str(f)), load_file(str(b / f.name))
+            assert x.keys() == y.keys()
+            for k in x:
+                np.testing.assert_array_equal(x[k], y[k], err_msg=f"{f.name} {k}")
+        elif f.suffix == ".json":
+            x, y = json.loads(f.read_text()), json.loads((b / f.name).read_text())
+            for conf in (x, y):
+                for k in skip:
+                    conf.get("tlt_drafter", {}).pop(k, None)
+            assert x == y, f.name
+        else:
+            assert f.read_bytes() == (b / f.name).read_bytes(), f.name

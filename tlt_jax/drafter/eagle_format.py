@@ -8,20 +8,27 @@ SafeAILab/EAGLE `eagle/model/cnets1.py` `Model`; SGLang `LlamaForCausalLMEagle` 
     logits  = lm_head(h_draft)                                    the target's head: shared, not stored
 
 Tensors (torch Linear layout [out, in]; H hidden, F intermediate, V vocabulary, Vd draft vocabulary):
-    fc.weight [H, 2H], fc.bias [H]: zeros. Our fc has no bias, but SGLang's EAGLE-1 fc and EAGLE's default
-        have one, and a bias the checkpoint lacks keeps its random init there; vLLM skips it.
+    fc.weight [H, 2H]; fc.bias [H], zeros, in the SGLang layout only (below);
     layers.0.self_attn.{q,k,v,o}_proj.weight, with Qwen2 layers.0.self_attn.{q,k,v}_proj.bias;
-    layers.0.post_attention_layernorm.weight; layers.0.mlp.{gate,up,down}_proj.weight;
-    d2t [Vd] int64, t2d [V] bool: only with a reduced draft vocabulary (`draft_vocab.py`). They follow the
-        EAGLE-3 convention: draft index i is target token i + d2t[i], and t2d marks the target tokens that
-        are in it. config.json then has draft_vocab_size. The head rows are the target's.
-No embed_tokens / lm_head: both loaders take them from the served target. The engines read the
-`architectures` names in order and take the first they know: SGLang "LlamaForCausalLMEagle" /
-"Qwen2ForCausalLMEagle"; vLLM prefixes "Eagle" to the names that lack one and finds
-"EagleLlamaForCausalLM" (its Llama layer reads `qkv_bias` for Qwen2's q/k/v biases). These names come from
-reading their source; neither engine was run here. SGLang's Qwen2 loader refuses tensors it does not know,
-which includes d2t/t2d, so export with `--full-vocab` for it. SGLang takes a reduced vocabulary from
-`--speculative-token-map` instead.
+    layers.0.post_attention_layernorm.weight; layers.0.mlp.{gate,up,down}_proj.weight.
+No embed_tokens / lm_head: both engines take them from the served target. A reduced draft vocabulary (Vd of
+V tokens, `draft_vocab.py`) is written as `token_map.pt` (the head rows the drafter drafts over, SGLang's
+`--speculative-token-map`; `token_map.py`), never as tensors, with draft_vocab_size in config.json. Older
+exports stored it as EAGLE-3's d2t [Vd] / t2d [V] tensors (draft index i is target token i + d2t[i]): read.
+
+One layout per engine (`engine`), because their EAGLE-1 loaders differ (read from their source; neither
+engine runs here: tests/drafter/test_serving_loaders.py holds their names, keys and rules as data, with the
+files and commits read, and checks our exports against them):
+- "sglang": `LlamaForCausalLMEagle` / `Qwen2ForCausalLMEagle` (models/llama_eagle.py, qwen2_eagle.py). Its fc
+  has a bias, which keeps its random init where the checkpoint lacks one: the export writes zeros (our fc has
+  none). Its Qwen2 loader raises on a tensor it does not know and its Llama loader drops it with a warning,
+  so d2t/t2d tensors would crash or be lost; the token map keeps the reduced vocabulary instead.
+- "vllm": `EagleLlamaForCausalLM` (models/llama_eagle.py; its config prefixes "Eagle" to each of
+  `architectures` and takes the first it knows; its Llama layer reads `qkv_bias` for Qwen2's q/k/v biases).
+  Its fc has no bias and its loader raises on (or, in some versions, skips) a tensor it does not know: no
+  fc.bias, no maps. It has no reduced draft vocabulary (EAGLE-1 drafts over the target's whole head): a
+  drafter trained on one is refused unless exported with `full_vocab` (it then drafts over every token,
+  and may accept fewer than in training; lossless either way).
 
 Deviations, also named in config.json under "tlt_drafter" so that a loader cannot misread the weights:
 - Not EAGLE-3. EAGLE-3's fc reads three target layers' hidden states (3H). Its `midlayer` attends over
@@ -38,6 +45,7 @@ lm_head ignored. Set `drafter.init_from` to start the rollout drafter and its sp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -50,6 +58,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from tlt_jax.drafter.token_map import TOKEN_MAP_FILE, read_token_map, write_token_map
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter, drafter_config
 from tlt_jax.models.hf_export import decoder_fields
@@ -60,6 +69,28 @@ WEIGHTS_FILE = "model.safetensors"
 TLT_SECTION = "tlt_drafter"  # our description of the layout inside config.json
 _SHARED = ("embed_tokens.weight", "lm_head.weight")  # the target's: the serving engine shares its own
 _EXPORT_HINT = "`python -m tlt_jax.export_drafter --workdir W --out DIR`"
+ENGINES = ("sglang", "vllm")  # the serving engines whose EAGLE-1 layout an export takes (module docstring)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleExport:
+    """An export for one engine: model.safetensors' tensors, config.json, and the reduced draft vocabulary
+    (sorted target token ids; token_map.pt) or None."""
+
+    tensors: dict[str, np.ndarray]
+    config: dict[str, Any]
+    draft_vocab: np.ndarray | None
+    engine: str
+
+
+def _vllm_vocab_error(size: int, vocab_size: int) -> ValueError:
+    return ValueError(
+        f"the drafter drafts over a reduced vocabulary of {size} of {vocab_size} tokens, which vLLM's "
+        "EAGLE-1 drafter (EagleLlamaForCausalLM) cannot hold: it drafts over the target's whole LM head "
+        "and has no d2t map. Export for SGLang (--engine sglang, which keeps it as token_map.pt), or pass "
+        "--full-vocab to serve it with vLLM over the full vocabulary (lossless; fewer drafts may be "
+        "accepted)."
+    )
 
 
 def _layer_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -81,13 +112,17 @@ def _layer_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of the drafter-owned tensors of an export for target `cfg` (no vocabulary maps)."""
+def expected_tensors(cfg: ModelConfig, engine: str = "sglang") -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of the drafter-owned tensors of an export for target `cfg` and `engine` (fc.bias in
+    SGLang's layout only)."""
     h = cfg.hidden_size
-    return {"fc.weight": (h, 2 * h), "fc.bias": (h,), **_layer_names(cfg)}
+    bias = {"fc.bias": (h,)} if engine == "sglang" else {}
+    return {"fc.weight": (h, 2 * h), **bias, **_layer_names(cfg)}
 
 
-def eagle_config(cfg: ModelConfig, dtype: str, draft_vocab_size: int | None = None) -> dict[str, Any]:
+def eagle_config(
+    cfg: ModelConfig, dtype: str, draft_vocab_size: int | None = None, engine: str = "sglang"
+) -> dict[str, Any]:
     """config.json of the export: a one-layer Llama/Qwen2 config as EAGLE-1 drafter repos publish it."""
     family = "Qwen2" if cfg.architecture == "qwen2" else "Llama"
     out: dict[str, Any] = {
@@ -102,21 +137,30 @@ def eagle_config(cfg: ModelConfig, dtype: str, draft_vocab_size: int | None = No
     head = "the target's, not stored" + ("; rows arange(draft_vocab_size) + d2t" if draft_vocab_size else "")
     out[TLT_SECTION] = {
         "layout": "eagle1",
+        "engine": engine,
         "fc_input": "concat(embed_tokens(x_{t+1}), h_t), 2*hidden_size; h_t: the target's final normed "
         "hidden state (NOT EAGLE-3's concat of three target layers)",
-        "fc_bias": "zeros (our fc has none)",
+        "fc_bias": "zeros (our fc has none)" if engine == "sglang" else "none (vLLM's fc has none)",
         "layer0_input_layernorm": False,
         "final_norm": False,
         "lm_head": head,
     }
+    if draft_vocab_size:
+        out[TLT_SECTION]["token_map"] = f"{TOKEN_MAP_FILE}: the head rows (SGLang --speculative-token-map)"
     return out
 
 
-def _vocab_maps(draft_vocab: np.ndarray, vocab_size: int) -> dict[str, np.ndarray]:
-    """EAGLE-3's maps of a draft vocabulary (token ids, deduplicated and sorted as the engine does)."""
+def _vocab_ids(draft_vocab: np.ndarray, vocab_size: int) -> np.ndarray:
+    """A draft vocabulary's token ids, deduplicated and sorted as the engine does, checked."""
     ids = np.unique(np.asarray(draft_vocab, np.int64))
     if ids.size == 0 or ids[0] < 0 or ids[-1] >= vocab_size:
         raise ValueError(f"draft vocabulary: need token ids in [0, {vocab_size}), got {ids.size} ids")
+    return ids
+
+
+def _vocab_maps(draft_vocab: np.ndarray, vocab_size: int) -> dict[str, np.ndarray]:
+    """EAGLE-3's maps of a draft vocabulary (what `from_eagle` reads)."""
+    ids = _vocab_ids(draft_vocab, vocab_size)
     t2d = np.zeros(vocab_size, bool)
     t2d[ids] = True
     return {"d2t": ids - np.arange(ids.size, dtype=np.int64), "t2d": t2d}
@@ -153,9 +197,13 @@ def to_eagle(
     cfg: ModelConfig,
     draft_vocab: np.ndarray | None = None,
     dtype: str | None = None,
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    engine: str = "sglang",
+) -> EagleExport:
     """Our drafter's params (`nnx.to_pure_dict(nnx.state(drafter, nnx.Param))`, or what a checkpoint stores)
-    for target `cfg` -> (HF-named tensors, config.json). `dtype`: the export's float dtype (default: fc's)."""
+    for target `cfg` -> the export for `engine` (HF-named tensors, config.json, the draft vocabulary).
+    `dtype`: the export's float dtype (default: fc's). A reduced vocabulary for vLLM is a ValueError."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: use one of {ENGINES}")
     cfg = drafter_config(cfg)
     flat = _flat(params)
     want = _our_shapes(cfg)
@@ -171,7 +219,6 @@ def to_eagle(
     p = "layers.0."
     out = {
         "fc.weight": flat["fc"],
-        "fc.bias": np.zeros((h,), dt),
         p + "self_attn.q_proj.weight": qkv[:, :g].reshape(-1, h),
         p + "self_attn.k_proj.weight": qkv[:, g].reshape(-1, h),
         p + "self_attn.v_proj.weight": qkv[:, g + 1].reshape(-1, h),
@@ -186,11 +233,43 @@ def to_eagle(
         out[p + "self_attn.q_proj.bias"] = b[:, :g].reshape(-1)
         out[p + "self_attn.k_proj.bias"] = b[:, g].reshape(-1)
         out[p + "self_attn.v_proj.bias"] = b[:, g + 1].reshape(-1)
+    if engine == "sglang":
+        out["fc.bias"] = np.zeros((h,), dt)
     out = {k: np.ascontiguousarray(v.astype(dt)) for k, v in out.items()}
-    if draft_vocab is not None:
-        out.update(_vocab_maps(draft_vocab, cfg.vocab_size))
-    config = eagle_config(cfg, dt.name, out["d2t"].size if draft_vocab is not None else None)
-    return out, config
+    vocab = None if draft_vocab is None else _vocab_ids(draft_vocab, cfg.vocab_size)
+    if vocab is not None and engine == "vllm":
+        raise _vllm_vocab_error(vocab.size, cfg.vocab_size)
+    config = eagle_config(cfg, dt.name, None if vocab is None else vocab.size, engine)
+    return EagleExport(out, config, vocab, engine)
+
+
+def for_engine(
+    tensors: Mapping[str, np.ndarray], hf_config: Mapping[str, Any], engine: str, full_vocab: bool = False
+) -> EagleExport:
+    """An EAGLE-1 directory's contents (`read_eagle_dir`: ours, for either engine) in `engine`'s layout:
+    fc.bias written as zeros or dropped, the reduced vocabulary kept as the token map, or left out with
+    `full_vocab` (a reduced vocabulary for vLLM without it is a ValueError naming the flag)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: use one of {ENGINES}")
+    _check_layout(tensors, hf_config, "the drafter")
+    vocab_size = int(hf_config["vocab_size"])
+    vocab = None if full_vocab else draft_vocab_from_maps(tensors, vocab_size, "the drafter")
+    if vocab is not None and engine == "vllm":
+        raise _vllm_vocab_error(vocab.size, vocab_size)
+    out = {k: np.asarray(v) for k, v in tensors.items() if k not in ("fc.bias", "d2t", "t2d", *_SHARED)}
+    if engine == "sglang":
+        out["fc.bias"] = np.zeros(out["fc.weight"].shape[:1], out["fc.weight"].dtype)
+    config = json.loads(json.dumps(dict(hf_config)))
+    config.pop("draft_vocab_size", None)
+    section = dict(config.get(TLT_SECTION) or {})
+    section.pop("token_map", None)
+    if vocab is not None:
+        config["draft_vocab_size"] = int(vocab.size)
+        section["token_map"] = f"{TOKEN_MAP_FILE}: the head rows (SGLang --speculative-token-map)"
+    section["engine"] = engine
+    section["fc_bias"] = "zeros (our fc has none)" if engine == "sglang" else "none (vLLM's fc has none)"
+    config[TLT_SECTION] = section
+    return EagleExport(out, config, vocab, engine)
 
 
 def _dims(cfg: ModelConfig) -> str:
@@ -349,24 +428,25 @@ def _cast(tree: Mapping[str, Any], dt: jnp.dtype) -> dict[str, Any]:
 # Directories
 
 
-def write_eagle_dir(
-    out: str | os.PathLike,
-    tensors: Mapping[str, np.ndarray],
-    hf_config: Mapping[str, Any],
-    force: bool = False,
-) -> pathlib.Path:
-    """Write config.json + model.safetensors to `out` atomically (`utils.export_io.write_atomically`: a crash
-    never leaves a half-written export; a non-empty `out` is replaced only with `force`)."""
+def fill_eagle_dir(directory: pathlib.Path, export: EagleExport) -> None:
+    """Write `export` into the existing folder `directory`: config.json, model.safetensors, and token_map.pt
+    with a reduced vocabulary."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(dict(export.tensors), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    if export.draft_vocab is not None:
+        write_token_map(directory / TOKEN_MAP_FILE, export.draft_vocab)
+    (directory / HF_CONFIG_FILE).write_text(json.dumps(export.config, indent=2) + "\n")
 
-    def fill(tmp: pathlib.Path) -> None:
-        save_file(dict(tensors), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
 
-    return write_atomically(out, force, fill)
+def write_eagle_dir(out: str | os.PathLike, export: EagleExport, force: bool = False) -> pathlib.Path:
+    """Write `export` to `out` atomically (`utils.export_io.write_atomically`: a crash never leaves a
+    half-written export; a non-empty `out` is replaced only with `force`)."""
+    return write_atomically(out, force, lambda tmp: fill_eagle_dir(tmp, export))
 
 
 def read_eagle_dir(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """(tensors, config.json) of an EAGLE drafter directory, with a clear error for what is missing."""
+    """(tensors, config.json) of an EAGLE drafter directory, with a clear error for what is missing; a
+    token_map.pt comes back as the d2t/t2d maps `from_eagle` reads."""
     d = pathlib.Path(path)
     weights, cfg = d / WEIGHTS_FILE, d / HF_CONFIG_FILE
     if not cfg.is_file() or not weights.is_file():
@@ -380,7 +460,12 @@ def read_eagle_dir(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict
             f"{d} does not hold an EAGLE drafter ({HF_CONFIG_FILE} + {WEIGHTS_FILE}): export one with "
             f"{_EXPORT_HINT}, or download an EAGLE-1 drafter for this policy's model.{bin_hint}"
         )
-    return load_file(str(weights)), json.loads(cfg.read_text())
+    tensors, config = load_file(str(weights)), json.loads(cfg.read_text())
+    if (
+        d / TOKEN_MAP_FILE
+    ).is_file() and "d2t" not in tensors:  # the reduced vocabulary, as from_eagle reads it
+        tensors.update(_vocab_maps(read_token_map(d / TOKEN_MAP_FILE), int(config.get("vocab_size", 0))))
+    return tensors, config
 
 
 def load_eagle_drafter(path: str | os.PathLike, policy: ModelConfig) -> tuple[Drafter, np.ndarray | None]:

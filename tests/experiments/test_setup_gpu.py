@@ -17,7 +17,7 @@ from packaging.requirements import Requirement
 
 from gpu import stack
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def make_n(*args: str) -> subprocess.CompletedProcess:
