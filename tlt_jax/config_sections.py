@@ -281,6 +281,10 @@ class RLSection(Section):
         ("overlong_penalty", 0, ">= 0"),
         ("max_num_gen_batches", 0, ">= 0 (0 = no limit)"),
         ("gen_prompts_per_batch", 0, ">= 0 (0 = prompts_per_step)"),
+        ("entropy_coeff", 0, ">= 0 (0 = no entropy term; a bonus for entropy, as VeRL's)"),
+        ("reward_kl_coef", 0, ">= 0 (0 = no KL in the reward)"),
+        ("reward_kl_horizon", 1, ">= 1 (the adaptive controller's horizon, in rows)"),
+        ("ppo_epochs", 1, ">= 1"),
     )
 
     prompts_per_step: int = 8
@@ -298,8 +302,26 @@ class RLSection(Section):
     filter_metric: str = "acc"  # acc (the verifier's verdict) | score | seq_reward | seq_final_reward
     max_num_gen_batches: int = 10
     gen_prompts_per_batch: int = 0
-    kl_coef: float = 0.0  # low_var_kl to the frozen initial policy; 0 skips the reference forward
+    kl_coef: float = 0.0  # KL loss (kl_loss_type) to the frozen initial policy; 0 skips the reference forward
     mini_batches: int = 1  # optimizer updates per RL step (PPO mini-batches over the step's samples)
+    # the loss options of VeRL's actor (tlt_jax.rl.losses; README "Optimisation options beside VeRL's names")
+    kl_loss_type: str = "low_var_kl"  # kl (k1) | abs | mse (k2) | low_var_kl (k3): rl.grpo.KL_ESTIMATORS
+    clip_ratio_c: float = 0.0  # dual-clip PPO's bound for negative advantages (> 1, VeRL's 3.0; 0 = off)
+    entropy_coeff: float = 0.0  # the loss subtracts entropy_coeff x the aggregated entropy (0 = off)
+    adv_std: str = "population"  # the std GRPO divides by: population | unbiased (VeRL's torch.std)
+    ppo_epochs: int = 1  # passes over the step's mini-batches (> 1: old log-probs are computed, not fused)
+    mini_batch_shuffle: bool = False  # regroup the step's groups into mini-batches at random every epoch
+    # truncated importance sampling against the rollout engine's log-probs: none | token | sequence, weights
+    # min(pi_old / pi_rollout, rollout_is_threshold) on each token's loss (VeRL's rollout_correction)
+    rollout_is: str = "none"
+    rollout_is_threshold: float = 2.0
+    # KL in the reward (VeRL's use_kl_in_reward): score - reward_kl_coef x sum of the reward_kl_penalty
+    # estimate of KL(old || ref) over the response (tlt_jax.rl.kl_reward); controller fixed | adaptive
+    reward_kl_coef: float = 0.0
+    reward_kl_penalty: str = "kl"
+    reward_kl_ctrl: str = "fixed"
+    reward_kl_target: float = 0.1  # the adaptive controller's target KL
+    reward_kl_horizon: int = 10000
     lr: float = 1e-6
     warmup_steps: int = 0  # linear warm-up in optimizer updates
     weight_decay: float = 0.01

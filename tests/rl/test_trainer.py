@@ -4,6 +4,9 @@ numbers (log-probs, entropies, gradients)."""
 
 from __future__ import annotations
 
+import dataclasses
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,11 +21,15 @@ from tlt_jax.config_sections import TrainerSection
 from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.layouts import layout_graphdef, stack_layers, unstack_layers
 from tlt_jax.models.llama import Transformer
+from tlt_jax.rl import config as rl_config
+from tlt_jax.rl.advantages import Advantages, train_batch
 from tlt_jax.rl.batch import TrainBatch, build_train_batch
 from tlt_jax.rl.config import trainer_options
 from tlt_jax.rl.forward import ForwardOut, response_logprobs
 from tlt_jax.rl.optimizer import OptimConfig
+from tlt_jax.rl.plan import StepPlan
 from tlt_jax.rl.trainer import PolicyLossConfig, PolicyTrainer, TrainerOptions
+from tlt_jax.rl.update import mini_batch_groups, update_policy
 from tlt_jax.utils.config_checks import SectionError
 
 CFG = tiny_config(num_layers=2)
@@ -278,3 +285,118 @@ def test_paper_layout_gradients_equal_one_device() -> None:
     assert len(got) == len(want)
     for x, y in zip(got, want, strict=True):
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# VeRL's loss options (#46 item 4): config checks and plumbing, PPO epochs, one update with every option
+# ----------------------------------------------------------------------------------------------------------
+
+SMOKE = pathlib.Path(__file__).resolve().parents[2] / "configs" / "smoke.py"
+
+
+def test_loss_option_keys_are_checked_and_reach_the_loss_and_plan() -> None:
+    bad = config_lib.load_config_file(SMOKE, "")
+    bad.rl.update(clip_ratio_c=1.0, kl_loss_type="full", reward_kl_penalty="k4", adv_std="sample")
+    bad.rl.update(rollout_is="geometric", rollout_is_threshold=0.0, reward_kl_ctrl="pid")
+    bad.rl.update(entropy_coeff=-0.1, ppo_epochs=0, reward_kl_coef=-1.0)
+    with pytest.raises(ValueError) as err:
+        rl_config.validate_grpo(bad, check_paths=False)
+    for needle in (
+        "clip_ratio_c=1.0: dual-clip's bound must be > 1",
+        "kl_loss_type='full': use one of",
+        "reward_kl_penalty='k4'",
+        "adv_std='sample'",
+        "rollout_is='geometric'",
+        "rollout_is_threshold=0.0",
+        "reward_kl_ctrl='pid'",
+        "entropy_coeff=-0.1: must be >= 0",
+        "ppo_epochs=0: must be >= 1",
+        "reward_kl_coef=-1.0: must be >= 0",
+    ):
+        assert needle in str(err.value), needle
+    plain = rl_config.validate_grpo(config_lib.load_config_file(SMOKE, ""), check_paths=False)
+    assert rl_config.policy_loss_config(plain) == PolicyLossConfig(
+        temperature=1.0, max_len=16, fuse_old_logprobs=True
+    )
+    assert not rl_config.trainer_options(plain).with_reference
+    c = config_lib.load_config_file(SMOKE, "")
+    c.rl.update(clip_ratio_c=3.0, entropy_coeff=0.01, kl_loss_type="k2", adv_std="unbiased", ppo_epochs=2)
+    c.rl.update(
+        mini_batch_shuffle=True, rollout_is="sequence", rollout_is_threshold=3.0, reward_kl_coef=0.001
+    )
+    job = rl_config.validate_grpo(c, check_paths=False)
+    lc = rl_config.policy_loss_config(job)
+    assert (lc.clip_ratio_c, lc.entropy_coeff, lc.kl_loss_type) == (3.0, 0.01, "k2")
+    assert (lc.rollout_is, lc.rollout_is_threshold) == ("sequence", 3.0)
+    assert not lc.fuse_old_logprobs  # two epochs (and KL in the reward) need the old log-probs first
+    assert rl_config.trainer_options(job).with_reference  # KL in the reward needs the reference
+    plan = StepPlan.from_config(job)
+    assert (plan.adv_std, plan.ppo_epochs, plan.mini_batch_shuffle, plan.rollout_is) == (
+        "unbiased",
+        2,
+        True,
+        "sequence",
+    )
+    assert plan.updates_per_step == 2 and plan.needs_reference and plan.reward_kl.coef == 0.001
+    assert rl_config.optim_config(job).decay_steps == c.num_steps * 2  # the schedule counts every update
+
+
+def test_ppo_epochs_regroup_and_refuse_fused_old_logprobs() -> None:
+    from tests.rl.test_learner_phases import rollout, stub_trainer
+
+    plan = StepPlan(prompts=2, group=4, mini_batches=2, ppo_epochs=3, seq_bucket=4, max_response=6)
+    groups = [g.tolist() for g in mini_batch_groups(plan)]
+    assert groups == [[0], [1]] * 3
+    shuffled = dataclasses.replace(plan, mini_batch_shuffle=True, shuffle_seed=3)
+    runs = [[g.tolist() for g in mini_batch_groups(shuffled)] for _ in range(2)]
+    assert runs[0] == runs[1]  # seeded: a resumed step regroups as the uninterrupted one
+    assert all(sorted(runs[0][e] + runs[0][e + 1]) == [0, 1] for e in (0, 2, 4))  # each epoch: all once
+    assert runs[0] != groups  # seed 3's permutations: [1] first in some epoch
+    r = rollout()
+    batch = train_batch(r, Advantages(np.zeros(8, np.float32), np.zeros(8, bool)), plan)
+    out = update_policy(stub_trainer(fused=False), batch, r.lengths, np.zeros((8, 6), np.float32), plan)
+    assert out.skipped == 6  # 2 mini-batches x 3 epochs, every group filtered
+    with pytest.raises(ValueError, match="ppo_epochs=3 with fused old log-probs"):
+        update_policy(stub_trainer(fused=True), batch, r.lengths, np.zeros((8, 6), np.float32), plan)
+    # the rollout's log-probs ride along only when the loss weighs tokens by them, masked like the tokens
+    assert batch.rollout_logp is None
+    tis = train_batch(
+        r,
+        Advantages(np.zeros(8, np.float32), np.ones(8, bool)),
+        dataclasses.replace(plan, rollout_is="token"),
+    )
+    np.testing.assert_array_equal(tis.rollout_logp, np.where(tis.response_mask > 0, -0.5, 0.0))
+
+
+def test_one_update_with_every_loss_option() -> None:
+    """A tiny trainer's update with dual-clip, entropy bonus, k1 KL loss and token-level truncated IS: its
+    metrics equal the terms recomputed in NumPy from the log-probs its forward returned (token_mean; fused
+    old log-probs, so every ratio is 1 and each token's loss is -A x min(pi_old / pi_rollout, 2))."""
+    batch = jax.tree_util.tree_map(np.asarray, _batch())
+    rows = batch.response_mask.reshape(6, -1)
+    rollout_logp = np.where(np.arange(6)[:, None] % 2 == 0, -7.0, -5.5) * rows  # weights above / below 2
+    batch = batch.replace(
+        rollout_logp=rollout_logp.reshape(batch.response_mask.shape).astype(np.float32),
+        ref_logp=np.full(batch.response_mask.shape, -5.0, np.float32),
+    )
+    lc = PolicyLossConfig(aggregation="token_mean", kl_coef=0.1, kl_loss_type="k1", entropy_coeff=0.01)
+    lc = dataclasses.replace(lc, clip_ratio_c=3.0, rollout_is="token", rollout_is_threshold=2.0)
+    mesh = shd.make_mesh(1, 1, jax.devices()[:1])
+    opts = TrainerOptions(micro_batch_size=6, attn_impl="reference", with_reference=True)
+    t = PolicyTrainer(Transformer(tiny_config(num_layers=1), nnx.Rngs(0)), mesh, lc, OptimConfig(), opts)
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(t.params)]
+    m, (logp,) = t.update([t.put_micro(batch)], [np.ones((1,), np.float32)])
+    logp, mask = np.asarray(logp).reshape(6, -1), rows > 0
+    w = np.exp(logp - rollout_logp)[mask]
+    adv = np.repeat(batch.advantages.reshape(6), mask.sum(1))
+    assert m["loss/pg"] == pytest.approx(np.mean(-adv * np.minimum(w, 2.0)), rel=1e-4)
+    assert m["loss/kl"] == pytest.approx(np.mean(logp[mask] + 5.0), rel=1e-4)
+    assert m["loss/entropy"] == pytest.approx(m["policy/entropy"], rel=1e-5)  # both token means here
+    assert m["policy/clip_frac_lower"] == 0.0
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(w.mean(), rel=1e-4)
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(w.max(), rel=1e-4) and w.max() > 2 > w.min()
+    moved = [
+        float(np.abs(a - np.asarray(b)).max())
+        for a, b in zip(before, jax.tree_util.tree_leaves(t.params), strict=True)
+    ]
+    assert max(moved) > 0

@@ -29,7 +29,9 @@ def step_advantages(rewards: np.ndarray, plan: StepPlan, keep: np.ndarray | None
     """The plan's advantage method over groups of `plan.group` consecutive rows, and the rows the update
     keeps (`keep`, default all: dynamic sampling's filler groups are False, tlt_jax.rl.dynamic_sampling)."""
     r = jnp.asarray(rewards)
-    values = np.asarray(grpo.group_advantages(r, plan.group, method=plan.advantage, eps=plan.adv_eps))
+    values = np.asarray(
+        grpo.group_advantages(r, plan.group, method=plan.advantage, eps=plan.adv_eps, std=plan.adv_std)
+    )
     keep = np.ones((plan.rows,), bool) if keep is None else np.asarray(keep, bool)
     if keep.shape != values.shape:
         raise ValueError(f"keep has shape {keep.shape}, the step's advantages {values.shape}")
@@ -37,7 +39,8 @@ def step_advantages(rewards: np.ndarray, plan: StepPlan, keep: np.ndarray | None
 
 
 def train_batch(rollout: Rollout, adv: Advantages, plan: StepPlan) -> TrainBatch:
-    """The step's samples with their advantages in the trainer's layout (dropped rows masked out)."""
+    """The step's samples with their advantages in the trainer's layout (dropped rows masked out), and the
+    engine's log-probs when the loss weighs tokens by them (`plan.rollout_is`)."""
     return build_train_batch(
         rollout.prompt_tokens,
         rollout.tokens,
@@ -47,4 +50,5 @@ def train_batch(rollout: Rollout, adv: Advantages, plan: StepPlan) -> TrainBatch
         group_size=plan.group,
         seq_bucket=plan.seq_bucket,
         max_response=plan.max_response,
+        rollout_logp_bn=None if plan.rollout_is == "none" else rollout.logprobs,
     )

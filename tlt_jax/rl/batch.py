@@ -36,6 +36,9 @@ class TrainBatch:
     advantages: jax.Array  # [G, n] float32
     old_logp: jax.Array  # [G, n, Nb] float32 (ignored when the update fuses old log-probs)
     ref_logp: jax.Array  # [G, n, Nb] float32 (ignored without a KL term)
+    # [G, n, Nb] float32 the rollout engine's log-probs of the sampled tokens (truncated importance sampling,
+    # tlt_jax.rl.losses); None when the loss does not use them (nothing carried to the devices)
+    rollout_logp: jax.Array | None = None
 
     @property
     def group_size(self) -> int:
@@ -66,11 +69,13 @@ def build_train_batch(
     group_size: int,
     seq_bucket: int,
     max_response: int | None = None,
+    rollout_logp_bn: np.ndarray | None = None,
 ) -> TrainBatch:
     """Host-side (numpy) TrainBatch from a rollout of B = G * n rows (prompt-major groups: `prompts[i]` is
     the prompt of row i). Prompt and response lengths are rounded up to multiples of `seq_bucket` (the
     response length capped at `max_response`, the rollout's max_new_tokens, so a cap below the next multiple
-    is one shape, not two); rows with keep=False get an all-zero response mask."""
+    is one shape, not two); rows with keep=False get an all-zero response mask. `rollout_logp_bn`: the
+    engine's log-probs [B, >= longest response] (laid out like the responses; None: not carried)."""
     b = len(prompts)
     chex.assert_shape([lengths_b, advantages_b, keep_b], [(b,)] * 3)
     if b % group_size:
@@ -99,6 +104,13 @@ def build_train_batch(
     valid = np.arange(nb)[None, :] < lengths_b[:, None]
     response = np.where(valid, response, 0)
     zeros = np.zeros((g, n, nb), np.float32)
+    rollout_logp = None
+    if rollout_logp_bn is not None:
+        chex.assert_shape(rollout_logp_bn, (b, None))
+        rollout_logp = np.zeros((b, nb), np.float32)
+        w = min(nb, rollout_logp_bn.shape[1])
+        rollout_logp[:, :w] = rollout_logp_bn[:, :w]
+        rollout_logp = np.where(valid, rollout_logp, 0.0).astype(np.float32).reshape(g, n, nb)
     return TrainBatch(
         prompt=prompt,
         prompt_len=np.asarray([len(p) for p in group_prompts], np.int32),
@@ -107,6 +119,18 @@ def build_train_batch(
         advantages=np.asarray(advantages_b, np.float32).reshape(g, n),
         old_logp=zeros,
         ref_logp=zeros,
+        rollout_logp=rollout_logp,
+    )
+
+
+def with_advantages(batch: TrainBatch, advantages_b: np.ndarray, keep_b: np.ndarray) -> TrainBatch:
+    """`batch` (built with every row kept) with per-row advantages [B] and the rows of `keep_b` = False
+    masked out: for a step that needs the batch's log-probs before its advantages (KL in the reward)."""
+    g, n = batch.advantages.shape
+    chex.assert_shape([advantages_b, keep_b], [(g * n,)] * 2)
+    mask = np.asarray(batch.response_mask) * np.asarray(keep_b, np.float32).reshape(g, n, 1)
+    return batch.replace(
+        advantages=np.asarray(advantages_b, np.float32).reshape(g, n), response_mask=mask.astype(np.float32)
     )
 
 
@@ -143,6 +167,7 @@ def regroup(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
         advantages=per_row(batch.advantages),
         old_logp=per_row(batch.old_logp),
         ref_logp=per_row(batch.ref_logp),
+        rollout_logp=None if batch.rollout_logp is None else per_row(batch.rollout_logp),
     )
 
 

@@ -22,6 +22,7 @@ from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.batch import micro_problem
 from tlt_jax.rl.evaluation import eval_set_configs
+from tlt_jax.rl.losses import loss_option_problems
 from tlt_jax.rl.optimizer import OptimConfig
 from tlt_jax.rl.reward import overlong_problems
 from tlt_jax.rl.schedules import decay_updates, schedule_problems
@@ -59,8 +60,9 @@ def rl_problems(config: mlc.ConfigDict) -> list[str]:
     elif problem := micro_problem(rows // rl.mini_batches, rl.samples_per_prompt, tr.micro_batch_size):
         out.append(problem)
     out += overlong_problems(rl.overlong_buffer, ro.max_new_tokens)
+    out += loss_option_problems(rl)
     out += schedule_problems(
-        rl.lr_schedule, rl.warmup_steps, rl.decay_steps, config.num_steps * rl.mini_batches
+        rl.lr_schedule, rl.warmup_steps, rl.decay_steps, config.num_steps * rl.mini_batches * rl.ppo_epochs
     )
     if config.spot.mode == "idle_devices" and config.mesh.data == 1:
         out.append(
@@ -111,9 +113,11 @@ def eval_set_problems(config: mlc.ConfigDict, check_paths: bool = True) -> list[
 
 
 def policy_loss_config(job: GrpoConfig) -> PolicyLossConfig:
-    """The GRPO-family loss of `rl` at the rollout's temperature (old log-probs fused into the update's
-    forward when `trainer.fuse_old_logprobs` and one mini-batch per step)."""
+    """The GRPO-family loss of `rl` at the rollout's temperature. Old log-probs are fused into the update's
+    forward when `trainer.fuse_old_logprobs` and the step makes one update (one mini-batch, one epoch) and
+    no KL in the reward (which needs them before the advantages); else computed before the update."""
     rl, tc = job.rl, job.trainer
+    one_update = rl.mini_batches == 1 and rl.ppo_epochs == 1
     return PolicyLossConfig(
         temperature=job.rollout.temperature,
         clip_low=rl.clip_low,
@@ -121,8 +125,13 @@ def policy_loss_config(job: GrpoConfig) -> PolicyLossConfig:
         aggregation=rl.loss_agg,
         max_len=job.rollout.max_new_tokens,
         kl_coef=rl.kl_coef,
-        fuse_old_logprobs=tc.fuse_old_logprobs and rl.mini_batches == 1,
+        fuse_old_logprobs=tc.fuse_old_logprobs and one_update and rl.reward_kl_coef == 0,
         logits_chunk=tc.logits_chunk,
+        clip_ratio_c=rl.clip_ratio_c,
+        entropy_coeff=rl.entropy_coeff,
+        kl_loss_type=rl.kl_loss_type,
+        rollout_is=rl.rollout_is,
+        rollout_is_threshold=rl.rollout_is_threshold,
     )
 
 
@@ -137,17 +146,17 @@ def optim_config(job: GrpoConfig) -> OptimConfig:
         b2=rl.b2,
         grad_clip=rl.grad_clip,
         schedule=rl.lr_schedule,
-        decay_steps=decay_updates(rl.decay_steps, job.run.num_steps, rl.mini_batches),
+        decay_steps=decay_updates(rl.decay_steps, job.run.num_steps, rl.mini_batches * rl.ppo_epochs),
         min_lr_ratio=rl.min_lr_ratio,
     )
 
 
 def trainer_options(job: GrpoConfig) -> TrainerOptions:
-    """`TrainerOptions` from `trainer` (a reference copy when the loss has a KL term)."""
+    """`TrainerOptions` from `trainer` (a reference copy when the loss or the reward has a KL term)."""
     tc = job.trainer
     return TrainerOptions(
         micro_batch_size=tc.micro_batch_size,
-        with_reference=job.rl.kl_coef > 0,
+        with_reference=job.rl.kl_coef > 0 or job.rl.reward_kl_coef > 0,
         master_dtype=tc.master_dtype,
         fsdp=tc.fsdp,
         train_layers=tc.train_layers,

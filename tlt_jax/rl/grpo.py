@@ -1,4 +1,4 @@
-"""GRPO-family objectives in pure jnp: group advantages, PPO clipped policy loss, low-variance KL.
+"""GRPO-family objectives in pure jnp: group advantages, PPO clipped policy loss, KL estimators.
 
 Layout: a batch holds P prompts x n samples, flattened prompt-major ([p0s0, p0s1, ..., p1s0, ...]), so a
 group is n consecutive rows. Token tensors are [B, T] (B = P*n rows, T response positions) with a mask that
@@ -10,6 +10,9 @@ Variants (selected by name, so configs stay strings):
   a constant max length) so neither the length nor the group's spread rescales a sequence's gradient.
 - DAPO (Yu et al. 2025): "token_mean" aggregation, asymmetric clip (clip_high e.g. 0.28 > clip_low 0.2), and
   dynamic sampling (drop groups whose rewards are all equal: their advantages are zero anyway).
+- VeRL's actor options (verl/trainer/ppo/core_algos.py, compute_policy_loss_vanilla / kl_penalty): dual-clip
+  (`clip_ratio_c`), per-token importance weights on the clipped loss (rollout correction), and the KL
+  estimators kl (k1), abs, mse (k2), low_var_kl (k3).
 All functions are jit-able; string and length options are static (pass them via `static_argnames`).
 """
 
@@ -51,38 +54,50 @@ def _deviations(grouped: jax.Array) -> jax.Array:
     return jnp.where(uniform, 0.0, dev)
 
 
-def _grpo_advantages(grouped: jax.Array, eps: float) -> jax.Array:
-    # Population std (ddof=0): a group's normalised advantages then have unit RMS exactly. VeRL uses the
-    # unbiased std (ddof=1), which scales every advantage by sqrt((n-1)/n); the two differ by a constant per
-    # group size, i.e. only by an effective learning-rate factor.
-    std = jnp.std(grouped, axis=1, keepdims=True)
+def _grpo_advantages(grouped: jax.Array, eps: float, ddof: int) -> jax.Array:
+    # ddof 0 (population std, the default): a group's normalised advantages then have unit RMS exactly.
+    # ddof 1 is VeRL's torch.std (unbiased; compute_grpo_outcome_advantage): every advantage is
+    # sqrt(n / (n - 1)) times the population one up to eps, i.e. an effective learning-rate factor.
+    std = jnp.std(grouped, axis=1, keepdims=True, ddof=ddof)
     return _deviations(grouped) / (std + eps)
 
 
-def _drgrpo_advantages(grouped: jax.Array, eps: float) -> jax.Array:
-    del eps
+def _drgrpo_advantages(grouped: jax.Array, eps: float, ddof: int) -> jax.Array:
+    del eps, ddof
     return _deviations(grouped)
 
 
-ADVANTAGE_METHODS: dict[str, Callable[[jax.Array, float], jax.Array]] = {
+ADVANTAGE_METHODS: dict[str, Callable[[jax.Array, float, int], jax.Array]] = {
     "grpo": _grpo_advantages,
     "drgrpo": _drgrpo_advantages,
 }
+# the std that "grpo" divides by: its ddof (VeRL: torch.std, "unbiased")
+ADV_STDS: dict[str, int] = {"population": 0, "unbiased": 1}
 
 
 def group_advantages(
-    rewards: jax.Array, group_size: int, *, method: str = "grpo", eps: float = 1e-6
+    rewards: jax.Array,
+    group_size: int,
+    *,
+    method: str = "grpo",
+    eps: float = 1e-6,
+    std: str = "population",
 ) -> jax.Array:
     """Per-sample advantages [P*n] from rewards [P*n], normalised within each group of `group_size` samples.
 
-    "grpo": (r - mean_g) / (std_g + eps) with the population std; a group with equal rewards gets 0.
-    "drgrpo": r - mean_g (Dr.GRPO drops the std division, which over-weights near-uniform groups).
-    `group_size` and `method` are static under jit.
+    "grpo": (r - mean_g) / (std_g + eps), std_g the population std (`std="population"`) or VeRL's unbiased
+    one (`std="unbiased"`); a group with equal rewards gets 0.
+    "drgrpo": r - mean_g (Dr.GRPO drops the std division, which over-weights near-uniform groups; VeRL's
+    norm_adv_by_std_in_grpo=False). `group_size`, `method` and `std` are static under jit.
     """
     if method not in ADVANTAGE_METHODS:
         raise ValueError(f"unknown advantage method {method!r}; valid methods: {sorted(ADVANTAGE_METHODS)}")
+    if std not in ADV_STDS:
+        raise ValueError(f"unknown advantage std {std!r}; valid: {sorted(ADV_STDS)}")
+    if std == "unbiased" and group_size < 2:
+        raise ValueError("the unbiased std needs groups of >= 2 samples (group_size=1 divides by 0)")
     grouped = _grouped(rewards, group_size)
-    return ADVANTAGE_METHODS[method](grouped, eps).reshape(-1)
+    return ADVANTAGE_METHODS[method](grouped, eps, ADV_STDS[std]).reshape(-1)
 
 
 def dynamic_sampling_mask(rewards: jax.Array, group_size: int) -> jax.Array:
@@ -159,17 +174,28 @@ def policy_loss(
     clip_high: float = 0.2,
     aggregation: str = "token_mean",
     max_len: int | None = None,
+    clip_ratio_c: float = 0.0,
+    is_weights_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO clipped surrogate: per token max(-A*r, -A*clip(r, 1-clip_low, 1+clip_high)), then aggregated.
 
     r = exp(logp_new - logp_old) (log-ratio clamped to +-20 before exp). The per-sequence advantage
-    broadcasts over its tokens. DAPO's clip-higher is clip_high > clip_low. Returns (loss, metrics) with
-    metrics over valid tokens: clip_frac (fraction where the clipped term is the active one), approx_kl
-    (mean of logp_old - logp_new) and ratio_mean.
+    broadcasts over its tokens. DAPO's clip-higher is clip_high > clip_low. `clip_ratio_c` > 1 (0: off) is
+    dual-clip PPO (Ye et al. 2019; VeRL's compute_policy_loss_vanilla): tokens with A < 0 are capped at
+    -A * clip_ratio_c, so a huge ratio on a bad token cannot blow up the loss. `is_weights_bt` (constants,
+    e.g. truncated importance weights against the rollout's log-probs) multiply each token's clipped loss
+    before aggregation, as VeRL applies rollout_is_weights. Returns (loss, metrics) with metrics over valid
+    tokens: clip_frac (fraction where the clipped term is the active one), approx_kl (mean of logp_old -
+    logp_new), ratio_mean, and with dual-clip clip_frac_lower (VeRL's pg_clipfrac_lower: A < 0 tokens
+    whose clipped loss exceeds the cap).
     """
     chex.assert_rank([logp_new_bt, logp_old_bt, mask_bt, advantages_b], [2, 2, 2, 1])
     chex.assert_equal_shape([logp_new_bt, logp_old_bt, mask_bt])
     chex.assert_equal_shape_prefix([logp_new_bt, advantages_b], 1)
+    if clip_ratio_c and clip_ratio_c <= 1.0:
+        raise ValueError(
+            f"clip_ratio_c={clip_ratio_c}: dual-clip needs a bound > 1 (VeRL: 3.0), or 0 for off"
+        )
     dtype = logp_new_bt.dtype
     mask = mask_bt.astype(dtype)
     adv = advantages_b.astype(dtype)[:, None]
@@ -178,13 +204,32 @@ def policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss_bt = jnp.maximum(unclipped, clipped)
-    loss = aggregate_loss(loss_bt, mask, aggregation, max_len)
     metrics = {
         "clip_frac": _masked_mean((clipped > unclipped).astype(dtype), mask),
         "approx_kl": _masked_mean(-log_ratio, mask),
         "ratio_mean": _masked_mean(ratio, mask),
     }
-    return loss, metrics
+    if clip_ratio_c:
+        cap = -adv * clip_ratio_c
+        negative = jnp.broadcast_to(adv < 0, loss_bt.shape)
+        metrics["clip_frac_lower"] = _masked_mean(((loss_bt > cap) & negative).astype(dtype), mask)
+        loss_bt = jnp.where(negative, jnp.minimum(cap, loss_bt), loss_bt)
+    if is_weights_bt is not None:
+        chex.assert_equal_shape([is_weights_bt, loss_bt])
+        loss_bt = loss_bt * jax.lax.stop_gradient(is_weights_bt.astype(dtype))
+    return aggregate_loss(loss_bt, mask, aggregation, max_len), metrics
+
+
+def _k1(logp: jax.Array, ref: jax.Array) -> jax.Array:
+    return logp - ref
+
+
+def _abs(logp: jax.Array, ref: jax.Array) -> jax.Array:
+    return jnp.abs(logp - ref)
+
+
+def _k2(logp: jax.Array, ref: jax.Array) -> jax.Array:
+    return 0.5 * jnp.square(logp - ref)
 
 
 def low_var_kl(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
@@ -199,6 +244,30 @@ def low_var_kl(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
     return jnp.clip(kl, -_KL_VALUE_CLAMP, _KL_VALUE_CLAMP)
 
 
+# VeRL's kl_penalty names (verl/trainer/ppo/core_algos.py kl_penalty_forward; http://joschu.net/blog/kl-approx.html):
+# only low_var_kl is clamped (VeRL clamps no other). "full" (the exact KL over the vocabulary) is not here:
+# VeRL raises NotImplementedError on it too.
+KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+    "kl": _k1,
+    "k1": _k1,
+    "abs": _abs,
+    "mse": _k2,
+    "k2": _k2,
+    "low_var_kl": low_var_kl,
+    "k3": low_var_kl,
+}
+
+
+def kl_estimate(logp_bt: jax.Array, ref_logp_bt: jax.Array, estimator: str = "low_var_kl") -> jax.Array:
+    """Per-token estimate of KL(policy || ref) from the sampled tokens' log-probs, by VeRL's name: "kl"/"k1"
+    logp - ref (unbiased, can be negative), "abs" |logp - ref|, "mse"/"k2" (logp - ref)^2 / 2, "low_var_kl"/
+    "k3" (`low_var_kl`). `estimator` is static under jit."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; valid: {sorted(KL_ESTIMATORS)}")
+    chex.assert_equal_shape([logp_bt, ref_logp_bt])
+    return KL_ESTIMATORS[estimator](logp_bt, ref_logp_bt)
+
+
 def kl_penalty_loss(
     logp_bt: jax.Array,
     ref_logp_bt: jax.Array,
@@ -206,7 +275,9 @@ def kl_penalty_loss(
     *,
     aggregation: str = "token_mean",
     max_len: int | None = None,
+    estimator: str = "low_var_kl",
 ) -> jax.Array:
-    """The aggregated low_var_kl over valid tokens (multiply by the KL coefficient, e.g. 0.001, and add)."""
+    """The aggregated KL estimate over valid tokens (multiply by the KL coefficient, e.g. 0.001, and add), as
+    VeRL's use_kl_loss: agg_loss(kl_penalty(logp, ref, kl_loss_type), loss_agg_mode)."""
     chex.assert_rank([logp_bt, ref_logp_bt, mask_bt], 2)
-    return aggregate_loss(low_var_kl(logp_bt, ref_logp_bt), mask_bt, aggregation, max_len)
+    return aggregate_loss(kl_estimate(logp_bt, ref_logp_bt, estimator), mask_bt, aggregation, max_len)

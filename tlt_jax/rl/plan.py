@@ -10,6 +10,7 @@ import dataclasses
 
 from tlt_jax.config_schema import GrpoConfig
 from tlt_jax.rl.config import optim_config
+from tlt_jax.rl.kl_reward import KLInReward
 from tlt_jax.rl.optimizer import OptimConfig
 from tlt_jax.rl.reward import OverlongShaping
 
@@ -28,6 +29,12 @@ class StepPlan:
     max_gen_batches: int = 10  # generation batches per step at most (0: no limit)
     gen_prompts: int = 0  # prompts per generation batch (0: `prompts`)
     kl_coef: float = 0.0  # > 0: the loss has a KL term to the reference policy (needs its log-probs)
+    adv_std: str = "population"  # the std "grpo" divides by (tlt_jax.rl.grpo.ADV_STDS)
+    ppo_epochs: int = 1  # passes over the step's mini-batches
+    mini_batch_shuffle: bool = False  # groups permuted into mini-batches every epoch (seeded: shuffle_seed)
+    shuffle_seed: int = 0
+    rollout_is: str = "none"  # != "none": the batch carries the rollout's log-probs (tlt_jax.rl.losses)
+    reward_kl: KLInReward = KLInReward()  # VeRL's KL in the reward (off by default)
     loss_agg: str = "seq_mean_token_mean"
     seq_bucket: int = 16  # trainer columns are rounded up to multiples of this
     max_response: int | None = None  # the rollout's max_new_tokens (the widest response column count)
@@ -41,6 +48,16 @@ class StepPlan:
     @property
     def mini_rows(self) -> int:
         return self.rows // self.mini_batches
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates a step plans (mini-batches x epochs; a skipped mini-batch makes none)."""
+        return self.mini_batches * self.ppo_epochs
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the step computes the reference policy's log-probs (KL in the loss or the reward)."""
+        return self.kl_coef > 0 or self.reward_kl.coef > 0
 
     @classmethod
     def from_config(cls, job: GrpoConfig) -> StepPlan:
@@ -57,6 +74,12 @@ class StepPlan:
             max_gen_batches=rl.max_num_gen_batches,
             gen_prompts=rl.gen_prompts_per_batch or rl.prompts_per_step,
             kl_coef=rl.kl_coef,
+            adv_std=rl.adv_std,
+            ppo_epochs=rl.ppo_epochs,
+            mini_batch_shuffle=rl.mini_batch_shuffle,
+            shuffle_seed=job.run.seed,
+            rollout_is=rl.rollout_is,
+            reward_kl=KLInReward.from_section(rl),
             loss_agg=rl.loss_agg,
             seq_bucket=job.trainer.seq_bucket,
             max_response=job.rollout.max_new_tokens,

@@ -42,9 +42,9 @@ from tlt_jax.kernels.flash_attention import SequenceParallel
 from tlt_jax.models import layouts
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
-from tlt_jax.rl import grpo
 from tlt_jax.rl.batch import TrainBatch, micro_problem, regroup, split_micro
 from tlt_jax.rl.forward import ForwardOut, response_logprobs
+from tlt_jax.rl.losses import PolicyLossConfig, merge_stats, micro_loss, reduce_stat, update_metrics
 from tlt_jax.rl.optimizer import (
     OptimConfig,
     optimizer_shardings,
@@ -52,20 +52,6 @@ from tlt_jax.rl.optimizer import (
     policy_optimizer,
     trainable_mask,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyLossConfig:
-    """Static settings of the GRPO-family loss (see tlt_jax.rl.grpo)."""
-
-    temperature: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    aggregation: str = "seq_mean_token_mean"
-    max_len: int | None = None  # Dr.GRPO's constant divisor (the max response length)
-    kl_coef: float = 0.0
-    fuse_old_logprobs: bool = True  # old log-probs = stop_gradient(this forward) (one mini-batch per step)
-    logits_chunk: int = 0
 
 
 def _micro_spec(mesh: Mesh, x: Any) -> NamedSharding:
@@ -369,41 +355,11 @@ class PolicyTrainer:
 
     # ---- update -------------------------------------------------------------------------------------------
     def _loss_fn(self, params: Any, mb: TrainBatch, weight: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
-        lc = self.loss
         if self.train_layers:  # frozen weights are constants: no backward through the layers below
             params = jax.tree_util.tree_map(
                 lambda x, t: x if t else jax.lax.stop_gradient(x), params, self.trainable
             )
-        out = self._forward(params, mb, return_hidden=False)
-        mask = mb.rows(mb.response_mask)
-        old = jax.lax.stop_gradient(out.logp) if lc.fuse_old_logprobs else mb.rows(mb.old_logp)
-        pg, pm = grpo.policy_loss(
-            out.logp,
-            old,
-            mb.rows(mb.advantages),
-            mask,
-            clip_low=lc.clip_low,
-            clip_high=lc.clip_high,
-            aggregation=lc.aggregation,
-            max_len=lc.max_len,
-        )
-        kl = jnp.zeros((), jnp.float32)
-        if lc.kl_coef > 0:
-            kl = grpo.kl_penalty_loss(
-                out.logp, mb.rows(mb.ref_logp), mask, aggregation=lc.aggregation, max_len=lc.max_len
-            )
-        tokens = jnp.sum(mask)
-        aux = {
-            "pg_loss": pg * weight,
-            "kl": kl * weight,
-            "tokens": tokens,
-            # token sums (the host divides by the total token count)
-            "clip_frac_sum": pm["clip_frac"] * tokens,
-            "approx_kl_sum": pm["approx_kl"] * tokens,
-            "entropy_sum": jnp.sum(out.entropy * mask),
-            "logp": jax.lax.stop_gradient(out.logp),
-        }
-        return (pg + lc.kl_coef * kl) * weight, aux
+        return micro_loss(self._forward(params, mb, return_hidden=False), mb, self.loss, weight)
 
     def _accumulate(
         self, params: Any, micro: TrainBatch, weights: jax.Array, init: Any = None
@@ -426,7 +382,7 @@ class PolicyTrainer:
 
     def _accum_fn(self, params: Any, acc: Any, micro: TrainBatch, weights: jax.Array):  # noqa: ANN202
         acc, aux = self._accumulate(params, micro, weights, init=acc)
-        stats = {k: jnp.sum(v) for k, v in aux.items() if k != "logp"}
+        stats = {k: reduce_stat(k, v) for k, v in aux.items() if k != "logp"}
         return acc, {"stats": stats, "logp": aux["logp"]}
 
     def _apply_fn(self, params: Any, opt_state: Any, grads: Any):  # noqa: ANN202
@@ -443,8 +399,7 @@ class PolicyTrainer:
         summing to 1 over all parts).
 
         Returns (metrics, the log-probs of the forward before the step, per part [K_i, rows, Nb_i]);
-        metrics: loss/pg, loss/kl, policy/clip_frac, policy/approx_kl, policy/entropy (token means),
-        optim/grad_norm, optim/update_norm.
+        metrics: `tlt_jax.rl.losses.update_metrics`.
         """
         if len(parts) != len(weights) or not parts:
             raise ValueError(f"update needs one weight vector per part: {len(parts)} parts, {len(weights)}")
@@ -454,21 +409,10 @@ class PolicyTrainer:
             chex.assert_shape(w, (micro.prompt.shape[0],))
             acc, out = self._accum(self.params, acc, micro, jnp.asarray(w, jnp.float32))
             logps.append(out["logp"])
-            for k, v in out["stats"].items():
-                sums[k] = sums.get(k, 0.0) + v
+            sums = merge_stats(sums, out["stats"])
         self.params, self.opt_state, norms = self._apply(self.params, self.opt_state, acc)
         s = {k: float(v) for k, v in jax.device_get({**sums, **norms}).items()}
-        tokens = max(s["tokens"], 1.0)
-        metrics = {
-            "loss/pg": s["pg_loss"],
-            "loss/kl": s["kl"],
-            "policy/clip_frac": s["clip_frac_sum"] / tokens,
-            "policy/approx_kl": s["approx_kl_sum"] / tokens,
-            "policy/entropy": s["entropy_sum"] / tokens,
-            "optim/grad_norm": s["grad_norm"],
-            "optim/update_norm": s["update_norm"],
-        }
-        return metrics, logps
+        return update_metrics(s), logps
 
     def surrogate_loss(self, micro: TrainBatch, weights: np.ndarray, params: Any = None) -> float:
         """The weighted loss (policy + KL terms) of `params` (default: the policy) on a batch, no update.
