@@ -19,6 +19,12 @@ real target's and drafter's graphs swapped in:
     `spec.threshold`, all in one shard) and the top cache bucket;
   the spot trainer's drafter step (`drafter.trainer.train_step`, the `config.spot` shapes).
 
+The running batch holds the target's hidden states of the first `rollout.hidden_window` response tokens of
+every row (`DecodeState.out_hidden` [rows, W, H], batch-sharded, replicated over the model axis: the spot
+trainer's data); `live_bytes` reports them apart (`recorded_hidden`, `hidden_line`). `warmup_memory`: the
+drafter warm-up's engine on one device (weights, KV and recorded states per running row, the cap its KV budget
+gives, host bytes), from the same functions the engine sizes itself with.
+
 The spot trainer's fused tick (`spmd.tick_program`: busy data groups decode, idle ones train) is not compiled
 here: its idle-device body is a closure of `SpotTrainer.idle_work` that needs a live trainer with data, so it
 cannot be built from abstract shapes without copying it. Its need is composed from two compiled programs: the
@@ -35,16 +41,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections as mlc
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tlt_jax import config_schema
 from tlt_jax import memory_plan as mpp
 from tlt_jax import sharding as shd
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.config import ModelConfig, tiny_config
+from tlt_jax.models.llama import Transformer
 from tlt_jax.models.random_init import bytes_per_device
 from tlt_jax.rollout import admission, decode, spmd
 from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.programs import ProgramInfo, pow2_at_least
 from tlt_jax.rollout.sampling import SamplingParams
 
@@ -220,7 +229,61 @@ def live_bytes(
     sp = config_schema.section(config, "rollout").sampling()
     pc = abstract_prompt_cache(engine, am, int(config.rl.prompts_per_step), shape.prompt_len)
     running = started_state(engine, am, sp, pc, shape.cap * shape.data, shape.top_cache)
-    return {"prompt_cache": bytes_per_device(pc), "running": bytes_per_device(running)}
+    return {
+        "prompt_cache": bytes_per_device(pc),
+        "running": bytes_per_device(running),
+        "recorded_hidden": bytes_per_device(running.out_hidden),  # part of "running"
+    }
+
+
+def hidden_bytes_per_row(window: int, max_new_tokens: int, hidden_size: int, dtype: str) -> int:
+    """Bytes of one row's recorded hidden states (`decode.start_rows`: [min(window, max_new), H] in the
+    model's dtype; replicated over the model axis, so per device as well)."""
+    return min(window, max_new_tokens) * hidden_size * jnp.dtype(dtype).itemsize
+
+
+def hidden_line(config: mlc.ConfigDict, cfg: ModelConfig, shape: RolloutShape, live: dict[str, int]) -> str:
+    """The recorded hidden states of the running batch in words: per row and per device at the cap, at the
+    configured `rollout.hidden_window` and, for scale, at 512 tokens and at the whole response."""
+    ro = config_schema.section(config, "rollout")
+    per_row = lambda w: hidden_bytes_per_row(w, ro.max_new_tokens, cfg.hidden_size, cfg.dtype)  # noqa: E731
+    at = lambda w: f"{per_row(w) / 2**20:.1f} MiB per row, {shape.cap * per_row(w) / GIB:.2f} GiB"  # noqa: E731
+    return (
+        f"recorded hidden states (rollout.hidden_window={ro.hidden_window} of {ro.max_new_tokens} response "
+        f"tokens, hidden {cfg.hidden_size}, {cfg.dtype}): {at(ro.hidden_window)} per device at the cap of "
+        f"{shape.cap} rows (compiled: {live['recorded_hidden'] / GIB:.2f} GiB, part of the running batch); "
+        f"at 512: {at(512)}; the whole response: {at(ro.max_new_tokens)}"
+    )
+
+
+def warmup_memory(config: mlc.ConfigDict, cfg: ModelConfig) -> dict[str, float]:
+    """GiB of the drafter warm-up's generation (`config.generation`, one device, no drafter) for the target
+    `cfg`: weights, per running row the KV cache at the engine's top cache bucket and the recorded hidden
+    states of a whole response, the running-rows cap the KV budget gives (`admission.running_rows_cap`, as
+    the engine picks it), the running rows and the prompt cache of one engine call on the device, and on the
+    host an engine call's recorded states (every row at the cap) and the kept samples (float16, cut to
+    `forward.seq_len`)."""
+    gen = config_schema.section(config, "generation")
+    fw = config_schema.section(config, "forward")
+    ec = EngineConfig(max_new_tokens=gen.max_new_tokens, max_cache_len=gen.max_cache_len)
+    top = RolloutEngine(Transformer(tiny_config("qwen2"), nnx.Rngs(0)), ec, [0]).top_cache_bucket()
+    per_token = admission.kv_bytes_per_token(cfg, 1)
+    cap, _ = admission.running_rows_cap(gen.max_running_rows, gen.kv_budget_gib, per_token, top)
+    rows = gen.batch_prompts * gen.n
+    cap = min(cap or rows, rows)
+    h = hidden_bytes_per_row(gen.max_new_tokens, gen.max_new_tokens, cfg.hidden_size, cfg.dtype)
+    room = gen.max_cache_len - gen.max_new_tokens
+    weights = bytes_per_device(mpp.abstract_models(cfg, shd.make_mesh(1, 1, jax.devices()[:1])).params)
+    out = dict(
+        weights=weights,
+        kv_per_row=per_token * top,
+        hidden_per_row=h,
+        running=cap * (per_token * top + h),
+        prompt_cache=gen.batch_prompts * room * (per_token + cfg.hidden_size * jnp.dtype(cfg.dtype).itemsize),
+        host_call=rows * h,
+        host_samples=gen.num_prompts * gen.n * fw.seq_len * cfg.hidden_size * 2,
+    )
+    return {"cap_rows": float(cap), "top_cache": float(top), **{k: v / GIB for k, v in out.items()}}
 
 
 def rollout_needs(

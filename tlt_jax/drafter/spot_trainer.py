@@ -7,8 +7,12 @@ t's rollout (on data up to step t) drafts for step t + 1: the learner pushes `pa
 between rollouts, and a rollout drafts with one snapshot.
 
 Data (`on_finished`): every finished sequence streams into a `DrafterBuffer` (one-step offset: this step's
-finished sequences plus the previous step's, windowed to <= 512 response tokens each) while the rest still
-decode. Before a step's first update the current drafter is scored on the freshest of that data
+finished sequences plus the previous step's) while the rest still decode. The rollout records the target's
+hidden states of the first `rollout.hidden_window` response tokens of each row (device memory: rows x window x
+hidden per device, `rollout_memory_plan.hidden_line`); the buffer keeps one `spot.window`-token window of each
+at a uniformly random depth of that span (`buffer.window_sample`), so a recorded span longer than the window
+spreads training over the depths of long responses at the same step shape (`window_problems` checks the two).
+Before a step's first update the current drafter is scored on the freshest of that data
 (`staleness`: loss, top-1/top-3 accuracy of its next-token guess, i.e. before it has trained on it).
 
 Where the updates run (`SpotConfig.mode`):
@@ -48,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from tlt_jax import sharding as shd
 from tlt_jax.drafter import trainer as tr
-from tlt_jax.drafter.buffer import DrafterBuffer
+from tlt_jax.drafter.buffer import DrafterBuffer, window_sample
 from tlt_jax.drafter.chain import shift_left
 from tlt_jax.drafter.loss import LossConfig, loss_sums, normalize_metrics
 from tlt_jax.drafter.packing import DrafterSample, PackedBatch, eagle_inputs, pack_samples, to_device
@@ -118,6 +122,20 @@ class SpotConfig:
         return tr.make_optimizer(sched, self.weight_decay, self.clip_norm)
 
 
+def window_problems(cfg: SpotConfig, hidden_window: int) -> list[str]:
+    """`spot.window` against `rollout.hidden_window` (the response tokens the rollout records per row): a
+    window longer than the recorded span is never filled (a step shape of padding), so with the spot
+    trainer on it is refused; a span longer than the window is what covers long responses."""
+    if cfg.mode == "off" or cfg.window <= hidden_window:
+        return []
+    return [
+        f"config.spot.window={cfg.window} exceeds config.rollout.hidden_window={hidden_window}, the response "
+        "tokens whose hidden states the rollout records per row: no sample can fill it. Raise "
+        "rollout.hidden_window (its memory: rows x window x hidden size per device, "
+        "tlt_jax.rollout_memory_plan.hidden_line) or lower spot.window."
+    ]
+
+
 def samples_from(seqs: FinishedSequences) -> list[DrafterSample]:
     """Finished sequences with recorded hidden states -> drafter samples (prompt + the recorded response)."""
     if seqs.hidden is None or seqs.prompt_hidden is None:
@@ -181,6 +199,8 @@ class SpotTrainer(RolloutHooks):
             raise ValueError(
                 "the spot trainer trains on the rollout's hidden states: set config.rollout.record_hidden"
             )
+        if problems := window_problems(cfg, engine.config.hidden_window):
+            raise ValueError(problems[0])
         self.cfg, self.engine = cfg, engine
         self.tx, self.loss_cfg = cfg.optimizer(), cfg.loss_config()
         self.trainer = tr.DrafterTrainer(self.tx, self.loss_cfg, seed=cfg.seed)
@@ -267,8 +287,12 @@ class SpotTrainer(RolloutHooks):
         if self.cfg.mode == "off":
             return
         samples = samples_from(seqs)
-        scorable = [x for x in samples if x.num_response >= 2 and x.length <= self.cfg.seq_len]
-        self._fresh.extend(scorable[: max(self.cfg.eval_samples - len(self._fresh), 0)])
+        # the staleness probe's samples, cut as the buffer cuts them (any prompt and response length)
+        scorable = [x for x in samples if x.num_response >= 2][
+            : max(self.cfg.eval_samples - len(self._fresh), 0)
+        ]
+        rng = np.random.default_rng([self.cfg.seed, self.rl_step, len(self._fresh)])
+        self._fresh.extend(window_sample(x, self.cfg.window, self.cfg.context, rng) for x in scorable)
         self.buffer.add(samples, self.rl_step)
 
     def _staleness(self) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import ml_collections as mlc
 
 from tlt_jax.config_sections import MeshSection, ModelSection
+from tlt_jax.tasks.datasets import FILE_KINDS, TASK_KINDS, check_task_config
 from tlt_jax.utils.config_checks import Section
 
 
@@ -39,9 +40,12 @@ class WarmupRunSection(Section):
 @dataclasses.dataclass(frozen=True)
 class GenerationSection(Section):
     """`config.generation`: the target answers `num_prompts` task prompts `n` times each (the data), in engine
-    calls of `batch_prompts` prompts, at the RL sampling temperature (the drafter learns the RL distribution).
-    record_hidden: the features are the engine's own target states, recorded as it generates; False: a packed
-    target forward afterwards (`config.forward`)."""
+    calls of `batch_prompts` prompts, at the RL sampling temperature (the drafter learns the RL distribution),
+    up to `max_new_tokens` (the response cap of the RL run it serves). record_hidden: the features are the
+    engine's own target states of the whole response, recorded as it generates (then cut to one window per
+    sequence, `config.forward`); False: a packed target forward afterwards. kv_budget_gib / max_running_rows:
+    continuous batching of an engine call's rows, as `config.rollout`'s (long responses: the KV cache of
+    batch_prompts x n rows at 32K tokens does not fit one device; 0 / 0: every row at once)."""
 
     num_prompts: int = 128
     n: int = 4
@@ -52,10 +56,18 @@ class GenerationSection(Section):
     max_cache_len: int = 1024
     chunk_steps: int = 16
     record_hidden: bool = True
+    kv_budget_gib: float = 0.0
+    max_running_rows: int = 0
 
     def problems(self) -> list[str]:
         keys = ("num_prompts", "n", "batch_prompts", "max_new_tokens", "chunk_steps")
         out = _at_least("generation", self, keys)
+        r = self.max_running_rows
+        if r < 0 or (r & (r - 1)) or self.kv_budget_gib < 0:
+            out.append(
+                f"config.generation.max_running_rows={r} / kv_budget_gib={self.kv_budget_gib}: need a power "
+                "of two (or 0: from the budget) and a budget >= 0 GiB (0: every row at once)."
+            )
         if self.max_cache_len <= self.max_new_tokens:
             out.append(
                 f"config.generation.max_cache_len={self.max_cache_len}: must exceed max_new_tokens="
@@ -72,14 +84,25 @@ class GenerationSection(Section):
 @dataclasses.dataclass(frozen=True)
 class ForwardSection(Section):
     """`config.forward`: the target forward for the hidden states when `generation.record_hidden=False`
-    (sequences packed into [rows, seq_len] with a block mask; seq_len also caps a sample either way)."""
+    (sequences packed into [rows, seq_len] with a block mask), and the cut of every sample to `seq_len`
+    tokens either way: a longer recorded sequence keeps ONE window of its response at a seeded uniformly
+    random start (`warmup_data.cut_sample`, the spot trainer buffer's `window_sample`) with the `context`
+    tokens before it (attention only, no loss), or its whole response and as much of the prompt as fits. The
+    forward path truncates to the first seq_len tokens (it computes no states past them)."""
 
     rows: int = 4
     seq_len: int = 512
+    context: int = 128
     hidden_dtype: str = "float16"  # cache / host storage of the features (packed as float32)
 
     def problems(self) -> list[str]:
-        return _at_least("forward", self, ("rows", "seq_len"))
+        out = _at_least("forward", self, ("rows", "seq_len")) + _at_least("forward", self, ("context",), 0)
+        if self.context >= self.seq_len:
+            out.append(
+                f"config.forward.context={self.context}: must be below seq_len={self.seq_len} (a window "
+                "keeps seq_len - context response tokens)."
+            )
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +163,38 @@ class DrafterEvalSection(Section):
         return _at_least("drafter_eval", self, ("depth", "num_prompts", "n", "rows", "seq_len"))
 
 
+def warmup_task_problems(task: Mapping[str, object]) -> list[str]:
+    """`config.task` for the warm-up: a known kind with its own keys, and a data file for the file kinds
+    (the files themselves are read, and a bad row named, when the data phase builds the task)."""
+    kind = task.get("kind")
+    if kind in FILE_KINDS and not task.get("path"):
+        return [
+            f"config.task.path is empty: the {kind} task needs its file (--config.task.path=/data/x.{kind}, "
+            "a glob or a comma list; or the config arg data=PATH)."
+        ]
+    try:
+        check_task_config(task)
+    except ValueError as e:
+        return [f"config.task: {e} (kinds: {' | '.join(TASK_KINDS)})."]
+    return []
+
+
+def length_problems(forward: ForwardSection, train: WarmupTrainSection, ev: DrafterEvalSection) -> list[str]:
+    """Samples are cut to `forward.seq_len` tokens; a training or held-out row shorter than that would cut
+    them again, from the end (losing the window's last tokens silently)."""
+    return [
+        f"config.{key}={n}: below config.forward.seq_len={forward.seq_len}, the samples' length; set "
+        f"{key} >= forward.seq_len (or lower forward.seq_len)."
+        for key, n in (("train.seq_len", train.seq_len), ("drafter_eval.seq_len", ev.seq_len))
+        if n < forward.seq_len
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class WarmupConfig:
-    """A drafter warm-up job's config, every section typed (`tlt_jax.config_schema.parse`); `raw` as given."""
+    """A drafter warm-up job's config, every section typed (`tlt_jax.config_schema.parse`); `raw` as given.
+    Built only when the sections agree (`warmup_task_problems`, `length_problems`): one ValueError lists every
+    problem otherwise."""
 
     raw: mlc.ConfigDict
     run: WarmupRunSection
@@ -153,3 +205,10 @@ class WarmupConfig:
     forward: ForwardSection
     train: WarmupTrainSection
     drafter_eval: DrafterEvalSection
+
+    def __post_init__(self) -> None:
+        problems = warmup_task_problems(self.task) + length_problems(
+            self.forward, self.train, self.drafter_eval
+        )
+        if problems:
+            raise ValueError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -2,16 +2,19 @@
 
 The target answers task prompts (chat template; `config.generation`) with the RolloutEngine, which records the
 target's final hidden states as it goes (`EngineConfig.record_hidden`: the prefill's for the prompt, each
-decode step's for the token it fed), so the features cost no second pass; with
-`generation.record_hidden=False` a target forward over prompt + response (packed rows with a block mask,
-fixed shapes; the n responses of a prompt share one copy of it: `target_hidden_states`) computes them
-instead. Each engine batch is cached as `DIR/data/{train,eval}_NNN.npz` (tokens, features in float16,
-timings; `save_chunk` / `load_chunk`), so a rerun reuses it. Used by `warmup.py` (the job) and
-`experiments/bench/bench_warmup_data.py`.
+decode step's for the token it fed, over the whole response: `hidden_window = max_new_tokens`), so the
+features cost no second pass; with `generation.record_hidden=False` a target forward over prompt + response
+(packed rows with a block mask, fixed shapes; the n responses of a prompt share one copy of it:
+`target_hidden_states`) computes them instead. Every sample is then cut to `forward.seq_len` tokens
+(`cut_sample`: a long response keeps one window at a seeded random position, so the data covers every depth
+of long responses at a bounded size per sequence). Each engine batch is cached as
+`DIR/data/{train,eval}_NNN.npz` (tokens, features in float16, timings; `save_chunk` / `load_chunk`), so a
+rerun reuses it. Used by `warmup.py` (the job) and `experiments/bench/bench_warmup_data.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tlt_jax.drafter.buffer import window_sample
 from tlt_jax.drafter.packing import DrafterSample, epoch_plan, first_fit, segment_causal_mask
 from tlt_jax.drafter.warmup_config import WarmupConfig
 from tlt_jax.models.build import TextCodec
@@ -64,7 +68,8 @@ class PhaseTimes:
 
 def warmup_engine(job: WarmupConfig, target: Transformer, tokenizer: TextCodec) -> RolloutEngine:
     """The engine that generates the warm-up data (`config.generation`; it records the target's hidden
-    states unless `generation.record_hidden=False`)."""
+    states of the whole response unless `generation.record_hidden=False`: [running rows, max_new_tokens, H]
+    on the device, the rows' KV caches' hidden_size / (2 x layers x KV heads x head_dim) share)."""
     gen = job.generation
     return RolloutEngine(
         target,
@@ -72,7 +77,10 @@ def warmup_engine(job: WarmupConfig, target: Transformer, tokenizer: TextCodec) 
             max_new_tokens=gen.max_new_tokens,
             max_cache_len=gen.max_cache_len,
             chunk_steps=gen.chunk_steps,
+            max_running_rows=gen.max_running_rows,
+            kv_budget_gib=gen.kv_budget_gib,
             record_hidden=gen.record_hidden,
+            hidden_window=gen.max_new_tokens,
         ),
         eos_ids=list(tokenizer.eos_token_ids),
         tokenizer=tokenizer,
@@ -246,7 +254,8 @@ def build_split(
             prompts = [task.encode_prompt(p, tokenizer) for p in problems]
             desc = f"{split} {c + 1}/{num_chunks}"
             roll, t_gen = _generate(engine, prompts, n, jax.random.fold_in(key, c), sampling, desc)
-            chunk, t_fwd = _chunk_samples(job, roll, count, n, hidden_fn)
+            rng = np.random.default_rng([job.run.seed, 0 if split == "train" else 1, c])  # the windows
+            chunk, t_fwd = _chunk_samples(job, roll, count, n, hidden_fn, rng)
             meta = {
                 **ident,
                 "generate_s": t_gen,
@@ -280,16 +289,18 @@ def _chunk_ident(job: WarmupConfig, start: int, count: int, n: int, temperature:
         "temperature": float(temperature),
         "max_new_tokens": job.generation.max_new_tokens,
         "seed": job.run.seed,
+        "cut": [job.forward.seq_len, job.forward.context],
     }
 
 
 def _load_cached(
     path: pathlib.Path, ident: dict[str, Any], data_dir: pathlib.Path
 ) -> tuple[list[DrafterSample], dict[str, Any]]:
-    """A cached chunk and its meta; a chunk generated from other settings (`ident`) is an error."""
+    """A cached chunk and its meta; a chunk generated from other settings (`ident`) is an error (a key its
+    meta lacks, from before the key existed, is not compared)."""
     chunk, meta = load_chunk(path)
-    old = {k: meta.get(k) for k in ident}
-    if old != ident:
+    old = {k: meta[k] for k in ident if k in meta}
+    if old != {k: ident[k] for k in old}:
         raise ValueError(
             f"{path} was generated with {old} but this config asks for {ident}: use a new workdir "
             f"(or delete {data_dir}) when changing the task, prompts or sampling."
@@ -314,20 +325,35 @@ def _generate(
     return roll, time.perf_counter() - t0
 
 
+def cut_sample(sample: DrafterSample, seq_len: int, context: int, rng: np.random.Generator) -> DrafterSample:
+    """`sample` cut to at most `seq_len` tokens (`config.forward`): unchanged when it fits; else its whole
+    response with as much of the prompt's end as fits, or, for a response longer than seq_len - context, one
+    window of seq_len - context response tokens at a uniformly random start (`rng`) with the `context` tokens
+    before it (`buffer.window_sample`, the spot trainer's cut): long responses are trained on at every depth,
+    not only on their first tokens, at a bounded size per sequence."""
+    if sample.length <= seq_len:
+        return sample
+    if sample.num_response == 0:  # nothing to train on: the prompt's end, for the data's counts
+        return DrafterSample(sample.tokens[-seq_len:], sample.hidden[-seq_len:], sample.loss_mask[-seq_len:])
+    keep = max(int(context), seq_len - sample.num_response)  # the tokens before the window
+    return window_sample(sample, seq_len - keep, keep, rng)
+
+
 def _chunk_samples(
-    job: WarmupConfig, roll: Rollout, count: int, n: int, hidden_fn: HiddenFn
+    job: WarmupConfig, roll: Rollout, count: int, n: int, hidden_fn: HiddenFn, rng: np.random.Generator
 ) -> tuple[list[DrafterSample], float]:
     """The chunk's training samples (prompt + response tokens, target features, loss on the response), from
     the features the engine recorded while generating (every position but the newest token) or, without
-    them, a target forward (`target_hidden_states`); returns them and the features' seconds."""
+    them, a target forward (`target_hidden_states`), each cut to `forward.seq_len` tokens (`cut_sample`,
+    windows drawn from `rng`); returns them and the features' seconds."""
     groups = [list(roll.prompt_tokens[i * n]) for i in range(count)]
     resp = [[roll.response(i * n + k) for k in range(n)] for i in range(count)]
     t0 = time.perf_counter()
-    seq_len = job.forward.seq_len
+    fw = job.forward
     if roll.hidden is not None:  # recorded while generating: every position but the newest token
-        hidden = [[roll.features(g * n + k)[:seq_len] for k in range(n)] for g in range(count)]
+        hidden = [[roll.features(g * n + k) for k in range(n)] for g in range(count)]
     else:
-        hidden = target_hidden_states(hidden_fn, groups, resp, job.forward.rows, seq_len)
+        hidden = target_hidden_states(hidden_fn, groups, resp, fw.rows, fw.seq_len)
     t_fwd = time.perf_counter() - t0
     chunk = []
     for g in range(count):
@@ -335,8 +361,36 @@ def _chunk_samples(
             h = hidden[g][k]
             seq = np.asarray(groups[g] + resp[g][k], np.int32)[: len(h)]
             m = np.arange(len(h)) >= len(groups[g])
-            chunk.append(DrafterSample(seq, _hidden_dtype(job.forward.hidden_dtype, h), m))
+            sample = cut_sample(DrafterSample(seq, h, m), fw.seq_len, fw.context, rng)
+            chunk.append(dataclasses.replace(sample, hidden=_hidden_dtype(fw.hidden_dtype, sample.hidden)))
     return chunk, t_fwd
+
+
+def check_prompts_fit(
+    job: WarmupConfig, task: Any, tokenizer: TextCodec, spans: Sequence[tuple[int, int]]
+) -> None:
+    """Every prompt of the stream `spans` ((start, count) pairs) fits the engine's cache beside a whole
+    response (generation.max_cache_len - max_new_tokens tokens), or one ValueError names how many do not,
+    the longest and the fix, before anything is generated (the engine would stop inside a later batch)."""
+    gen = job.generation
+    room = gen.max_cache_len - gen.max_new_tokens
+    over: list[tuple[int, str]] = []
+    total = 0
+    for start, count in spans:
+        problems, _ = task.batch(start, count)
+        total += len(problems)
+        for p in problems:
+            if (n := len(task.encode_prompt(p, tokenizer))) > room:
+                over.append((n, p.uid))
+    if over:
+        n, uid = max(over)
+        raise ValueError(
+            f"{len(over)} of {total} warm-up prompts are longer than the {room} tokens the engine's cache "
+            f"leaves beside a {gen.max_new_tokens}-token response (generation.max_cache_len="
+            f"{gen.max_cache_len} - max_new_tokens); the longest, {uid!r}, has {n}: raise "
+            f"config.generation.max_cache_len to >= {n + gen.max_new_tokens} (the served run's "
+            "rollout.max_cache_len must hold them too), or drop the long prompts from the data file."
+        )
 
 
 def build_data(
@@ -353,23 +407,24 @@ def build_data(
 
     gen = job.generation
     task = make_task(job.task)
+    n_train, n_eval = gen.num_prompts, job.drafter_eval.num_prompts
+    if n_train + n_eval > len(task):
+        raise ValueError(
+            f"{n_train} training + {n_eval} held-out prompts exceed the task's {len(task)} problems: raise "
+            "config.task.size (a file task: use more rows, or fewer generation.num_prompts / "
+            "drafter_eval.num_prompts; held-out prompts are the last ones of the task's order)."
+        )
+    check_prompts_fit(job, task, tokenizer, [(0, n_train), (len(task) - n_eval, n_eval)])
     engine = warmup_engine(job, target, tokenizer)
-    hidden_fn = make_hidden_fn(target)
     common = dict(
         job=job,
         task=task,
         tokenizer=tokenizer,
         engine=engine,
-        hidden_fn=hidden_fn,
+        hidden_fn=make_hidden_fn(target),
         data_dir=data_dir,
         times=times,
     )
-    n_train, n_eval = gen.num_prompts, job.drafter_eval.num_prompts
-    if n_train + n_eval > len(task):
-        raise ValueError(
-            f"{n_train} training + {n_eval} held-out prompts exceed the task's {len(task)} problems: raise "
-            "job.task.size (held-out prompts are the last ones of the task's order, never trained on)."
-        )
     # training data first: the held-out batch (often smaller) then reuses the engine programs compiled for
     # the smaller batch buckets that compaction visits
     train_samples, train_data = build_split(
