@@ -118,7 +118,10 @@ class RolloutSection(Section):
     matmul_precision: str = "auto"
     stop_strings: tuple[str, ...] = ()
     # the target's hidden states of the prompt and the first `hidden_window` response tokens of every sequence
-    # (drafter training data; recorded whenever the spot trainer runs)
+    # (drafter training data; recorded whenever the spot trainer runs). The spot trainer trains on one
+    # spot.window-token window per sequence at a random depth of this span (spot.window <= hidden_window);
+    # memory: running rows x min(hidden_window, max_new_tokens) x hidden size x dtype per device (replicated
+    # over the model axis; rollout_memory_plan.hidden_line), and as much on the host per harvested row
     record_hidden: bool = False
     hidden_window: int = 512
 
