@@ -87,7 +87,9 @@ def plain_console() -> None:
 
 
 def _steps_in(folder: pathlib.Path) -> str:
-    steps = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+    """The newest steps of a folder of `<step>` (checkpoints) or `step_<step>` (exports) entries."""
+    names = (p.name.removeprefix("step_") for p in folder.iterdir())
+    steps = sorted(int(n) for n in names if n.isdigit())
     return f" (steps {', '.join(map(str, steps[-4:]))})" if steps else " (none yet)"
 
 
@@ -124,7 +126,7 @@ def run_summary(config: mlc.ConfigDict, workdir: str, status: str) -> str:
         rows.append(("metrics", f"{wd / METRICS_FILE} ({len(steps)} logged steps)"))
     if (wd / "samples.jsonl").exists():
         rows.append(("samples", str(wd / "samples.jsonl")))
-    for name in ("checkpoints", "drafter", "train_state"):
+    for name in ("checkpoints", "drafter", "train_state", "exports"):
         if (wd / name).is_dir():
             rows.append((name, f"{wd / name}{_steps_in(wd / name)}"))
     if (wd / PLOT_DIR / PLOT_FILE).exists():
