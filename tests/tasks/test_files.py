@@ -198,3 +198,9 @@ def test_write_parquet_makes_verl_rows(tmp_path) -> None:
     assert task.layout == files.LAYOUTS["verl"] and p.entry["data_source"] == "reasoning_gym/chain_sum"
     assert p.question.endswith("in the form 'Answer: <value>'.") and task.messages(p) == list(p.messages)
     assert task.score(p, f"Answer: {p.answer}").correct
+    # --data-source math_dapo: rows that reward=verl scores with DAPO's check (-1 / +1)
+    args = ["--size", "2", "--data-source", "math_dapo", "--out", str(tmp_path / "dapo.parquet")]
+    task = make_task({"kind": "parquet", "path": str(write_parquet(args)), "reward": "verl"})
+    p = task.problem(0)
+    assert p.entry["data_source"] == "math_dapo" and task.score(p, f"Answer: {p.answer}").reward == 1.0
+    assert task.score(p, "Answer: none").reward == -1.0

@@ -5,10 +5,12 @@
     python -m tlt_jax.tasks.write_parquet --dataset chain_sum --size 64 --seed 1 --split test \\
         --out data/chain_sum_test.parquet --dataset-kwargs '...'
 
-Each row: `data_source` ("reasoning_gym/<dataset>"), `prompt` (chat messages: an optional system message,
-then the question followed by `--instruction`, as VeRL's preprocessing scripts write it), `ability`,
-`reward_model` {style: "rule", ground_truth}, `extra_info` {split, index}. Train on it with
-`--config.task.kind=parquet --config.task.path=data/chain_sum.parquet` (task.layout "auto" finds "verl").
+Each row: `data_source` (`--data-source`, default "reasoning_gym/<dataset>"; "math_dapo" makes rows that
+`task.reward=verl` scores with DAPO's `Answer:` check, the format the default instruction asks for), `prompt`
+(chat messages: an optional system message, then the question followed by `--instruction`, as VeRL's
+preprocessing scripts write it), `ability`, `reward_model` {style: "rule", ground_truth}, `extra_info` {split,
+index}. Train on it with `--config.task.kind=parquet --config.task.path=data/chain_sum.parquet` (task.layout
+"auto" finds "verl").
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def verl_rows(
     instruction: str = DEFAULT_INSTRUCTION,
     system: str = "",
     split: str = "train",
+    data_source: str = "",
 ) -> list[dict]:
     """`size` reasoning-gym problems of `dataset` as VeRL rows (module docstring)."""
     import reasoning_gym
@@ -42,7 +45,7 @@ def verl_rows(
         prompt.append({"role": "user", "content": user})
         rows.append(
             {
-                "data_source": f"reasoning_gym/{dataset}",
+                "data_source": data_source or f"reasoning_gym/{dataset}",
                 "prompt": prompt,
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": str(entry["answer"])},
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     ap.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="appended to each question ('' none)")
     ap.add_argument("--system", default="", help="a system message for every prompt ('' none)")
     ap.add_argument("--split", default="train", help="extra_info.split")
+    ap.add_argument("--data-source", default="", help="the rows' data_source ('' = reasoning_gym/<dataset>)")
     ap.add_argument("--out", required=True, help="the parquet file to write")
     args = ap.parse_args(argv)
     rows = verl_rows(
@@ -82,6 +86,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         args.instruction,
         args.system,
         args.split,
+        args.data_source,
     )
     path = write_parquet_file(rows, args.out)
     print(f"wrote {len(rows)} {args.dataset} problems in VeRL's layout to {path}")
