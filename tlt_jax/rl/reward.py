@@ -1,5 +1,10 @@
 """The RL step's reward phase: every response decoded and scored by the task's verifier (`Task.score`), plus
-DAPO's overlong-response shaping when it is on (config.rl.overlong_buffer > 0)."""
+DAPO's overlong-response shaping when it is on (config.rl.overlong_buffer > 0).
+
+The two compose as verl/workers/reward_manager/dapo.py's DAPORewardManager composes them: reward = the
+checker's score on its scale (`config.task.reward_scale`: VeRL's by default, DAPO's check -1 / +1) + the
+shaping term, no clipping of the sum; its `overlong_buffer.log` entries are `reward/overlong_mean` (the mean
+of its overlong_reward) and `reward/overlong_frac` (of its `overlong`, the share with a penalty)."""
 
 from __future__ import annotations
 
