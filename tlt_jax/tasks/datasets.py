@@ -10,11 +10,13 @@ Kinds (see `make_task`):
   gsm_symbolic 0.01), so `RewardResult.correct` is "verifier score == 1.0", not "reward > 0".
 - "jsonl", "parquet": local data files (`tasks.files`: VeRL's parquet layout, MATH's problem/solution,
   GSM8K-style question/answer; globs and several files), scored by `config.task.reward` (`tasks.rewards`:
-  today's normalised numeric/string equality, math-verify, or DAPO's `Answer:` check).
+  normalised numeric/string equality, math-verify, DAPO's, MATH's or GSM8K's check as VeRL runs them, VeRL's
+  routing by each row's data_source, or a function of the user's).
 
 Every kind but counting takes the prompt keys of `tasks.prompts` (`prompt` preset, `system_prompt`,
-`instruction`, `chat_template`) and the reward keys (`reward`, `think`, `verify_timeout`, `answer_mode`,
-`format_reward`).
+`instruction`, `chat_template`), the reward keys (`reward`, `reward_scale`, `math_verify_mode`, `think`,
+`verify_timeout`, `answer_mode`, `format_reward`) and the over-long prompt keys (`filter_overlong_prompts`,
+`truncation`: tasks.prompt_fit).
 - "counting": a toy task for smoke tests with a tiny random model: a dense reward (the fraction of response
   characters equal to a target digit) that GRPO can raise within a few steps.
 
