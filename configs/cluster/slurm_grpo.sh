@@ -39,13 +39,15 @@
 # Preemption and the time limit. --requeue lets SLURM requeue the job when it is preempted or its node fails.
 # --signal=B:TERM@300 sends SIGTERM to this batch shell (B: only the shell, not the tasks) 300 s before the
 # time limit (SLURM's event resolution can make it up to 60 s earlier). The shell runs srun in the
-# background and forwards the TERM to it; srun forwards it to every task. The learner (PreemptionGuard)
-# then stops at its next safe point, every process at the same one, writes a checkpoint and exits; the
-# job then requeues itself (`scontrol requeue`) and resumes in WORKDIR when it starts again. 300 s is that
-# stop (bounded by the learner, within a chunk or micro-batch) plus the checkpoint write of a 7B run
-# (parameters and AdamW state, ~85 GB over the nodes' shared filesystem) plus the processes' exit; raise it
-# for larger models or slower filesystems (`sbatch --signal=B:TERM@600 ...`). At the time limit itself SLURM
-# sends TERM to everything and KILL after KillWait (30 s by default): too late to save a 7B checkpoint.
+# background and forwards the TERM to it; srun forwards it to every task. The learner then stops every
+# process at the same point (the next rollout chunk, update part or phase boundary), saves the step if it
+# finished it, and exits within config.stop_within seconds (default 150; past it a process exits by
+# itself); the job then requeues itself (`scontrol requeue`) and resumes in WORKDIR when it starts again.
+# The lead must exceed stop_within (which must cover a chunk, an update part and the checkpoint write: a 7B
+# run's parameters and AdamW state are ~85 GB over the nodes' shared filesystem) with room for the exit:
+# raise both for larger models or slower filesystems (`sbatch --signal=B:TERM@600 ... --config.stop_within=450`).
+# At the time limit itself SLURM sends TERM to everything and KILL after KillWait (30 s by default): too late
+# to save a 7B checkpoint.
 #SBATCH --job-name=tlt-grpo
 #SBATCH --nodes=1
 #SBATCH --gpus-per-node=8
