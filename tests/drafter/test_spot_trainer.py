@@ -126,6 +126,9 @@ def test_between_chunks_trains_only_in_the_tail_and_reports_its_cost(model, tmp_
     # one step after every tail chunk once there was data (the first tail chunks may have none yet)
     assert 0 < spot.metrics()["spot/steps"] <= len(tail)
     assert spot.metrics()["spot/added_seconds"] > 0
+    # the staleness probe scored the step's first samples, cut as the buffer cuts them (whatever their length)
+    assert len(spot._fresh) == cfg.eval_samples and all(x.length <= cfg.seq_len for x in spot._fresh)
+    assert 0 <= spot.metrics()["spot/stale_top1"] <= 1
 
     after = SpotTrainer(
         SpotConfig(mode="after_rollout", after_rollout_steps=3, **SPOT), Drafter(model.cfg, nnx.Rngs(1)), eng
@@ -155,6 +158,9 @@ def test_between_chunks_trains_only_in_the_tail_and_reports_its_cost(model, tmp_
 def test_spot_config_and_mesh_errors(model):
     with pytest.raises(ValueError, match="config.spot.mode='sometimes'"):
         SpotConfig(mode="sometimes")
+    long_window = SpotConfig(mode="between_chunks", **{**SPOT, "window": 1024})  # the engine records 512
+    with pytest.raises(ValueError, match="config.spot.window=1024 exceeds config.rollout.hidden_window=512"):
+        SpotTrainer(long_window, Drafter(model.cfg, nnx.Rngs(1)), engine(model, 1))
     with pytest.raises(ValueError, match="idle_devices needs a data axis of >= 2 devices"):
         SpotTrainer(
             SpotConfig(mode="idle_devices", **SPOT), Drafter(model.cfg, nnx.Rngs(1)), engine(model, 1)
