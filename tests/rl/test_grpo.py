@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.rl.batch import TrainBatch
+from tlt_jax.rl.batch import TrainBatch, with_advantages
 from tlt_jax.rl.forward import ForwardOut
 from tlt_jax.rl.grpo import (
     ADVANTAGE_METHODS,
@@ -427,3 +427,7 @@ def test_kl_in_the_reward_hand_values() -> None:
     np.testing.assert_array_equal(got2, got)
     assert metrics == {"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": 0.1}
     assert beta == adaptive.next_coef(0.1, current, 2)
+    # then the advantages of the penalised rewards go into the batch, dropped rows masked out
+    after = with_advantages(batch, np.array([0.5, -0.5]), np.array([True, False]))
+    np.testing.assert_array_equal(after.advantages, [[0.5, -0.5]])
+    np.testing.assert_array_equal(after.response_mask, [[[1, 1], [0, 0]]])
