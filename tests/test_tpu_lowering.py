@@ -87,7 +87,9 @@ class TpuLowering:
     def __init__(self) -> None:
         self.texts: dict[tuple, str] = {}
 
-    def __call__(self, key: tuple, fn: Any, args: tuple, donate: tuple[int, ...] = ()) -> None:
+    def __call__(
+        self, key: tuple, fn: Any, args: tuple, donate: tuple[int, ...] = (), options: Any = None
+    ) -> None:
         traced = jax.jit(fn, donate_argnums=donate).trace(*args)
         self.texts[key] = traced.lower(lowering_platforms=("tpu",)).as_text()
 
@@ -116,10 +118,17 @@ def rollout_programs(s: dict[str, Any], lower: TpuLowering) -> None:
         lower(("chunk", mode), s["engine"]._chunk_fn(prog), args, (2, 4))
 
 
-def check_texts(texts: dict[tuple, str], kernel: str | None) -> None:
-    """No custom call a TPU lacks (CPU FFI kernels, host callbacks); the attention kernel's call (`kernel`:
-    "tpu_custom_call" in a shard_map, "CustomSPMDPartitioning" behind its partitioning rule) iff given."""
+# what `rollout_programs` lowers: the prefill (keyed by `mpp.compile_prefill`) and one chunk per mode
+ROLLOUT_KEYS = {("prefill", ROWS)} | {("chunk", m) for m in ["plain", *STRATEGIES]}
+
+
+def check_texts(texts: dict[tuple, str], kernel: str | None, keys: set[tuple]) -> None:
+    """The programs lowered are `keys` (each key's first two fields), each a StableHLO module; no custom call
+    a TPU lacks (CPU FFI kernels, host callbacks); the attention kernel's call (`kernel`: "tpu_custom_call"
+    in a shard_map, "CustomSPMDPartitioning" behind its partitioning rule) in every program iff given."""
+    assert {k[:2] for k in texts} == keys and len(texts) == len(keys), sorted(map(str, texts))
     for key, text in texts.items():
+        assert "stablehlo." in text and "func.func public @main" in text, f"{key}: no lowered module"
         targets = set(_CUSTOM_CALL.findall(text))
         assert targets <= _TPU_OK, f"{key}: custom calls a TPU cannot run: {sorted(targets - _TPU_OK)}"
         kernels = targets & {"tpu_custom_call", "CustomSPMDPartitioning"}
@@ -154,17 +163,9 @@ def test_rl_step_programs_lower_for_tpu(lower: TpuLowering) -> None:
     mpp.compile_update(config, am, mesh, PROMPT_LEN, RESPONSE_LEN)
     mpp.compile_update(config, am, mesh, PROMPT_LEN, 0)
     mpp.compile_drafter_step(config, am, mesh)
-    kinds = sorted(str(k[:2]) for k in lower.texts)
-    assert len(lower.texts) == 9, kinds
-    assert {k[0] for k in lower.texts} == {
-        "prefill",
-        "chunk",
-        "update_accum",
-        "logprobs",
-        "update_apply",
-        "drafter_step",
-    }
-    check_texts(lower.texts, None)
+    update = {("update_accum", RESPONSE_LEN), ("logprobs", RESPONSE_LEN), ("update_apply",)}
+    cfg = config.spot
+    check_texts(lower.texts, None, ROLLOUT_KEYS | update | {("drafter_step", cfg.rows)})
 
 
 @pytest.mark.devices(4)
@@ -173,7 +174,7 @@ def test_rollout_programs_with_the_mosaic_kernel_lower_for_tpu(as_on_tpu: Any, l
     partitioning rule (each device: its rows and heads)."""
     s = smoke("pallas_tpu", 2, 2)
     rollout_programs(s, lower)
-    check_texts(lower.texts, "CustomSPMDPartitioning")
+    check_texts(lower.texts, "CustomSPMDPartitioning", ROLLOUT_KEYS)
 
 
 def spot_tick(s: dict[str, Any], lower: TpuLowering, mode: str) -> None:
@@ -204,8 +205,7 @@ def test_spot_tick_lowers_for_tpu(lower: TpuLowering) -> None:
     s = smoke("reference", 4, 1)
     for mode in ("plain", STRATEGIES[0]):
         spot_tick(s, lower, mode)
-    assert len(lower.texts) == 2
-    check_texts(lower.texts, None)
+    check_texts(lower.texts, None, {("tick", "plain"), ("tick", STRATEGIES[0])})
 
 
 @pytest.mark.devices(4)
@@ -213,4 +213,4 @@ def test_spot_tick_with_the_mosaic_kernel_lowers_for_tpu(as_on_tpu: Any, lower: 
     """The EAGLE-chain tick with the Mosaic kernel: in the tick's shard_map it lowers to a tpu_custom_call."""
     s = smoke("pallas_tpu", 4, 1)
     spot_tick(s, lower, STRATEGIES[0])
-    check_texts(lower.texts, "tpu_custom_call")
+    check_texts(lower.texts, "tpu_custom_call", {("tick", STRATEGIES[0])})

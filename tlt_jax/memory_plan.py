@@ -24,6 +24,8 @@ import dataclasses
 import functools
 import json
 import pathlib
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -49,7 +51,7 @@ from tlt_jax.rl.config import abstract_policy_trainer
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.interface import EngineConfig
-from tlt_jax.rollout.programs import ProgramCache, ProgramInfo
+from tlt_jax.rollout.programs import ProgramCache, ProgramInfo, memory_fields
 from tlt_jax.rollout.types import DecodeState
 
 
@@ -114,9 +116,21 @@ def with_shardings(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x: sds(x.shape, x.dtype, shardings), tree)
 
 
-def compile_info(key: tuple, fn: Any, args: tuple, donate: tuple[int, ...] = ()) -> ProgramInfo:
+def compile_info(
+    key: tuple,
+    fn: Any,
+    args: tuple,
+    donate: tuple[int, ...] = (),
+    options: Mapping[str, object] | None = None,
+) -> ProgramInfo:
     """Compile `fn` for the abstract `args` (a fresh cache: nothing is kept); the program's `ProgramInfo`,
-    keyed `key` (without the arguments' signature)."""
+    keyed `key` (without the arguments' signature). `options`: XLA compiler options of this compile alone
+    (e.g. tests/experiments/test_memory_plans.py's cheaper CPU code generator; None: the process's)."""
+    if options:
+        t0 = time.perf_counter()
+        jitted = jax.jit(fn, donate_argnums=donate, compiler_options=dict(options))
+        compiled = jitted.lower(*args).compile()
+        return ProgramInfo(key, time.perf_counter() - t0, **memory_fields(compiled))
     cache = ProgramCache()
     cache.compile(key, fn, args, donate)
     return dataclasses.replace(cache.infos()[0], key=key)
@@ -257,11 +271,12 @@ def compile_update(
     prompt_len: int,
     response_len: int,
     logprobs: bool = True,
+    options: Mapping[str, object] | None = None,
 ) -> list[ProgramInfo]:
     """The policy update's programs: at `response_len` the accumulation over one part (forward + backward of
     every micro-batch, the gradient buffer donated) and (`logprobs`) the log-prob forward (old / reference
     log-probs); with response_len 0 the optimizer's apply. Each with the out-shardings `PolicyTrainer` gives
-    it."""
+    it; `options`: `compile_info`'s."""
     t = abstract_trainer(config, am, mesh)
     masters, opt = t.params, t.opt_state
     pin = lambda tree: jax.lax.with_sharding_constraint(tree, t.param_shardings)  # noqa: E731
@@ -275,12 +290,26 @@ def compile_update(
         return pin(p), jax.lax.with_sharding_constraint(o, t.opt_shardings), norms
 
     if not response_len:
-        return [compile_info(("update_apply",), apply, (masters, opt, masters), (0, 1))]
+        return [compile_info(("update_apply",), apply, (masters, opt, masters), (0, 1), options=options)]
     micro, weights = abstract_micro(config, mesh, prompt_len, response_len)
-    out = [compile_info(("update_accum", response_len), accum, (masters, masters, micro, weights), (1,))]
+    args = (masters, masters, micro, weights)
+    out = [compile_info(("update_accum", response_len), accum, args, (1,), options=options)]
     if logprobs:
-        out.append(compile_info(("logprobs", response_len), t._logprobs_fn, (masters, micro)))
+        key = ("logprobs", response_len)
+        out.append(compile_info(key, t._logprobs_fn, (masters, micro), options=options))
     return out
+
+
+def one_device_update(config: mlc.ConfigDict, rows: int = 2) -> mlc.ConfigDict:
+    """A copy of `config` whose update runs on one device: one mini-batch of one prompt x `rows` samples,
+    one micro-batch of `rows` rows; the trainer's layout (scan, remat, chunks, dtypes) as configured. The
+    update micro-step a single GPU can hold at 7B (the GPU suite's `update_7b` runs it), so XLA:GPU's plan
+    and its measured peak can be set beside XLA:CPU's plan of the same program (issue #45)."""
+    c = mlc.ConfigDict(config.to_dict())
+    c.mesh.data, c.mesh.model = 1, 1
+    c.rl.prompts_per_step, c.rl.samples_per_prompt, c.rl.mini_batches = 1, rows, 1
+    c.trainer.micro_batch_size = rows
+    return c
 
 
 def update_plan(

@@ -1,9 +1,11 @@
 """experiments/models/memory_plans.py: the per-layer extrapolation and the GPU estimate's ends (arithmetic),
-the paper's bucketed layout (which program groups each batch bucket compiles), and a smoke run of the script
-(abstract shapes of the 7B config on 8 fake devices; marked `experiments`)."""
+the paper's bucketed layout (which program groups each batch bucket compiles), the 7B update's plan at 2
+layers against its record (experiments/models/update_record.py), and a smoke run of the script (abstract
+shapes of the 7B config on 8 fake devices; marked `experiments`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -16,6 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 from experiments.models import layer_fit as lf  # noqa: E402
 from experiments.models import memory_plans as mp  # noqa: E402
+from experiments.models import update_record as ur  # noqa: E402
 from experiments.paper.program_layouts import layout_programs  # noqa: E402
 from tlt_jax.memory_plan import layout_engine, update_table  # noqa: E402
 from tlt_jax.models.config import tiny_config  # noqa: E402
@@ -27,6 +30,39 @@ from tlt_jax.rollout.programs import ProgramInfo  # noqa: E402
 
 def info(key: tuple, args: int, out: int, temp: int, alias: int = 0) -> ProgramInfo:
     return ProgramInfo(key, 1.0, args, out, temp, 0, alias)
+
+
+# the plan may move this much from its record before the test asks for a new record: what moves it is the
+# program (the trainer's layout, configs/qwen2_5_7b.py's trainer and rl sections, the model code) and XLA
+# (a jax upgrade: fusion decisions and buffer assignment; TEST_OPTIONS' code generator differs from the
+# default by <= 0.34%); not the suite's O0 (LLVM only: the same bytes at O0 and O2, 2026-11-27)
+PLAN_TOLERANCE = 0.02
+
+
+@pytest.mark.devices(8)
+def test_update_plan_at_two_layers_matches_its_record_and_grows_linearly() -> None:
+    """configs/qwen2_5_7b.py's update micro-step (Qwen2.5-7B layer shapes, 2 x 4 mesh, micro-batches of 8
+    rows, 1,024-token prompts) compiled at 2 layers at 8K, 16K and 32K response tokens: its arguments exactly
+    and its plan (arguments + footprint per device) within PLAN_TOLERANCE of the record, and the plan linear
+    in the response length: the growth from 16K to 32K over the growth from 8K to 16K is 2 for a linear
+    plan, 4 for a quadratic one ([T, S] attention scores would add ~7 x 32K^2 x 4 bytes per row at 32K);
+    recorded 1.957, bounds 1.5-2.5."""
+    record = json.loads(ur.TWO_LAYER_RECORD.read_text())
+    assert record["compiler_options"] == ur.TEST_OPTIONS, "the record was made with other options"
+    got = ur.plan_rows("config", ur.TWO_LAYER_LENS, 2, ur.TEST_OPTIONS, full=False)
+    redo = f"if the change is meant, re-record: {record['command']} (and update docs/benchmarks.md's plans)"
+    gib = 2**30
+    for g, want in zip(got, record["programs"], strict=True):
+        assert (g["response_len"], g["program"]) == (want["response_len"], "update_accum")
+        assert g["argument_bytes"] == want["argument_bytes"], f"{g['response_len']}: arguments moved; {redo}"
+        drift = g["plan_bytes"] / want["plan_bytes"] - 1
+        assert abs(drift) <= PLAN_TOLERANCE, (
+            f"{g['response_len']} tokens: plan {g['plan_bytes'] / gib:.3f} GiB per device, recorded "
+            f"{want['plan_bytes'] / gib:.3f} ({drift:+.1%}; jax {record['jax']}, {record['commit']}); {redo}"
+        )
+    p8, p16, p32 = (g["plan_bytes"] for g in got)
+    assert p8 < p16 < p32
+    assert 1.5 <= (p32 - p16) / (p16 - p8) <= 2.5, f"plan not linear in the response length: {p8, p16, p32}"
 
 
 def test_extrapolation_is_linear_in_layers_and_shares_a_bucket_slope() -> None:
