@@ -355,14 +355,26 @@ def test_one_grpo_step_changes_params_and_raises_the_surrogate() -> None:
 
 @pytest.mark.devices(2)
 def test_learner_step_metrics(tmp_path) -> None:
+    """Two steps on 2 data shards, with VeRL's KL in the reward under the adaptive controller: step 1's
+    policy is the reference (KL 0, so beta shrinks by the controller's floor, 1 - 0.2 x rows / horizon),
+    step 2's KL is positive (step 1 learned from DAPO's overlong shaping); the controller's beta goes into
+    the checkpoint."""
     config = smoke_config()
     config.mesh.data = 2
+    config.rl.reward_kl_coef, config.rl.reward_kl_ctrl, config.rl.reward_kl_horizon = 0.01, "adaptive", 64
+    config.rl.overlong_buffer = 8  # rewards that vary with the length: step 1 moves the policy
     learner = Learner(config, str(tmp_path))
     try:
+        first = learner.train_step()
         m = learner.train_step()
-        m = learner.train_step()
+        learner.save()
+        _, meta = learner.ckpt.restore(2)
     finally:
         learner.close()
+    assert first["actor/reward_kl_penalty"] == 0.0 and first["actor/reward_kl_penalty_coeff"] == 0.01
+    beta = 0.01 * (1 - 0.2 * 16 / 64)  # 16 rows a step
+    assert m["actor/reward_kl_penalty"] > 0 and m["actor/reward_kl_penalty_coeff"] == pytest.approx(beta)
+    assert meta["reward_kl_coef"] == pytest.approx(learner.reward_kl_coef) and learner.reward_kl_coef < beta
     for key in (
         "reward/mean",
         "accuracy",
