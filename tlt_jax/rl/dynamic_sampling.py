@@ -14,8 +14,10 @@ the trainer's programs do not change), and says so in `dynamic_sampling/short_gr
 batch (dynamic sampling off) the step is exactly the batch it generated.
 
 Filter metrics (VeRL's names): "acc" the verifier's verdict (`RewardResult.correct`), "score" / "seq_reward"
-the reward the advantages use (verifier score, format bonus and overlong shaping), "seq_final_reward" that
-reward after a KL penalty in the reward (without one: the same as "score").
+the reward the advantages use before any KL penalty (verifier score, format bonus and overlong shaping),
+"seq_final_reward" VeRL's reward after a KL penalty in the reward: here the same as "score", and refused
+together with KL in the reward (its reference pass would run over every generation batch, dropped groups
+included; tlt_jax.config_sections.RLSection).
 """
 
 from __future__ import annotations
