@@ -11,17 +11,21 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 
 import numpy as np
 import pytest
 
 from tlt_jax.utils import distributed as dist
 from tlt_jax.utils.checkpoint import Checkpointer
-from tlt_jax.utils.kill_runs import TINY_SPOT
+from tlt_jax.utils.kill_runs import TINY_SPOT, leftovers
+from tlt_jax.utils.phase import read_phase
 from tlt_jax.utils.tracking import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -463,29 +467,147 @@ def peer_dies_then_resumed_on_one(workdir: pathlib.Path, args: list[str]) -> Non
     assert proc.returncode == 0, err[-6000:]
 
 
-@pytest.mark.slow
-def test_two_processes_equal_one(tmp_path) -> None:
-    """2 steps of TLT on the smoke config (GRPO with n-gram SD rollouts, the spot trainer, the fixed selector)
-    through `python -m tlt_jax.main`, a checkpoint after each step, three ways on the same 4-device mesh:
-    `one` 1 process x 4 devices, uninterrupted; `a` 1 process killed after step 1, resumed as 2 processes x
-    2 devices; `b` 2 processes whose process 1 dies after step 1 (process 0 exits, bounded, saying so),
-    resumed as 1 process. Step 2 of `a` and step 1 of `b` ran on two processes; every step's rewards, losses,
-    SD and spot metrics and every checkpoint (policy, optimizer, spot-trained drafter, rng) equal `one`'s
-    (floats to float32 rounding: `assert_same_state`), so checkpoints cross from 2 processes to 1 and back,
-    and a dead peer costs only the steps since the last."""
-    config = "smoke.py:steps=2,spec=true"
-    runs = {k: tmp_path / k for k in ("one", "a", "b")}
-    args = {k: main_args(w, *TLT, "--config.checkpoint_every=1", config=config) for k, w in runs.items()}
-    proc = one_process(args["one"])
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> pathlib.Path:
+    """2 steps of TLT on the smoke config, 1 process x 4 devices, uninterrupted, a checkpoint after each step:
+    the run the interrupted ones below must equal."""
+    workdir = tmp_path_factory.mktemp("one")
+    proc = one_process(main_args(workdir, *TLT, "--config.checkpoint_every=1", config=CONFIG))
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-6000:]
+    return workdir
+
+
+CONFIG = "smoke.py:steps=2,spec=true"
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one(tmp_path, reference_run) -> None:
+    """2 steps of TLT on the smoke config (GRPO with n-gram SD rollouts, the spot trainer, the fixed selector)
+    through `python -m tlt_jax.main`, a checkpoint after each step, three ways on the same 4-device mesh:
+    `one` 1 process x 4 devices, uninterrupted (`reference_run`); `a` 1 process killed after step 1, resumed
+    as 2 processes x 2 devices; `b` 2 processes whose process 1 dies after step 1 (process 0 exits, bounded,
+    saying so), resumed as 1 process. Step 2 of `a` and step 1 of `b` ran on two processes; every step's
+    rewards, losses, SD and spot metrics and every checkpoint (policy, optimizer, spot-trained drafter, rng)
+    equal `one`'s (floats to float32 rounding: `assert_same_state`), so checkpoints cross from 2 processes to
+    1 and back, and a dead peer costs only the steps since the last."""
+    runs = {k: tmp_path / k for k in ("a", "b")}
+    args = {k: main_args(w, *TLT, "--config.checkpoint_every=1", config=CONFIG) for k, w in runs.items()}
     killed_then_resumed_on_two(runs["a"], args["a"])
     peer_dies_then_resumed_on_one(runs["b"], args["b"])
-    for k in ("a", "b"):
-        assert_same_metrics(runs["one"], runs[k], 2, DETERMINISTIC + TLT_METRICS)
-    for step in (1, 2):
-        want = restore_on_one_device(runs["one"], step)
-        for k in ("a", "b"):
-            assert_same_state(want, restore_on_one_device(runs[k], step, want), f"run {k} step {step}")
+    assert_same_as_reference(reference_run, runs.values())
     rows = read_metrics(runs["a"] / "metrics.jsonl")
     assert rows[-1]["spot/drafter_step"] > 0 and rows[-1]["spec/verify_rounds"] > 0
+
+
+def assert_same_as_reference(reference: pathlib.Path, runs: Iterable[pathlib.Path]) -> None:
+    """Every step's metrics (once each) and checkpoints of `runs` equal the reference run's."""
+    for run in runs:
+        assert_same_metrics(reference, run, 2, DETERMINISTIC + TLT_METRICS)
+    for step in (1, 2):
+        want = restore_on_one_device(reference, step)
+        for run in runs:
+            assert_same_state(want, restore_on_one_device(run, step, want), f"run {run.name} step {step}")
+
+
+# ---- preemption: SIGTERM to one process of two (#47 item 3) ---------------------------------------------
+STOP_WITHIN_S = 120  # --config.stop_within of the runs stopped below: each must end within it, cleanly
+# (phase the signal is sent in, step) -> what both processes must agree on: the stop's kind and where
+STOP_TARGETS = (
+    (("rollout", 1), ("abandoned", ("rollout chunk",))),  # mid-rollout: the next chunk boundary
+    (("update", 1), ("abandoned", ("update start", "update part"))),  # mid-update: a part (or its start)
+    (("checkpoint", 1), ("stopped after", ("",))),  # during step 1's save: the point before step 2
+)
+STOPPED = re.compile(
+    r"^W\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*stop agreed by every process"
+    r"(?: at (?P<where>.+?) of step (?P<step>\d+): step \d+ abandoned|: stopped after step (?P<after>\d+))",
+    re.M,
+)
+RECEIVED = re.compile(r"^W\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*received SIGTERM", re.M)
+
+
+def stop_point(stderr: str) -> tuple[str, str, int, float]:
+    """(kind, where, step, the line's time of day in s) of the stop a process logged."""
+    m = STOPPED.search(stderr)
+    assert m is not None, stderr[-4000:]
+    t = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
+    if m.group("after"):
+        return "stopped after", "", int(m.group("after")), t
+    return "abandoned", m.group("where"), int(m.group("step")), t
+
+
+def stop_one_of_two(
+    workdir: pathlib.Path, args: list[str], phase: str, step: int, expect: tuple[str, tuple[str, ...]]
+) -> dict[str, float]:
+    """2 processes; SIGTERM to process 1 alone once process 0's phase file says `step phase`. Both must
+    exit 0 within STOP_WITHIN_S at the same agreed point, of kind `expect[0]` at one of `expect[1]`;
+    returns the seconds from the signal to the agreement (process 1's log) and to both processes' exit, and
+    the CPU seconds of the two processes."""
+    cmd = MAIN + [*args[:-2], MP, f"--config.stop_within={STOP_WITHIN_S}", *args[-2:]]
+    procs = start(cmd, 2)
+    deadline = time.monotonic() + 600
+    while read_phase(workdir) != (step, phase):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            pytest.fail(
+                f"the run ended or stalled before phase {phase} of step {step}: {read_phase(workdir)}"
+            )
+        time.sleep(0.002)
+    t0, cpu0 = time.monotonic(), children_cpu_s()
+    procs[1].send_signal(signal.SIGTERM)
+    outs = wait_all(procs, STOP_WITHIN_S + 60, f"the stop at {phase} of step {step}")
+    exited = time.monotonic() - t0
+    ok(outs)  # status 0 for both: a clean, agreed stop (the deadline's exit is status 75)
+    assert exited < STOP_WITHIN_S, f"the stop took {exited:.1f} s"
+    assert "received SIGTERM" in outs[1].stderr and "received SIGTERM" not in outs[0].stderr
+    assert "another process received a stop request" in outs[0].stderr
+    points = [stop_point(p.stderr) for p in outs]
+    assert points[0][:3] == points[1][:3], points  # the same point in both processes
+    assert points[0][0] == expect[0] and points[0][1] in expect[1], (phase, points[0])
+    assert all("job grpo: preempted" in p.stderr for p in outs)
+    m = RECEIVED.search(outs[1].stderr)
+    received = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
+    return {"agreed_s": points[1][3] - received, "exited_s": exited, "cpu_s": children_cpu_s() - cpu0}
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_the_same_point(tmp_path, reference_run) -> None:
+    """The stop agreement across processes, one chained run of 2 steps of TLT on the smoke config (as the
+    reference), relaunched after each stop with the same command: 2 processes, SIGTERM to process 1 alone in
+    step 1's rollout (both abandon the step at the next chunk boundary, nothing saved), then in step 1's
+    update (abandoned at an update part boundary), then during step 1's checkpoint (both stop before step 2,
+    step 1 saved); each time both exit 0 within `stop_within` at the same point. Then 1 process x 4 devices
+    runs to the end: every step logged once, metrics and checkpoints equal the uninterrupted run's (the
+    abandoned steps were redone bit-identically). Process 1 compiles every program at each launch (JAX
+    writes the persistent cache from process 0 only, and on CPU the keys differ per process)."""
+    workdir = tmp_path / "chain"
+    args = main_args(workdir, *TLT, "--config.checkpoint_every=1", config=CONFIG)
+    latency, cpu0 = {}, children_cpu_s()
+    for (phase, step), expect in STOP_TARGETS:
+        latency[phase] = stop_one_of_two(workdir, args, phase, step, expect)
+        saved = [1] if phase == "checkpoint" else []
+        logged = read_metrics(workdir / "metrics.jsonl") if (workdir / "metrics.jsonl").exists() else []
+        assert [m["step"] for m in logged] == saved and leftovers(workdir) == [], phase
+        with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
+            assert ckpt.all_steps() == saved, phase
+    proc = one_process(args)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-6000:]
+    assert_same_as_reference(reference_run, [workdir])
+    assert leftovers(workdir) == []
+    parts = " ".join(
+        f"{k}={v['agreed_s']:.2f}/{v['exited_s']:.1f}/{v['cpu_s']:.0f}" for k, v in latency.items()
+    )
+    print(
+        f"RESULT stop_latency_s {parts} (signal -> agreed in process 1 / -> both exited / the launch's "
+        f"CPU s); processes' CPU in all {children_cpu_s() - cpu0:.0f} s"
+    )
+
+
+def children_cpu_s() -> float:
+    """User + system CPU seconds of this process's finished children (the launched runs)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime

@@ -17,6 +17,8 @@ from tlt_jax.rollout.programs import MATMUL_PRECISIONS
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import SpecConfig
 from tlt_jax.utils.config_checks import STR, Section
+from tlt_jax.utils.watchdog import DEFAULT_LIMITS as WATCHDOG_LIMITS
+from tlt_jax.utils.watchdog import limit_problems
 
 JOBS = ("grpo", "drafter_warmup")
 DRAFTER_KINDS = ("none", "ngram", "eagle", "auto")
@@ -33,7 +35,7 @@ class RunSection(Section):
     seed: int = 0
     multiprocess: bool = False  # jax.distributed.initialize() before anything touches a device
     num_steps: int = 10
-    checkpoint_every: int = 5  # save every k steps (and always at the end / on SIGTERM); 0: only then
+    checkpoint_every: int = 5  # save every k steps (and at the end / on a stop between steps); 0: only then
     keep_checkpoints: int = 2
     # the policy and the drafter as HF directories every k steps and at the last (0: off), kept whatever
     # keep_checkpoints removes: W/exports/step_<k>/{policy, drafter, drafter_vllm} (tlt_jax/rl/exports.py)
@@ -44,9 +46,18 @@ class RunSection(Section):
     # persistent XLA compilation cache: "auto" = $TLT_JAX_COMPILATION_CACHE, else ~/.cache/tlt_jax/xla (shared
     # by the runs on a machine: a rerun of a config compiles nothing); a folder; or "" (off)
     compilation_cache_dir: str = "auto"
+    # a stop request (SIGTERM/SIGINT to any process) ends every process within this many seconds: agreed at
+    # the next rollout chunk, update part or phase boundary, or between steps; past it a process exits by
+    # itself (status 75). Must cover a chunk, an update part and a checkpoint write (README "Several
+    # processes / hosts"; SLURM: --signal=TERM@<this + 60>)
+    stop_within: float = 150.0
+    # seconds without progress before a process exits (status 70) naming its phase, per phase kind (0: off)
+    watchdog: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(WATCHDOG_LIMITS))
 
     def problems(self) -> list[str]:
-        out = []
+        out = limit_problems(self.watchdog)
+        if self.stop_within <= 0:
+            out.append(f"config.stop_within={self.stop_within}: must be > 0 seconds.")
         if self.job not in JOBS:
             out.append(f"config.job={self.job!r}: use one of {JOBS}.")
         if self.num_steps < 1:

@@ -2,9 +2,9 @@
 
 `validate_grpo(config)` parses the config (`config_schema.collect`: every section typed, with its own checks)
 and adds the GRPO job's checks across sections (sampling, group size, mini- and micro-batches, the task's keys
-and the task's and eval sets' data files read through, idle_devices needs a data axis). It raises ONE
-ValueError listing every problem, each with the field and the fix, and returns the typed `GrpoConfig` the
-learner is built from.
+and the task's and eval sets' data files read through, idle_devices needs a data axis, meshes known to
+deadlock: rl/mesh_checks.py). It raises ONE ValueError listing every problem, each with the field and the fix,
+and returns the typed `GrpoConfig` the learner is built from.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.batch import micro_problem
 from tlt_jax.rl.evaluation import eval_set_configs
 from tlt_jax.rl.losses import loss_option_problems
+from tlt_jax.rl.mesh_checks import layout_problems
 from tlt_jax.rl.optimizer import OptimConfig
 from tlt_jax.rl.reward import overlong_problems
 from tlt_jax.rl.schedules import decay_updates, schedule_problems
@@ -191,5 +192,6 @@ def validate_grpo(config: mlc.ConfigDict, check_paths: bool = True) -> GrpoConfi
     built, problems = config_schema.collect(config, check_paths)
     problems += rl_problems(config) + task_problems(config.task, check_paths)
     problems += eval_set_problems(config, check_paths)
+    problems += layout_problems(config, check_paths)  # meshes known to deadlock (rl/mesh_checks.py)
     config_schema.fail(problems)
     return GrpoConfig(raw=config, **built)

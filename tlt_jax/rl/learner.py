@@ -16,9 +16,11 @@ Determinism: step s uses the key fold_in(key(seed), s) and the data position sto
 run resumed from step k's checkpoint reproduces an uninterrupted run exactly (samples, metrics, weights).
 Checkpoints (rl/checkpointing.py: policy params, optimizer state, the drafter once, the spot trainer's and
 the selector's state, rng; data position and step in the meta) go out every `config.checkpoint_every` steps,
-at the end, and when SIGTERM/SIGINT arrives (PreemptionGuard). The current phase ("<step> <phase>") is kept
-in `W/.phase` (tlt_jax/utils/phase.py) for whoever watches the process: experiments/checks/kill_loop.py
-SIGKILLs runs at chosen phases and checks that the relaunched run ends bit-identical.
+at the end, and on a stop request (SIGTERM/SIGINT to any process) that lands between steps; every process
+agrees where to stop, mid-step abandoning the step unsaved, and a watchdog ends a process that stops making
+progress (rl/stopping.py). The current phase ("<step> <phase>") is kept in `W/.phase` (tlt_jax/utils/phase.py)
+for whoever watches the process: experiments/checks/kill_loop.py SIGKILLs runs at chosen phases and checks
+that the relaunched run ends bit-identical.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from tlt_jax.rl.spot import (
     save_buffer,
     spot_metrics,
 )
+from tlt_jax.rl.stopping import LoopGuards, PhaseTee
 from tlt_jax.rl.update import old_logprobs, update_policy
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, make_task
@@ -75,13 +78,15 @@ from tlt_jax.utils import compile_stats
 from tlt_jax.utils.checkpoint import Checkpointer
 from tlt_jax.utils.heartbeat import Heartbeat
 from tlt_jax.utils.phase import PhaseFile
-from tlt_jax.utils.preemption import PreemptionGuard
+from tlt_jax.utils.preemption import StopRequested
 from tlt_jax.utils.run_plots import PlotRefresher, append_timeline
 
 
 class Learner:
     """Builds everything from a config, restores the workdir's latest checkpoint if any, and runs steps."""
 
+    guards: LoopGuards | None = None  # while `train` runs: stop agreement and watchdog
+    _saved_step = 0  # the newest step whose checkpoint this process saved or restored
     def __init__(self, config: ml_collections.ConfigDict | GrpoConfig, workdir: str):
         job = config if isinstance(config, GrpoConfig) else rl_config.validate_grpo(config)
         self.job, self.config, self.workdir = job, job.raw, workdir
@@ -197,7 +202,8 @@ class Learner:
             key=key,
             sampling=self.sampling,
             selector=self.selector,
-            watchers=[self.monitor, self.watch, self.spot],  # the watch times a chunk before spot trains
+            # the watch times a chunk before spot trains; then the stop agreement (tlt_jax.rl.stopping)
+            watchers=[self.monitor, self.watch, self.spot, self.guards and self.guards.rollout_hook],
             desc=f"rollout {self.step + 1}",
             progress=self.job.run.progress_bar and self.is_main,
             params=params,
@@ -268,45 +274,67 @@ class Learner:
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def train(self) -> str:
-        """Run until `config.num_steps` (or a SIGTERM/SIGINT). Returns "done" or "preempted"."""
-        run = self.job.run
-        every, num_steps = run.checkpoint_every, run.num_steps
-        status = "done"
+        """Run until `config.num_steps`, or until a stop request (SIGTERM/SIGINT to any process) that every
+        process agrees on, under the watchdog (tlt_jax.rl.stopping). Returns "done" or "preempted"."""
+        num_steps = self.job.run.num_steps
         plots = PlotRefresher(self.workdir, enabled=self.is_main)  # W/plots/run.png (tlt_jax.utils.run_plots)
         status_now = LearnerStatus(self.workdir, self.watch, num_steps)
         heartbeat = Heartbeat(status_now, enabled=self.is_main)  # a line every 10 s of a long phase
+        guards = self.guards = LoopGuards(self.job.run)
+        self.phases = PhaseTee(self.phases, guards)
+        self.trainer.between_parts = guards.update_part
+        self._saved_step = self.step  # restored (or step 0: the seed's initial state)
         try:
-            with PreemptionGuard() as guard, heartbeat:
+            with guards, heartbeat:
                 if self.step == 0 and self.evaluator is not None and self.evaluator.cfg.due(0, num_steps):
                     self.phases.set(0, "eval")
                     with compile_stats.scope("eval"):
                         before = self.evaluator.run()  # the policy before any update
                     if self.trackers is not None:
                         self.trackers.log(0, before)
-                while self.step < num_steps:
-                    metrics = self.train_step()
-                    if self.evaluator is not None and self.evaluator.cfg.due(self.step, num_steps):
-                        self.phases.set(self.step, "eval")
-                        with compile_stats.scope("eval"):
-                            metrics.update(self.evaluator.run())
-                    self._log_compiles(metrics)
-                    if self.trackers is not None:
-                        self.trackers.log(self.step, metrics)
-                    last = self.step == num_steps
-                    if guard.should_stop or last or (every and self.step % every == 0):
-                        self.save()
-                    plots.after_step()  # after the save: a preempted run saves first
-                    if guard.should_stop and not last:
-                        status = "preempted"
-                        logging.warning("stopping at step %d after %s", self.step, guard.received.name)
-                        break
+                status = self._steps(guards, plots)
                 if self.step >= num_steps and self.ckpt.latest_step() != self.step:
                     self.save()  # e.g. resumed at the end of a run that crashed before its final save
             self.phases.set(self.step, "plots")
             plots.final()
         finally:
+            self.trainer.between_parts, self.guards = None, None
             self.close()
+            guards.finish()
         return status
+
+    def _steps(self, guards: LoopGuards, plots: PlotRefresher) -> str:
+        """The steps until `num_steps` ("done") or an agreed stop ("preempted"). Before each step the
+        processes agree whether to stop (then the last step is saved unless it is); inside a step they abandon
+        it unsaved (`StopRequested`) or agree to finish and save it (README "Several processes / hosts")."""
+        every, num_steps = self.job.run.checkpoint_every, self.job.run.num_steps
+        while self.step < num_steps:
+            if guards.between_steps(self.step):
+                if self._saved_step != self.step:
+                    guards.timed_save(self.save)
+                    self._saved_step = self.step
+                logging.warning("stop agreed by every process: stopped after step %d (saved)", self.step)
+                return "preempted"
+            guards.begin_step(saved=self._saved_step == self.step)
+            try:
+                metrics = self.train_step()
+            except StopRequested as e:
+                guards.abandoned(e, self._saved_step)
+                return "preempted"
+            finishing = guards.end_step()  # agreed mid-step: save this step, skip its eval
+            if not finishing and self.evaluator is not None and self.evaluator.cfg.due(self.step, num_steps):
+                self.phases.set(self.step, "eval")
+                with compile_stats.scope("eval"):
+                    metrics.update(self.evaluator.run())
+            metrics.update(guards.metrics())
+            self._log_compiles(metrics)
+            if self.trackers is not None:
+                self.trackers.log(self.step, metrics)
+            if finishing or self.step == num_steps or (every and self.step % every == 0):
+                guards.timed_save(self.save)
+                self._saved_step = self.step
+            plots.after_step()  # after the save: a preempted run saves first
+        return "done"
 
     def _log_compiles(self, metrics: dict[str, float]) -> None:
         """compile/*: what compiled since the last step, per kind (step 1: since the learner was built)."""

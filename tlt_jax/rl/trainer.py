@@ -25,7 +25,7 @@ mini-batch's loss; then the optimizer applies it once. Programs: one accumulatio
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import chex
@@ -100,6 +100,10 @@ class PolicyTrainer:
     constructing it; get weights from `params` / `compute_params()` (the trainer's layout) or
     `rollout_params()` (the engine's).
     """
+
+    # called after each part of `update` with the gradient accumulated so far: the learner's stop agreement
+    # (tlt_jax.rl.stopping), which may raise to abandon the step (the caller then never saves this state)
+    between_parts: Callable[[Any], None] | None = None
 
     def __init__(
         self,
@@ -410,6 +414,8 @@ class PolicyTrainer:
             acc, out = self._accum(self.params, acc, micro, jnp.asarray(w, jnp.float32))
             logps.append(out["logp"])
             sums = merge_stats(sums, out["stats"])
+            if self.between_parts is not None:
+                self.between_parts(acc)
         self.params, self.opt_state, norms = self._apply(self.params, self.opt_state, acc)
         s = {k: float(v) for k, v in jax.device_get({**sums, **norms}).items()}
         return update_metrics(s), logps

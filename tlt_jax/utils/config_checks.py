@@ -38,6 +38,8 @@ RESUMABLE_KEYS = (
     "mesh",
     "wandb",
     "eval.every",
+    "stop_within",  # how a stop or a stall ends the run (tlt_jax/rl/stopping.py)
+    "watchdog",
 )
 # (key, predicate on its value, the allowed range in words) for `range_problems`
 Range = tuple[str, Callable[[Any], bool], str]

@@ -1,0 +1,132 @@
+"""Stopping on request (tlt_jax.utils.preemption): the stop agreement's votes and decisions (the other process
+simulated by the `agree` function, as `process_max` would combine it), the deadline that ends a process
+whose stop does not complete, and signals noted while the main thread is inside a long C call. The two-process
+runs with a real SIGTERM are tests/test_multiprocess.py's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tlt_jax.utils.preemption import (
+    EXIT_STOP_LATE,
+    PreemptionGuard,
+    StopAgreement,
+    StopRequested,
+    Vote,
+    process_max,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def agreement(within_s: float = 30.0) -> tuple[StopAgreement, PreemptionGuard, Clock, list[int]]:
+    """An agreement of this process with one simulated peer whose vote is peer[0]."""
+    clock, peer = Clock(), [int(Vote.GO_ON)]
+    guard = PreemptionGuard(within_s=within_s, exit_fn=lambda code: None, clock=clock)
+    return StopAgreement(guard, agree=lambda v: max(v, peer[0])), guard, clock, peer
+
+
+def test_a_peers_stop_request_stops_this_process_at_the_same_point() -> None:
+    a, guard, clock, peer = agreement()
+    a.begin_step(saved=True)
+    a.mid_step(1, "rollout chunk")  # nobody asked: nothing happens
+    assert not a.between_steps(1) and not guard.should_stop and a.checks == 2
+    peer[0] = Vote.ABANDON  # the other process received SIGTERM
+    a.begin_step(saved=True)
+    with pytest.raises(StopRequested) as e:
+        a.mid_step(2, "update part")
+    assert (e.value.step, e.value.where) == (2, "update part") and a.decided == (2, "update part")
+    assert guard.should_stop and guard.requested_at == clock.t  # this one's deadline runs from here
+    guard.disarm()
+    a2, guard2, _, peer2 = agreement()
+    peer2[0] = Vote.FINISH_STEP
+    assert a2.between_steps(3) and a2.decided == (3, "between_steps")
+    guard2.disarm()
+
+
+def test_mid_step_vote_abandons_unless_finishing_keeps_unsaved_steps_within_the_bound() -> None:
+    a, guard, clock, _ = agreement(within_s=30.0)
+    assert a.mid_step_vote() == Vote.GO_ON
+    guard.request("test")
+    a.begin_step(saved=True)  # abandoning loses only the partial step
+    assert a.mid_step_vote() == Vote.ABANDON
+    a.begin_step(saved=False)  # completed steps unsaved, but no step timed yet in this launch
+    assert a.mid_step_vote() == Vote.ABANDON
+    a.end_step()
+    a.saved(2.0)
+    clock.t += 12.0  # the last step took 12 s, its save 2 s
+    a.begin_step(saved=False)
+    clock.t += 4.0  # request at 100, now 116: 8 s of step + 2 s of save left -> ends at 126, inside 30 s
+    assert a.mid_step_vote() == Vote.FINISH_STEP
+    a.mid_step(3, "rollout chunk")  # agreed: finish (no exception)
+    assert a.finishing
+    clock.t += 10.0  # 126: the step overran its estimate: 2 s of save left -> 128 - 100 <= 30
+    assert a.mid_step_vote() == Vote.FINISH_STEP
+    clock.t += 3.0  # 129 + 2 > 130: would miss the bound
+    assert a.mid_step_vote() == Vote.ABANDON
+    with pytest.raises(StopRequested):
+        a.mid_step(3, "update part")
+    guard.disarm()
+
+
+def test_the_deadline_ends_a_process_whose_stop_does_not_complete(capfd) -> None:
+    exits: list[int] = []
+    with PreemptionGuard(within_s=0.2, describe=lambda: "step 3, phase update", exit_fn=exits.append) as g:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert exits == [EXIT_STOP_LATE] and g.received == signal.SIGTERM
+    err = capfd.readouterr().err
+    assert "stop requested 0.2 s ago did not complete (step 3, phase update)" in err
+    assert "rerun the same command" in err and "config.stop_within" in err
+    exits.clear()
+    with PreemptionGuard(within_s=0.2, exit_fn=exits.append) as g:  # a stop that completes: disarmed
+        g.request("test")
+        g.disarm()
+        time.sleep(0.4)
+    assert exits == []
+
+
+def test_a_signal_is_noted_while_the_main_thread_is_inside_a_long_c_call() -> None:
+    """Python runs its signal handlers only between bytecodes; the wakeup fd notes the signal (and would
+    start the deadline) while the main thread is still inside one C call: here one matrix product sized to
+    last about a second (numpy releases the GIL inside it, as XLA's compiler and runtime do)."""
+    rng = np.random.default_rng(0)
+    small = rng.standard_normal((800, 800))
+    t0 = time.monotonic()
+    small @ small
+    n = int(min(800 * (1.0 / max(time.monotonic() - t0, 1e-4)) ** (1 / 3), 4000))
+    a = rng.standard_normal((n, n))
+    sent: list[float] = []
+
+    def send() -> None:
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with PreemptionGuard() as g:
+        threading.Timer(0.1, send).start()
+        t0 = time.monotonic()
+        a @ a  # one C call
+        back, noted = time.monotonic(), g.requested_at
+    assert back - t0 > 0.4, f"the product took {back - t0:.2f} s: too short to tell"
+    assert sent and noted is not None
+    assert noted - sent[0] < 0.1 and back - noted > 0.15, (sent[0] - t0, noted - t0, back - t0)
+
+
+def test_process_max_on_one_process_is_the_value() -> None:
+    assert (
+        process_max(2) == 2 and process_max(0) == 0
+    )  # no collective (the 2-process path: test_multiprocess)
