@@ -60,7 +60,7 @@ FULL_LENS = (8192, 32768)
 TWO_LAYER_LENS = (8192, 16384, 32768)
 # XLA:CPU's older loop emitters instead of its MLIR fusion emitters: the same HLO, buffer assignment and
 # fusion decisions up to a few fusions (the plan within 0.4% of the default's at 2 layers: the record holds
-# both), at a third of the compile's CPU time (2026-11-27: 4.6 against 12.1 s at 8K)
+# both), at a third of the compile's CPU time (2026-11-28: 4.6 against 12.1 s at 8K)
 TEST_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 UPDATE_OUTSIDE = mpp.UPDATE_OUTSIDE
 
