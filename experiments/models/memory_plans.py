@@ -33,7 +33,7 @@ comes from `rl.config.abstract_policy_trainer` (AdamW moments sharded like the p
 first of --configs, 1,024-token prompts) compiled at full depth (layers scanned: no extrapolation) per
 response length, with the resident state (`memory_plan.update_plan`; RESULT <program>_gib=..
 fits_72gib=yes|no), and the update's compile time scanned vs unrolled at 7 and 28 layers (at the first
-length).
+length). `update_record.py` keeps that plan (8K, 32K; the config's mesh and one device) as JSON records.
 --rollout [--insert-rows 8,64]: instead, the paper's rollout at the config's running-rows cap
 (experiments/models/rollout_plan.py; RESULT <program>_gib=.. fits_72gib=..).
 Final line: `RESULT gib_<layout>_<cfg>=.. peak_<phase>_<cfg>=.. fits_<cfg>=0|1|uncertain ..
