@@ -310,8 +310,8 @@ class RLSection(Section):
     clip_high: float = 0.2  # DAPO clip-higher: 0.28
     # DAPO's dynamic sampling (tlt_jax.rl.dynamic_sampling): groups whose `filter_metric` is the same for
     # every sample are dropped and more prompts generated (batches of `gen_prompts_per_batch`, 0 = the step's
-    # prompts) until the step has `prompts_per_step` groups, or `max_num_gen_batches` batches ran (0: no limit;
-    # then the step trains on what it has, the rest of its rows masked out)
+    # prompts) until the step has `prompts_per_step` groups, or `max_num_gen_batches` batches ran (0: no
+    # limit; then the step trains on what it has, the rest of its rows masked out)
     dynamic_sampling: bool = False
     filter_metric: str = "acc"  # acc (the verifier's verdict) | score | seq_reward | seq_final_reward
     max_num_gen_batches: int = 10
@@ -381,6 +381,12 @@ class RLSection(Section):
             )
         if self.filter_metric not in FILTER_METRICS:
             out.append(f"config.rl.filter_metric={self.filter_metric!r}: use one of {FILTER_METRICS}.")
+        if self.dynamic_sampling and self.filter_metric == "seq_final_reward" and self.reward_kl_coef > 0:
+            out.append(
+                "config.rl.filter_metric='seq_final_reward' with KL in the reward (reward_kl_coef > 0) would "
+                "need the reference pass over every generation batch, dropped groups included: filter on "
+                "'acc' or 'score' (the reward before the KL penalty)."
+            )
         gen = self.gen_prompts_per_batch
         if gen and (gen < self.prompts_per_step or not self.dynamic_sampling):
             out.append(

@@ -31,12 +31,14 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 from absl import logging
 
 from tlt_jax import config_lib
 from tlt_jax.config_schema import GrpoConfig
 from tlt_jax.rl import config as rl_config
-from tlt_jax.rl.advantages import step_advantages, train_batch
+from tlt_jax.rl.advantages import Advantages, step_advantages, train_batch
+from tlt_jax.rl.batch import TrainBatch, with_advantages
 from tlt_jax.rl.checkpointing import (
     CHECKPOINT_DIR,
     checkpoint_state,
@@ -46,6 +48,8 @@ from tlt_jax.rl.checkpointing import (
 )
 from tlt_jax.rl.dynamic_sampling import GenBatch, GroupCollector, StepSamples, generation_key
 from tlt_jax.rl.evaluation import held_out_eval
+from tlt_jax.rl.exports import after_step as export_after_step
+from tlt_jax.rl.kl_reward import reward_kl_penalty
 from tlt_jax.rl.metrics import (
     LearnerStatus,
     RolloutWatch,
@@ -87,6 +91,7 @@ class Learner:
 
     guards: LoopGuards | None = None  # while `train` runs: stop agreement and watchdog
     _saved_step = 0  # the newest step whose checkpoint this process saved or restored
+
     def __init__(self, config: ml_collections.ConfigDict | GrpoConfig, workdir: str):
         job = config if isinstance(config, GrpoConfig) else rl_config.validate_grpo(config)
         self.job, self.config, self.workdir = job, job.raw, workdir
@@ -135,6 +140,7 @@ class Learner:
             self.task = self.evaluator.train_task
         self.base_key = jax.random.key(job.run.seed)
         self.step, self.data_position = 0, 0
+        self.reward_kl_coef = self.plan.reward_kl.coef  # KL in the reward: this step's beta
         self.ckpt = Checkpointer(
             os.path.join(workdir, CHECKPOINT_DIR),
             max_to_keep=job.run.keep_checkpoints,
@@ -173,6 +179,7 @@ class Learner:
             self.spot.load_state_dict(state["spot"])
             self.spot.buffer.load(buffer_dir(self.workdir, latest))
         self.step, self.data_position = int(meta["step"]), int(meta["data_position"])
+        self.reward_kl_coef = float(meta.get("reward_kl_coef", self.reward_kl_coef))
         restore_drafter(self.engine, self.spot, state["drafter"])
         logging.info("restored step %d from %s", self.step, self.ckpt.directory)
 
@@ -186,6 +193,7 @@ class Learner:
         meta = {
             "step": self.step,
             "data_position": self.data_position,
+            "reward_kl_coef": self.reward_kl_coef,  # the adaptive KL-in-reward controller's state
             "num_steps": self.job.run.num_steps,
         }
         info = self.ckpt.save(self.step, self._state(), meta)
@@ -242,6 +250,34 @@ class Learner:
         with clock.phase("reward"):
             return groups.samples(), position
 
+    def _advantages(
+        self, samples: StepSamples, clock: StepClock
+    ) -> tuple[Advantages, TrainBatch, np.ndarray, dict[str, float]]:
+        """The step's advantages, its batch with the log-probs the loss needs, the trainer's old log-probs
+        (engine-gap metric) and the KL-in-reward metrics. With KL in the reward (VeRL's use_kl_in_reward)
+        the reference and old log-probs come first, over every row, and lower the rewards the advantages
+        see (tlt_jax.rl.kl_reward); the adaptive controller's coefficient goes on to the next step."""
+        plan, rollout, rewards = self.plan, samples.batch.rollout, samples.batch.scores.rewards
+        if plan.reward_kl.coef <= 0:
+            with clock.phase("reward"):
+                adv = step_advantages(rewards, plan, keep=samples.keep)
+                batch = train_batch(rollout, adv, plan)
+            with compile_stats.scope("update"), clock.phase("logprob"):
+                batch, train_logp = old_logprobs(self.trainer, batch, plan)
+            return adv, batch, train_logp, {}
+        with clock.phase("reward"):
+            every_row = Advantages(np.zeros(plan.rows, np.float32), np.ones(plan.rows, bool))
+            batch = train_batch(rollout, every_row, plan)
+        with compile_stats.scope("update"), clock.phase("logprob"):
+            batch, train_logp = old_logprobs(self.trainer, batch, plan)
+        with clock.phase("reward"):
+            rewards, kl_metrics, self.reward_kl_coef = reward_kl_penalty(
+                rewards, batch, plan.reward_kl, self.reward_kl_coef
+            )
+            adv = step_advantages(rewards, plan, keep=samples.keep)
+            batch = with_advantages(batch, adv.values, adv.keep)
+        return adv, batch, train_logp, kl_metrics
+
     def train_step(self) -> dict[str, float]:
         """Run step `self.step + 1` (the phases in the module docstring); returns its metrics."""
         step, plan = self.step + 1, self.plan
@@ -249,17 +285,14 @@ class Learner:
         clock = StepClock(self.engine, on_phase=lambda name: self.phases.set(step, name))
         samples, next_position = self._generate(step, key, clock)
         problems, rollout, scores = samples.batch.problems, samples.batch.rollout, samples.batch.scores
-        with clock.phase("reward"):
-            adv = step_advantages(scores.rewards, plan, keep=samples.keep)
-            batch = train_batch(rollout, adv, plan)
-        with compile_stats.scope("update"), clock.phase("logprob"):
-            batch, train_logp = old_logprobs(self.trainer, batch, plan)
+        adv, batch, train_logp, kl_metrics = self._advantages(samples, clock)
         with clock.phase("update"):
             with compile_stats.scope("update"):
                 update = update_policy(self.trainer, batch, rollout.lengths, train_logp, plan)
         self.phases.set(step, "metrics")
         metrics = learning_metrics(step, plan, rollout, scores, adv, update, next_position, clock)
         metrics.update(samples.metrics)  # dynamic sampling's generation batches and groups
+        metrics.update(kl_metrics)  # KL in the reward (VeRL's actor/reward_kl_penalty*)
         metrics.update(engine_gap_metrics(rollout, update, self.trainer.loss.fuse_old_logprobs))
         metrics.update(reward_counts(scores.results))  # checker failures, unclosed think blocks
         metrics.update(self.monitor.metrics(step))
@@ -333,6 +366,7 @@ class Learner:
             if finishing or self.step == num_steps or (every and self.step % every == 0):
                 guards.timed_save(self.save)
                 self._saved_step = self.step
+            export_after_step(self, stopping=finishing)  # W/exports/step_N every config.export_every steps
             plots.after_step()  # after the save: a preempted run saves first
         return "done"
 
