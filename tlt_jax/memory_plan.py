@@ -413,7 +413,7 @@ def resident(config: mlc.ConfigDict, cfg: Any, mesh: Any) -> dict[str, int]:
         "engine_drafter": bytes_per_device(am.dparams),
         "masters": bytes_per_device(masters),
         "optimizer": bytes_per_device(opt),
-        "reference": ref if float(config.rl.kl_coef) > 0 else 0,
+        "reference": ref if float(config.rl.kl_coef) > 0 or float(config.rl.reward_kl_coef) > 0 else 0,
         "drafter_state": bytes_per_device(with_shardings(dstate, rep)),
     }
 

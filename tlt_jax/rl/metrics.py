@@ -166,8 +166,8 @@ def length_metrics(lengths: np.ndarray) -> dict[str, float]:
 
 def scheduled_lr(plan: StepPlan, step: int) -> float:
     """The policy's learning rate at the end of `step`: the trainer's schedule at the step's last optimizer
-    update (`mini_batches` updates per step)."""
-    return float(lr_schedule(plan.optim)(step * plan.mini_batches - 1))
+    update (`updates_per_step`: mini-batches x PPO epochs)."""
+    return float(lr_schedule(plan.optim)(step * plan.updates_per_step - 1))
 
 
 def learning_metrics(
