@@ -12,7 +12,7 @@ import pathlib
 import sys
 from typing import Any
 
-from gpu import gpu_bundle
+from gpu import gpu_bundle, stack
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -95,6 +95,8 @@ def worker_env(out: pathlib.Path, dry: bool) -> None:
         name = f"jax.experimental.pallas.{mod}"
         probe(f"pallas_{mod}", lambda name=name: "imports" if failed_imports((name,)) == "none" else "fails")
     probe("project", project)
+    # the installed stack against the GPU-tested pins (requirements/jax-gpu.txt, setup.py; issue #47)
+    probe("stack", lambda: stack.compare_stack().as_dict())
     probe("bandwidth_gb_s", bandwidth)
     probe("bf16_matmul_tflops", matmul)
     probe("wheels_missing", lambda: failed_imports((*gpu_bundle.IMPORTS, "flax.nnx")))

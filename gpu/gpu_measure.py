@@ -28,7 +28,7 @@ from gpu.gpu_parse import (
 )
 
 if TYPE_CHECKING:
-    from gpu.gpu_suite import Suite
+    from gpu.gpu_runner import Suite
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXP = ROOT / "experiments"

@@ -17,7 +17,7 @@ import shutil
 import sys
 from typing import TYPE_CHECKING, Any
 
-from gpu import gpu_bundle, gpu_measure, gpu_regime, gpu_state
+from gpu import gpu_bundle, gpu_measure, gpu_regime, gpu_rlstep, gpu_state
 from gpu.gpu_parse import (
     PhaseResult,
     as_number,
@@ -30,7 +30,7 @@ from gpu.gpu_parse import (
 )
 
 if TYPE_CHECKING:
-    from gpu.gpu_suite import Suite
+    from gpu.gpu_runner import Suite
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXP = ROOT / "experiments"
@@ -105,6 +105,8 @@ def phase_env(suite: Suite, timeout: float) -> PhaseResult:
     )
     res = PhaseResult("env", metrics={k: info.get(k) for k in keys}, details=info)
     res.metrics["probe_errors"] = len(info.get("probe_errors", {}))
+    differ = (info.get("stack") or {}).get("differ")
+    res.metrics["stack_differ"] = "; ".join(differ) if differ else ("none" if differ == [] else None)
     if proc.timed_out:  # the essentials are written first: what the machine is is still known
         res.status, res.error = "partial", "the env probe timed out after its first measurements"
     if not suite.dry and not info.get("on_gpu") and not suite.allow_cpu:
@@ -324,7 +326,10 @@ def _drafter_result(wd: pathlib.Path, status: str, note: str = "", error: str = 
 
 PHASE_FUNCS = {
     "env": phase_env,
+    "rl_step_7b": gpu_rlstep.phase_rl_step_7b,
     "regime_7b": gpu_regime.phase_regime_7b,
+    "update_7b": gpu_regime.phase_update_7b,
+    "gpu_tests": gpu_rlstep.phase_gpu_tests,
     "kernel_tests": phase_kernel_tests,
     "tree_attention": phase_tree_attention,
     "rollout_tests": phase_rollout_tests,
@@ -332,7 +337,6 @@ PHASE_FUNCS = {
     "decode": phase_decode,
     "identity": gpu_measure.phase_identity,
     "compile": gpu_measure.phase_compile,
-    "update_7b": gpu_regime.phase_update_7b,
     "verify_cost": gpu_measure.phase_verify_cost,
     "drafter": phase_drafter,
     "sd": gpu_measure.phase_sd,

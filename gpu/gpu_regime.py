@@ -1,17 +1,16 @@
-"""The GPU suite's 7B-regime phases (issue #38) and the two-call plan of the 15-minute device budget.
+"""The GPU suite's 7B-regime phases (issues #38, #45): Qwen2.5-7B shapes with random bf16 weights, no model.
 
-  regime_7b   (call 1, no model file) `gpu/regime_7b.py decode,round,drafter,split`: Qwen2.5-7B shapes with
-              random bf16 weights born on the device: plain decode tok/s at batch 1..128, cache 4K / 32K,
-              against the paper's 164.65 tok/s and the roofline of the bandwidth the env phase measured; a
-              speculative round in plain steps at TV 4..64, batch 1..32, split draft / verify / accept /
-              commit; the drafter's training step; every program's first-call compile seconds;
-  update_7b   (call 1, after regime_7b: part a's wheels, no model) `gpu/regime_7b.py update` at 8K then
-              32K response tokens per row: the policy update's micro-step at 7B width with as many layers as
-              the plan says fit, peak memory vs the plan.
+  regime_7b   (call 1) `gpu/regime_7b.py decode,round`: plain decode tok/s at batch 1 and 8 with a 4K and a
+              32K cache against the paper's 164.65 tok/s and the roofline of the bandwidth the env phase
+              measured; a speculative round in plain steps at TV 16, 4 and 48, batch 1 then 8, each at both
+              caches, drafting over the warm-up's 8,192-id head; every program's first-call compile seconds
+              (`--regime-parts` adds the drafter's step and the round's split);
+  update_7b   (call 2; part a's wheels, installed in call 1) `gpu/regime_7b.py update` at 8K then 32K
+              response tokens per row: the policy update's micro-step at 7B width with as many layers as fit,
+              its peak memory beside XLA:GPU's plan of the same program and XLA:CPU's (recorded on a CPU:
+              gpu/update_plan_cpu.json), and whether the update's attention is cuDNN's.
 
-`PLAN` is the budget: per call, each phase's cap and least useful time on the GPU and where the figure comes
-from (the seconds the 2026-11-26 H200 run measured, docs/gpu.md section 2); `plan_lines` prints it with the
-machine's start and each call's transfers, summing to at most `DEVICE_PLAN_S` (12 minutes of the 15 lent).
+The plan of the device calls is gpu_plan.py's.
 """
 
 from __future__ import annotations
@@ -21,88 +20,19 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any
 
+from gpu.gpu_md import table, verdict
 from gpu.gpu_parse import PhaseResult, tail
 
 if TYPE_CHECKING:
-    from gpu.gpu_suite import Suite
+    from gpu.gpu_runner import Suite
 
-DEVICE_PLAN_S = 720.0  # the two calls, the machine's start and the transfers: <= 12 of the 15 minutes
-START_S = 90.0  # a fresh machine's start (the device tool: "1-2 minutes"; counted against the budget)
-CALL_OVERHEAD_S = 25.0  # per call: the transfers (~15-20 s on 2026-11-24), Python's start, the wheels
-REGIME_PARTS = "decode,round,drafter,split"  # priority order: the split takes what is left
+REGIME_PARTS = "decode,round"  # the plan's (the drafter step was measured on 2026-11-26: 16.7 ms)
 UPDATE_LENS = (8192, 32768)
-UPDATE_FIRST_S = 75.0  # the first length's time, even if the second then has none (fit, compile, 2 runs)
+UPDATE_FIRST_S = 35.0  # the first length's time, even if the second then has none (fit, compile, 2 runs)
 WORKER_START_S = 10.0  # of a phase's time: the worker's start before its clock (H200: 2.6-3.1 s) + a margin
-# (phase, cap s, least s, basis) per call, in priority order; `gpu_suite.LIMITS` takes the caps from here.
-# A phase gets its cap less the later phases' least seconds; the bases are the seconds the H200 run of
-# 2026-11-26 measured (docs/gpu.md section 2: call 1 151 s, call 2 236 s, two resumes).
-REGIME_BASIS = (
-    "H200 2026-11-26: the weights' init 35 s cold (1.8 s cached), before the parts' shares; decode's 7 "
-    "cells 59 s cached (7-13 s per cold compile: ~60-90 s), round b1 at 4 TVs ~60 s cold, b1 + b8 + the "
-    "drafter 129 s"
-)
-PLAN: dict[str, list[tuple[str, float, float, str]]] = {
-    "1": [
-        ("env", 25, 10, "H200 2026-11-26: 11 s, 9 s, 7 s, 8 s"),
-        ("regime_7b", 185, 100, REGIME_BASIS),
-        (
-            "update_7b",
-            80,
-            40,
-            "H200 2026-11-26: 8K 31 s + 32K 38 s, cold, 28 layers (an 80 GB GPU fits "
-            "fewer: 2 more compiles per length)",
-        ),
-        (
-            "tree_attention",
-            60,
-            20,
-            "H200 2026-11-26: 55 s, partial (H100 2026-11-24: 116 s for the full table); whatever is left",
-        ),
-    ],
-    "2": [
-        ("env", 25, 10, "H200 2026-11-26: 9 s"),
-        ("model", 15, 5, "H200 2026-11-26: 0.3 s (assembles the GGUF from the stashed parts)"),
-        (
-            "identity",
-            150,
-            90,
-            "H200 2026-11-26: float32 cut at 49 s before its plain rollout; bfloat16's "
-            "plain rollout 19.1 s, cut at 49 s: float32 ~120 s alone, bfloat16 what it leaves",
-        ),
-        (
-            "compile",
-            100,
-            60,
-            "H200 2026-11-26: GRPO step 1 still in its rollout at 100 s (13 programs in "
-            "80 s); a cut reports the compile seconds so far as a lower bound",
-        ),
-    ],
-}
-CALL_BUDGET_S = {"1": 305.0, "2": 265.0}  # each call's --budget-s (the suite's own clock)
 TARGET_TOK_S = 164.65  # the paper's Table 2: Qwen2.5-7B batch 1 on one H100
 TARGET_ROOFLINE = 0.7
 TARGET_ROUND_TV16 = 1.3  # plain steps per round at TV 16, batch 1
-
-
-def plan_lines(measured: dict[str, float] | None = None) -> list[str]:
-    """The two calls' budget (see the module docstring): per phase its cap, least time and basis, with the
-    seconds a run measured when given (a dry run's); last line the total against DEVICE_PLAN_S."""
-    lines = [f"# device plan ({DEVICE_PLAN_S / 60:.0f} min of the 15 lent): machine start {START_S:.0f}s"]
-    total = START_S
-    for call, phases in PLAN.items():
-        budget = CALL_BUDGET_S[call]
-        total += budget + CALL_OVERHEAD_S
-        lines.append(f"#  call {call}: --budget-s {budget:.0f} + {CALL_OVERHEAD_S:.0f}s transfers/start")
-        for name, cap, least, basis in phases:
-            seen = f", this run {measured[name]:.0f}s" if measured and name in measured else ""
-            lines.append(f"#    {name:<15} cap {cap:>4.0f}s  least {least:>3.0f}s  ({basis}{seen})")
-    lines.append(f"#  total {total:.0f}s = {total / 60:.1f} min <= {DEVICE_PLAN_S / 60:.0f} min")
-    return lines
-
-
-def plan_total_s() -> float:
-    """The plan's device seconds: start + both calls' budgets and overheads."""
-    return START_S + sum(b + CALL_OVERHEAD_S for b in CALL_BUDGET_S.values())
 
 
 def _env_args(suite: Suite) -> list[str]:
@@ -158,7 +88,7 @@ def regime_metrics(data: dict[str, Any]) -> dict[str, Any]:
         if "vs_paper" in r:
             m[f"decode_vs_paper_{cell}"] = r["vs_paper"]
     for r in data.get("round", []):
-        m[f"round_steps_b{r['batch']}_tv{r['tv']}"] = r["round_steps"]
+        m[f"round_steps_b{r['batch']}_tv{r['tv']}_c{r['cache']}"] = r["round_steps"]
     for r in data.get("split", []):
         for p in ("draft", "verify", "accept", "commit"):
             m[f"split_{p}_steps_b{r['batch']}_tv{r['tv']}"] = r[f"{p}_steps"]
@@ -218,12 +148,10 @@ def regime_targets(results: dict[str, dict[str, Any]]) -> dict[str, str]:
     """Issue #38's goals: 7B decode at batch 1 (4K cache) >= 164.65 tok/s and >= 0.7 of the roofline; a
     round at TV 16, batch 1 <= 1.3 plain steps; the first GRPO step compiled in <= 60 s, rerun <= 10 s (a
     first run cut after more than 60 s of compiles fails it)."""
-    from gpu.gpu_report import _verdict
-
     m = results.get("regime_7b", {}).get("metrics", {})
     tok = _first(m, r"decode_tok_s_b1_c\d+")
     frac = _first(m, r"decode_roofline_frac_b1_c\d+")
-    rnd = m.get("round_steps_b1_tv16")
+    rnd = _first(m, r"round_steps_b1_tv16_c\d+")
     c = results.get("compile", {}).get("metrics", {})
     first, rerun = c.get("compile_first_s"), c.get("compile_rerun_s")
     num = lambda v: isinstance(v, (int, float))  # noqa: E731
@@ -231,11 +159,9 @@ def regime_targets(results: dict[str, dict[str, Any]]) -> dict[str, str]:
     if first is None and num(low) and low > 60:
         first = low
     return {
-        "decode_7b": _verdict(
-            tok, num(tok) and tok >= TARGET_TOK_S and num(frac) and frac >= TARGET_ROOFLINE
-        ),
-        "round_7b": _verdict(rnd, num(rnd) and rnd <= TARGET_ROUND_TV16),
-        "compile": _verdict(first, num(first) and num(rerun) and first <= 60 and rerun <= 10),
+        "decode_7b": verdict(tok, num(tok) and tok >= TARGET_TOK_S and num(frac) and frac >= TARGET_ROOFLINE),
+        "round_7b": verdict(rnd, num(rnd) and rnd <= TARGET_ROUND_TV16),
+        "compile": verdict(first, num(first) and num(rerun) and first <= 60 and rerun <= 10),
     }
 
 
@@ -248,8 +174,6 @@ def _first(metrics: dict[str, Any], pattern: str) -> Any:
 def regime_md(results: dict[str, dict[str, Any]]) -> list[str]:
     """report.md's 7B sections: decode beside the paper and the roofline, rounds in plain steps beside the
     paper's Table 4, the split, the drafter's step, the update's peak vs the plan, compile seconds, skips."""
-    from gpu.gpu_report import _table
-
     lines: list[str] = []
     for phase in ("regime_7b", "update_7b"):
         d = (results.get(phase) or {}).get("details") or {}
@@ -273,18 +197,19 @@ def regime_md(results: dict[str, dict[str, Any]]) -> list[str]:
                 "of roofline",
                 "vs paper",
             ]
-            lines += _table(head, rows) + [""]
+            lines += table(head, rows) + [""]
         if d.get("round"):
-            rows = [[r["batch"], r["tv"], r["strategy"], r["round_ms"], r["plain_step_ms"], r["round_steps"]]
-                    for r in d["round"]]  # fmt: skip
+            rows = [[r["batch"], r["tv"], r["strategy"], r.get("cache"), r["round_ms"], r["plain_step_ms"],
+                     r["round_steps"]] for r in d["round"]]  # fmt: skip
             lines += ["7B speculative round (the engine's chunk; paper Table 4, Qwen-32B TP4: 3.22x at bs1 "
                       "TV16, 2.48x bs32 TV16, 3.62x bs1 TV64, 1.70x bs32 TV64)", ""]  # fmt: skip
-            lines += _table(["batch", "TV", "strategy", "round ms", "plain ms", "plain steps"], rows) + [""]
+            head = ["batch", "TV", "strategy", "cache", "round ms", "plain ms", "plain steps"]
+            lines += table(head, rows) + [""]
         if d.get("split"):
             ph = ("draft", "verify", "accept", "commit", "round")
             rows = [[r["batch"], r["tv"]] + [r[f"{p}_steps"] for p in ph] for r in d["split"]]
             lines += ["7B round by phase, in plain steps (verify_breakdown's programs)", ""]
-            lines += _table(["batch", "TV", *ph], rows) + [""]
+            lines += table(["batch", "TV", *ph], rows) + [""]
         for r in d.get("drafter", []):
             lines += [
                 f"7B-width drafter step: {r['step_ms']:.1f} ms ({r['rows']} x {r['seq_len']} tokens)",
@@ -297,7 +222,7 @@ def regime_md(results: dict[str, dict[str, Any]]) -> list[str]:
                     for u in ups]  # fmt: skip
             lines += ["7B-width update micro-step (layers: as many as the plan fits)", ""]
             head = ["rows", "prompt", "response", "layers", "step s", "plan GiB", "peak GiB", "peak/plan"]
-            lines += _table(head, rows) + [""]
+            lines += table(head, rows) + [""]
         if compiles:
             lines += [f"{phase} first-call compile seconds: "
                       + ", ".join(f"{c['program']} {c['seconds']:.1f}" for c in compiles), ""]  # fmt: skip

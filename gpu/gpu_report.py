@@ -18,8 +18,9 @@ import time
 from typing import Any
 
 from experiments.lib.harness import pyplot
-from gpu import gpu_regime
-from gpu.gpu_phases import PHASE_FUNCS
+from gpu import gpu_regime, gpu_rlstep
+from gpu.gpu_md import cell, div, table, verdict
+from gpu.gpu_plan import PHASES
 
 MAX_FILES = 8
 
@@ -39,14 +40,8 @@ def load_results(state: pathlib.Path) -> dict[str, dict[str, Any]]:
             out[path.stem] = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-    order = list(PHASE_FUNCS)
+    order = list(PHASES)
     return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
-
-
-def _verdict(value: Any, ok: bool) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "na"
-    return "pass" if ok else "fail"
 
 
 def targets(results: dict[str, dict[str, Any]]) -> dict[str, str]:
@@ -62,12 +57,13 @@ def targets(results: dict[str, dict[str, Any]]) -> dict[str, str]:
     sd = results.get("sd", {}).get("metrics", {}).get("sd_speedup_bs1")
     same = results.get("identity", {}).get("metrics", {}).get("float32_identical_frac_min")
     return {
-        "kernel": _verdict(fast, fast == 1),
-        "decode": _verdict(ratio, isinstance(ratio, float) and ratio > DECODE_TARGET),
-        "decode_fast": _verdict(ratio_fast, isinstance(ratio_fast, float) and ratio_fast > DECODE_TARGET),
-        "sd": _verdict(sd, isinstance(sd, float) and sd >= SD_TARGET),
-        "identity": _verdict(same, isinstance(same, float) and same >= IDENTITY_TARGET),
+        "kernel": verdict(fast, fast == 1),
+        "decode": verdict(ratio, isinstance(ratio, float) and ratio > DECODE_TARGET),
+        "decode_fast": verdict(ratio_fast, isinstance(ratio_fast, float) and ratio_fast > DECODE_TARGET),
+        "sd": verdict(sd, isinstance(sd, float) and sd >= SD_TARGET),
+        "identity": verdict(same, isinstance(same, float) and same >= IDENTITY_TARGET),
         **gpu_regime.regime_targets(results),
+        **gpu_rlstep.rl_step_targets(results),
     }
 
 
@@ -181,16 +177,6 @@ PLOTS = {"tree_attention": plot_tree_attention, "decode": plot_decode, "drafter"
 
 
 # ------------------------------------------------------------------------------------------------ report
-def _cell(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return f"{v:.3g}" if isinstance(v, float) else str(v)
-
-
-def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
-        "| " + " | ".join(_cell(v) for v in row) + " |" for row in rows
-    ]
 
 
 def identity_md(r: dict[str, Any]) -> list[str]:
@@ -207,7 +193,7 @@ def identity_md(r: dict[str, Any]) -> list[str]:
             f"Rollouts identical to plain decoding, {dtype} ({res.get('sequences')} sequences x "
             f"{res.get('new')} tokens, T {meta.get('temperature')}, top-p {meta.get('top_p')}, matmul "
             f"precision {res.get('matmul_precision')}, drafter {drafter}; a plain rerun with the same keys: "
-            f"{_cell(res.get('identical_frac_plain_rerun'))} identical)",
+            f"{cell(res.get('identical_frac_plain_rerun'))} identical)",
             "",
         ]
         rows = []
@@ -219,7 +205,7 @@ def identity_md(r: dict[str, Any]) -> list[str]:
             rows.append([n, s.get("mode"), s.get("identical_frac"), s.get("diverged"), med, flips])
             rows[-1].append(s.get("accept_len"))
         head = ["strategy", "mode", "identical", "diverged", "median first divergence"]
-        out += _table(head + ["gap < 1e-3 / checked", "accept"], rows) + [""]
+        out += table(head + ["gap < 1e-3 / checked", "accept"], rows) + [""]
     return out
 
 
@@ -240,7 +226,7 @@ def tree_attention_md(ta: dict[str, Any]) -> list[str]:
         for r in ta["rows"]
     ]
     rows = [row + [r["ratio"], r["max_err"]] for row, r in zip(rows, ta["rows"], strict=True)]
-    out += _table(head, rows) + [""]
+    out += table(head, rows) + [""]
     cands = (ta.get("tuning") or {}).get("candidates") or []
     if cands:
         out += ["Block-size tuning (coordinate descent; kv_splits = split-K over the cache):", ""]
@@ -249,13 +235,8 @@ def tree_attention_md(ta: dict[str, Any]) -> list[str]:
             [c["block_sizes"].get(k) for k in keys] + [c.get("geomean_ms"), c.get("error", "")[:80]]
             for c in cands
         ]
-        out += _table(keys + ["geomean ms", "error"], rows) + [""]
+        out += table(keys + ["geomean ms", "error"], rows) + [""]
     return out
-
-
-def _div(a: Any, b: Any) -> float | None:
-    ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isfinite(b) and b > 0
-    return a / b if ok else None
 
 
 def decode_md(dec: dict[str, Any]) -> list[str]:
@@ -270,9 +251,9 @@ def decode_md(dec: dict[str, Any]) -> list[str]:
         rows = []
         for r in data["rows"]:
             ours, hf, hf_fast = r["ours_tok_s"], r["hf_tok_s"], r.get("hf_fast_tok_s")
-            rows.append([r["batch"], round(ours), hf, hf_fast, _div(ours, hf), _div(ours, hf_fast)])
+            rows.append([r["batch"], round(ours), hf, hf_fast, div(ours, hf), div(ours, hf_fast)])
             rows[-1] += [r.get("roofline_frac"), r.get("hf_fast_warmup_s")]
-        out += _table(head + ["fast warm-up s"], rows) + [""]
+        out += table(head + ["fast warm-up s"], rows) + [""]
     return out
 
 
@@ -280,7 +261,7 @@ def compile_md(r: dict[str, Any]) -> list[str]:
     m = r.get("metrics") or {}
     if "compile_first_s" not in m:
         return []
-    nums = ", ".join(f"{k} {_cell(v)}" for k, v in m.items())
+    nums = ", ".join(f"{k} {cell(v)}" for k, v in m.items())
     return [f"Compilation, first run vs rerun (compile_time.py --quick): {nums}", ""]
 
 
@@ -294,8 +275,8 @@ def rounds_md(r: dict[str, Any]) -> list[str]:
     cols = list(dict.fromkeys(k for row in rounds for k in row if k not in ("column", "tv")))
     cols = sorted(cols, key=lambda k: (k.endswith("_ms"), k.startswith(("round", "phases"))))  # stable
     rows = [[row["column"], row["tv"]] + [row.get(c) for c in cols] for row in rounds]
-    head = f"Speculative round by phase (bench_verify_cost.py --breakdown; a plain step {_cell(step)} ms)"
-    return [head, ""] + _table(["column", "TV"] + cols, rows) + [""]
+    head = f"Speculative round by phase (bench_verify_cost.py --breakdown; a plain step {cell(step)} ms)"
+    return [head, ""] + table(["column", "TV"] + cols, rows) + [""]
 
 
 def sd_md(sd: dict[str, Any]) -> list[str]:
@@ -303,7 +284,7 @@ def sd_md(sd: dict[str, Any]) -> list[str]:
         return []
     head = ["batch", "column", "strategy", "plain tok/s", "SD tok/s", "speedup", "accept", "round cost"]
     keys = ["batch", "column", "strategy", "plain_tok_s", "sd_tok_s", "speedup", "accept", "round_cost"]
-    return ["SD (bench_sd): speedup (accept length)", ""] + _table(
+    return ["SD (bench_sd): speedup (accept length)", ""] + table(
         head, [[r[k] for k in keys] for r in sd["rows"]]
     )
 
@@ -325,11 +306,13 @@ def report_md(results: dict[str, dict[str, Any]], tgt: dict[str, str], device: s
     ]
     rows = []
     for name, r in results.items():
-        nums = ", ".join(f"{k} {_cell(v)}" for k, v in r.get("metrics", {}).items())
+        nums = ", ".join(f"{k} {cell(v)}" for k, v in r.get("metrics", {}).items())
         rows.append([name, r.get("call"), r.get("status"), f"{r.get('seconds', 0):.0f}", nums])
-    lines += _table(["phase", "call", "status", "seconds", "numbers"], rows)
+    lines += table(["phase", "call", "status", "seconds", "numbers"], rows)
     lines += ["", "Targets (docs/gpu.md): " + ", ".join(f"{k} **{v}**" for k, v in tgt.items()), ""]
+    lines += gpu_rlstep.rl_step_md(results.get("rl_step_7b", {}))
     lines += gpu_regime.regime_md(results)
+    lines += gpu_rlstep.gpu_tests_md(results.get("gpu_tests", {}))
     lines += identity_md(results.get("identity", {}))
     lines += tree_attention_md(results.get("tree_attention", {}).get("details", {}))
     lines += compile_md(results.get("compile", {}))

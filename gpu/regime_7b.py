@@ -53,7 +53,7 @@ from gpu.regime_common import (
     gib,
     tree_bytes,
 )
-from gpu.regime_train import part_drafter, part_update
+from gpu.regime_train import part_drafter, part_update, record_cpu_plan
 
 if TYPE_CHECKING:
     from tlt_jax.models.config import ModelConfig
@@ -61,12 +61,12 @@ if TYPE_CHECKING:
     from tlt_jax.rollout.types import DecodeState
 
 PAPER_PLAIN_TOK_S = 164.65  # the paper's Table 2: Qwen2.5-7B, batch 1, one H100, no SD
-GRID = {  # (GPU, dry run)
-    "decode_batches": ((1, 8, 32, 128), (1, 2)),
+GRID = {  # (GPU, dry run); issue #45: decode at batch 1 and 8, rounds at TV 4/16/48, each at 4K and 32K
+    "decode_batches": ((1, 8), (1, 2)),
     "decode_caches": ((4096, 32768), (256, 512)),
-    "round_batches": ((1, 8, 32), (1,)),
-    "round_tvs": ((16, 4, 64, 48), (4,)),  # TV 16 first: its batch-1 round is a goal (<= 1.3 steps)
-    "round_cache": ((4096,), (256,)),
+    "round_batches": ((1, 8), (1,)),
+    "round_tvs": ((16, 4, 48), (4,)),  # TV 16 first: its batch-1 round is a goal (<= 1.3 steps)
+    "round_caches": ((4096, 32768), (256,)),
 }
 
 
@@ -265,27 +265,34 @@ def part_round(
     g: int,
     modes: dict[int, str],
 ) -> None:
-    """One speculative round per (batch, TV) at the round cache: seconds, and in plain steps of the same
-    batch and cache (the plain engine's, measured here beside it; decode's cell when it ran)."""
-    (cache,) = GRID["round_cache"][g]
+    """One speculative round per (batch, TV, cache) in plain steps of the same batch and cache (the plain
+    engine's step, measured here beside it; decode's programs are reused): per batch, each TV at every
+    cache before the next TV, so a part cut short still has TV 16 at 4K and 32K."""
+    kv_tok = kv_bytes_per_token(engine.model_config, drafter_layers=1)
     for b in GRID["round_batches"][g]:
-        what = f"plain b{b} c{cache}"
-        if not rec.affordable(what, rec.compile_guess + 5.0):
-            return
-        plain = time_chunks(plain_engine, "plain", b, cache, args.reps, rec)["seconds"]
+        plain: dict[int, float] = {}
+        for cache in GRID["round_caches"][g]:
+            what = f"plain b{b} c{cache}"
+            if fits(rec, what, resident_bytes(engine) + b * cache * kv_tok) and rec.affordable(
+                what, rec.compile_guess + 5.0
+            ):
+                plain[cache] = time_chunks(plain_engine, "plain", b, cache, args.reps, rec)["seconds"]
         for tv, mode in modes.items():
-            what = f"round b{b} tv{tv} c{cache}"
-            if not rec.affordable(what, rec.compile_guess + 5.0):
-                continue
-            try:
-                r = time_chunks(engine, mode, b, cache, args.reps, rec)
-            except Exception as e:
-                rec.add("errors", {"what": what, "error": f"{type(e).__name__}: {str(e)[:400]}"})
-                continue
-            row = {"batch": b, "tv": tv, "strategy": mode, "cache": cache, "round_ms": 1e3 * r["seconds"]}
-            row.update(plain_step_ms=1e3 * plain, round_steps=r["seconds"] / plain)
-            print(f"   {what}: {row['round_ms']:.2f} ms = {row['round_steps']:.2f} plain steps", flush=True)
-            rec.add("round", row)
+            for cache, step in plain.items():
+                what = f"round b{b} tv{tv} c{cache}"
+                if not rec.affordable(what, rec.compile_guess + 5.0):
+                    continue
+                try:
+                    r = time_chunks(engine, mode, b, cache, args.reps, rec)
+                except Exception as e:
+                    rec.add("errors", {"what": what, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+                    continue
+                row = {"batch": b, "tv": tv, "strategy": mode, "cache": cache, "round_ms": 1e3 * r["seconds"]}
+                row.update(plain_step_ms=1e3 * step, round_steps=r["seconds"] / step)
+                print(
+                    f"   {what}: {row['round_ms']:.2f} ms = {row['round_steps']:.2f} plain steps", flush=True
+                )
+                rec.add("round", row)
 
 
 def part_split(
@@ -297,7 +304,7 @@ def part_split(
     from tlt_jax.rollout.sampling import SamplingParams
 
     sp, inner = SamplingParams(temperature=0.9), 4
-    (cache,) = GRID["round_cache"][g]
+    cache = GRID["round_caches"][g][0]
     per_build = None  # seconds to compile one mode's phase programs (measured on the first)
     for b in GRID["round_batches"][g]:
         # the plain step's program, then at least one TV's (8 programs, most smaller than a chunk's)
@@ -337,9 +344,9 @@ def setup(rec: Recorder, dry: bool) -> tuple[RolloutEngine, RolloutEngine, dict[
     g = 1 if dry else 0
     plain, engine = build_engines(model_config(dry), rec, 4 if dry else 16, 512 if dry else 2048)
     modes = {tv: engine.add_mode("eagle", strategy(tv)) for tv in GRID["round_tvs"][g]}
-    if dry:  # a device that holds the weights and the first decode cell only: later cells skip
+    if dry:  # a device that holds the weights and the first cell (drafter layer included) only: others skip
         b, c = GRID["decode_batches"][g][0], GRID["decode_caches"][g][0]
-        need = tree_bytes(engine.params) + b * c * kv_bytes_per_token(engine.model_config)
+        need = tree_bytes(engine.params) + b * c * kv_bytes_per_token(engine.model_config, drafter_layers=1)
         SIMULATED_LIMIT[:] = [int(need / FIT_FRACTION) + 1]
         rec.data["meta"]["simulated_limit"] = SIMULATED_LIMIT[0]
     return plain, engine, modes
@@ -416,7 +423,7 @@ def meta(dry: bool, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("parts", help=f"comma-separated, in order: {','.join(SHARES)}")
-    ap.add_argument("--json", required=True, help="the results file (rewritten after every measurement)")
+    ap.add_argument("--json", default="", help="the results file (rewritten after every measurement)")
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--bandwidth-gb-s", type=float, default=0.0, help="the env phase's (for the roofline)")
     ap.add_argument("--matmul-tflops", type=float, default=0.0, help="the env phase's bf16 rate (recorded)")
@@ -424,8 +431,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--update-len", type=int, default=8192, help="update: response tokens per row")
     ap.add_argument("--update-rows", type=int, default=2, help="update: rows (a GRPO group: >= 2)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes (any backend)")
+    ap.add_argument(
+        "--record-cpu-plan", action="store_true", help="update: record XLA:CPU's plan at --update-len (a CPU)"
+    )
     args = ap.parse_args(argv)
     import jax
+
+    if args.record_cpu_plan:
+        record_cpu_plan(args.update_len, args.update_rows)
+        return
+    if not args.json:
+        raise SystemExit("--json is required (the results file)")
 
     dry = args.dry_run or jax.default_backend() == "cpu"
     parts = args.parts.split(",")

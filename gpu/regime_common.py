@@ -11,10 +11,11 @@ from typing import Any
 
 GIB = 2**30
 # of a worker's time after the model's init, per part, in priority order: each part's deadline keeps the later
-# parts' shares (what one part leaves goes to the next). On the H200 (2026-11-26) decode's 7 cells took 59 s
-# with a warm cache (~60-90 s cold: 7-13 s per program), round's b1 at 4 TVs ~60 s cold, b8 ~55 s more, the
-# drafter's step 21 s to compile; the split (8 programs per TV) gets what is left
-SHARES = {"decode": 0.6, "round": 0.38, "drafter": 0.01, "split": 0.01, "update": 1.0}
+# parts' shares (what one part leaves goes to the next). On the H200 (2026-11-26) a cold decode program took
+# 7-9 s to compile (the plan's 4 decode cells: ~40 s), a cold round program 11-13 s (b1 at TV 16/4/48 and two
+# caches: 6 programs, ~75 s; b8 as many more), the drafter's step 21 s; the split (8 programs per TV) gets
+# what is left
+SHARES = {"decode": 0.35, "round": 0.63, "drafter": 0.01, "split": 0.01, "update": 1.0}
 # a program's compile seconds before any has compiled in this process (H200 2026-11-26, cold: the 7B chunk
 # programs 7.4 s (plain b1), 11.0 s (3_1_4), 13.2 s (8_2_16))
 PRIOR_COMPILE_S = 13.0

@@ -19,10 +19,19 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-from gpu import gpu_bundle, gpu_measure, gpu_parse, gpu_regime, gpu_report, gpu_state, gpu_suite  # noqa: E402
+from gpu import (  # noqa: E402
+    gpu_bundle,
+    gpu_measure,
+    gpu_parse,
+    gpu_regime,
+    gpu_report,
+    gpu_rlstep,
+    gpu_state,
+    gpu_suite,
+)
 
 # every phase but the plan's 7B ones, which tests/experiments/test_gpu_plan.py dry-runs (in `make test`)
-LEGACY = tuple(p for p in gpu_suite.PHASES if p not in ("regime_7b", "update_7b"))
+LEGACY = tuple(p for p in gpu_suite.PHASES if p not in ("rl_step_7b", "regime_7b", "update_7b"))
 
 
 @pytest.mark.slow
@@ -83,9 +92,11 @@ def test_dry_run_end_to_end(tmp_path: pathlib.Path) -> None:
     assert phases["decode"]["metrics"]["float32_ours_tok_s_bs1"] > 0
     assert phases["drafter"]["metrics"]["train_steps"] == 2 and phases["drafter"]["details"]["loss_curve"]
     assert (out / "state" / "drafter_tiny" / "drafter").is_dir()
-    assert set(summary["targets"]) == {"kernel", "decode", "decode_fast", "sd", "identity"} | set(
+    assert set(summary["targets"]) == {"kernel", "decode", "decode_fast", "sd", "identity", "rl_step"} | set(
         gpu_regime.regime_targets({})
     )
+    named = phases["gpu_tests"]["details"]["named"]  # the two make test skips: skipped on a CPU too
+    assert set(named) == set(gpu_rlstep.SKIPPED_ON_CPU) and set(named.values()) == {"skipped"}
     for png in ("tree_attention.png", "decode.png", "drafter.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     assert "## GPU suite" in (out / "report.md").read_text()
@@ -173,7 +184,7 @@ def test_targets_verdicts() -> None:
     res["decode"]["metrics"]["bfloat16_ratio_vs_hf_fast_bs1"] = 0.8
     res["identity"] = {"metrics": {"float32_identical_frac_min": 1.0, "bfloat16_identical_frac_min": 0.3}}
     want = {"kernel": "pass", "decode": "pass", "decode_fast": "fail", "sd": "fail", "identity": "pass"}
-    want |= {"decode_7b": "na", "round_7b": "na", "compile": "na"}  # issue #38's (test_gpu_plan.py)
+    want |= {"decode_7b": "na", "round_7b": "na", "compile": "na", "rl_step": "na"}  # test_gpu_plan.py
     assert gpu_report.targets(res) == want
     assert set(gpu_report.targets({}).values()) == {"na"}
 
@@ -389,3 +400,70 @@ def test_report_sections() -> None:
     assert "| 4 | 64 | 64 | - | 2 | inf | JaxRuntimeError: scf.for |" in md  # the split-K candidate failed
     assert "compile_first_s 12.5, compile_rerun_s 0.5" in md
     assert "| 1 | 770 | 35 | 350 | 22 | 2.2 | 0.1 | 40 |" in md
+
+
+# ---- the package's shape ------------------------------------------------------------------------------
+
+# gpu/'s modules, bottom first: each imports (at any depth, TYPE_CHECKING included) only from lower layers
+GPU_LAYERS = [
+    {"gpu_bundle", "gpu_plan", "gpu_parse", "gpu_md", "regime_common", "stack", "rl_step_plan"},
+    {"gpu_state", "gpu_env", "regime_train", "rl_step_run"},
+    {"gpu_runner", "regime_7b"},
+    {"gpu_measure", "gpu_regime", "gpu_rlstep"},
+    {"gpu_phases"},
+    {"gpu_report"},
+    {"gpu_suite"},
+]
+
+
+def gpu_imports(path: pathlib.Path) -> set[str]:
+    """The gpu modules a file imports (`import gpu.x`, `from gpu import x`, `from gpu.x import y`), read with
+    ast at any depth (inside functions and `if TYPE_CHECKING:` too)."""
+    import ast
+
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("gpu.")}
+        elif isinstance(node, ast.ImportFrom) and node.module == "gpu":
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpu."):
+            out.add(node.module.split(".")[1])
+    return out - {path.stem}
+
+
+def test_gpu_modules_import_one_way() -> None:
+    """No circle of imports in gpu/: every module sits in one layer of GPU_LAYERS and imports only from the
+    layers below it (one direction each; the shared pieces at the bottom: the plan, the parsers, markdown)."""
+    layer = {m: i for i, ms in enumerate(GPU_LAYERS) for m in ms}
+    files = {p.stem: p for p in (ROOT / "gpu").glob("*.py") if p.stem != "__init__"}
+    assert set(files) == set(layer), f"gpu modules without a layer (or gone): {set(files) ^ set(layer)}"
+    bad = [
+        f"{m} (layer {layer[m]}) imports {d} (layer {layer[d]})"
+        for m, path in files.items()
+        for d in sorted(gpu_imports(path))
+        if layer[d] >= layer[m]
+    ]
+    assert not bad, "gpu imports that do not point down:\n" + "\n".join(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.experiments
+def test_rl_step_worker_plans_the_programs_of_its_config(tmp_path: pathlib.Path) -> None:
+    """gpu/rl_step_run.py with the whole plan after a tiny run (the GPU's parts; the make-test dry run takes
+    the resident state only): the update's apply, accumulation and log-prob programs and the rollout's
+    programs with the composed spot tick, each need = arguments + footprint + what lives beside it."""
+    js, wd = tmp_path / "rl.json", tmp_path / "w"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    cmd = [sys.executable, "-m", "gpu.rl_step_run", "--json", str(js), "--plan", "update,rollout", "--"]
+    cmd += [f"--config={gpu_rlstep.CONFIG}:layers=1,steps=1,tiny", f"--workdir={wd}"]
+    cmd += [f"--config.compilation_cache_dir={tmp_path / 'cache'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    plan = json.loads(js.read_text())["plan"]
+    kinds = {(p["kind"], p["program"].split()[0]) for p in plan["programs"]}
+    assert {("update", "update_apply"), ("update", "update_accum"), ("update", "logprobs")} <= kinds
+    assert {("rollout", "prompt"), ("rollout", "plain"), ("rollout", "sd"), ("rollout", "spot")} <= kinds
+    assert all(p["need"] == p["args"] + p["footprint"] + p["outside"] > 0 for p in plan["programs"])
+    assert plan["need_max"] == max(p["need"] for p in plan["programs"]) and not plan["skipped"]

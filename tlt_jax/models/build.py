@@ -26,6 +26,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.models.random_init import NoTextTokenizer, ShardFn, random_model
 from tlt_jax.models.tokenizer import ByteTokenizer, Tokenizer
+from tlt_jax.tasks.synthetic import TokenIdCodec, is_token_task, token_codec
 
 DTYPES = ("float32", "bfloat16")
 INITS = ("auto", "checkpoint", "random")  # auto: checkpoint with a path, random for a tiny architecture
@@ -35,7 +36,7 @@ TEXT_JOBS = {
     "drafter_warmup": "its training data is generated from text prompts",
 }
 # what build_model_and_tokenizer returns: a real tokenizer, or ids and stop tokens only (random weights)
-TextCodec = Tokenizer | NoTextTokenizer
+TextCodec = Tokenizer | NoTextTokenizer | TokenIdCodec  # the last: a token task's ids (tasks.synthetic)
 
 
 def _linear_impl(config: mlc.ConfigDict) -> str:
@@ -80,7 +81,7 @@ def _arch_problems(config: mlc.ConfigDict, arch: str, init: str, text_jobs: bool
             "the path, or load it with --config.model.init=auto."
         )
     job = config.get("job")
-    if text_jobs and job in TEXT_JOBS:
+    if text_jobs and job in TEXT_JOBS and not is_token_task(config.get("task")):  # ids: no text needed
         out.append(
             f"config.job={job!r} needs meaningful text ({TEXT_JOBS[job]}), but config.model.init=random "
             f"gives {arch} random weights and no tokenizer: train on real weights ({_weights_hint(arch)}); "
@@ -187,7 +188,9 @@ def build_model_and_tokenizer(
         cfg = model_config_from(config)
         eos = [i for i in presets.EOS_TOKEN_IDS if i < cfg.vocab_size] or [cfg.vocab_size - 1]
         fix = f"For text, load real weights: {_weights_hint(arch)}."
-        tokenizer = NoTextTokenizer(cfg.vocab_size, eos, f"config.model.arch={arch!r}", fix)
+        tokenizer = token_codec(config.get("task"), cfg.vocab_size) or NoTextTokenizer(
+            cfg.vocab_size, eos, f"config.model.arch={arch!r}", fix
+        )
         return random_model(cfg, int(config.seed), shard_fn), tokenizer
     tokenizer = ByteTokenizer()
     cfg = ModelConfig(

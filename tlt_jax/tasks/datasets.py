@@ -43,6 +43,7 @@ from tlt_jax.tasks.base import ChatTokenizer, Problem, PromptLimit, PromptTokeni
 from tlt_jax.tasks.files import JsonlTask, ParquetTask
 from tlt_jax.tasks.prompts import encode_prompt, prompt_messages, prompt_text, resolve_prompt
 from tlt_jax.tasks.rewards import ReferenceScorer
+from tlt_jax.tasks.synthetic import SyntheticTask
 
 
 class ReasoningGymTask(Task):
@@ -217,6 +218,7 @@ TASK_KINDS: dict[str, type[Task]] = {
     "jsonl": JsonlTask,
     "parquet": ParquetTask,
     "counting": CountingTask,
+    "synthetic": SyntheticTask,  # token ids, no text (tasks/synthetic.py)
 }
 FILE_KINDS = ("jsonl", "parquet")  # read from `path` (validation reads them through)
 
