@@ -538,7 +538,7 @@ def stop_point(stderr: str) -> tuple[str, str, int, float]:
 
 def stop_one_of_two(
     workdir: pathlib.Path, args: list[str], phase: str, step: int, expect: tuple[str, tuple[str, ...]]
-) -> dict[str, float]:
+) -> dict[str, float | str]:
     """2 processes; SIGTERM to process 1 alone once process 0's phase file says `step phase`. Both must
     exit 0 within STOP_WITHIN_S at the same agreed point, of kind `expect[0]` at one of `expect[1]`;
     returns the seconds from the signal to the agreement (process 1's log) and to both processes' exit, and
@@ -568,7 +568,8 @@ def stop_one_of_two(
     assert all("job grpo: preempted" in p.stderr for p in outs)
     m = RECEIVED.search(outs[1].stderr)
     received = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
-    return {"agreed_s": points[1][3] - received, "exited_s": exited, "cpu_s": children_cpu_s() - cpu0}
+    seconds = {"agreed_s": points[1][3] - received, "exited_s": exited, "cpu_s": children_cpu_s() - cpu0}
+    return {**seconds, "where": points[0][1] or "between steps"}
 
 
 @pytest.mark.slow
@@ -597,7 +598,8 @@ def test_sigterm_to_one_process_stops_both_at_the_same_point(tmp_path, reference
     assert_same_as_reference(reference_run, [workdir])
     assert leftovers(workdir) == []
     parts = " ".join(
-        f"{k}={v['agreed_s']:.2f}/{v['exited_s']:.1f}/{v['cpu_s']:.0f}" for k, v in latency.items()
+        f"{k}={v['agreed_s']:.2f}/{v['exited_s']:.1f}/{v['cpu_s']:.0f}({v['where']})"
+        for k, v in latency.items()
     )
     print(
         f"RESULT stop_latency_s {parts} (signal -> agreed in process 1 / -> both exited / the launch's "
@@ -611,3 +613,35 @@ def children_cpu_s() -> float:
 
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
+
+
+# the same stops once the programs are compiled (each launch's first step compiles them in process 1), for
+# docs/benchmarks.md: ((phase, step), expected stop) per launch of one 6-step run, in order
+STEADY_TARGETS = (
+    (("rollout", 4), ("abandoned", ("rollout chunk",))),
+    (("update", 5), ("abandoned", ("update start", "update part"))),  # resumed from 3
+    (("checkpoint", 5), ("stopped after", ("",))),  # resumed from 4
+)
+
+
+@pytest.mark.experiments
+def test_stop_latency_after_compilation(tmp_path) -> None:
+    """Measurement, not in `make test` (`pytest -m experiments -s tests/test_multiprocess.py -k latency`): the
+    stops of the test above in steps whose programs process 1 has compiled in the same launch, and what one
+    agreement point costs on CPU (gloo), from process 0's `stop/check_s` / `stop/checks` of every step after
+    a launch's first."""
+    workdir = tmp_path / "steady"
+    args = main_args(workdir, *TLT, "--config.checkpoint_every=1", config="smoke.py:steps=6,spec=true")
+    latency = {}
+    for (phase, step), expect in STEADY_TARGETS:
+        latency[f"{phase}@{step}"] = stop_one_of_two(workdir, args, phase, step, expect)
+    rows = read_metrics(workdir / "metrics.jsonl")
+    firsts = {1, 4, 5}  # each launch's first step (from scratch, resumed from checkpoints 3 and 4)
+    steady = [r for r in rows if r["step"] not in firsts]
+    per_check_ms = 1e3 * sum(r["stop/check_s"] for r in steady) / sum(r["stop/checks"] for r in steady)
+    parts = " ".join(f"{k}={v['agreed_s']:.2f}/{v['exited_s']:.1f}({v['where']})" for k, v in latency.items())
+    print(
+        f"RESULT stop_latency_s {parts} (signal -> agreed in process 1 / -> both exited); agreement "
+        f"{per_check_ms:.1f} ms x {steady[0]['stop/checks']:.0f} per step, steps "
+        f"{[round(r['time/step'], 2) for r in steady]} s"
+    )

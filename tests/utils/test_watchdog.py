@@ -63,16 +63,20 @@ def test_a_stalled_phase_is_named_past_its_kinds_limit() -> None:
 
 
 def test_the_thread_exits_on_a_stall_and_not_while_beating(capfd) -> None:
-    exits: list[int] = []
-    with Watchdog({"other": 0.3}, {}, exit_fn=exits.append, poll=0.02) as wd:
+    """The real thread on a fake clock: 10 s of beats every 0.1 s under a 0.3 s limit, then a stall."""
+    clock, exits = Clock(), []
+    kw = dict(exit_fn=exits.append, poll=0.005, clock=clock, compiles=Compiles())
+    with Watchdog({"other": 0.3}, {}, **kw) as wd:
         wd.phase(1, "reward")
-        for _ in range(25):  # 0.5 s of beats every 0.02 s
-            time.sleep(0.02)
+        for _ in range(100):
+            clock.t += 0.1
             wd.beat()
+            time.sleep(0.002)  # the thread polls in between
         assert exits == []
-        deadline = time.monotonic() + 5
+        clock.t += 0.5
+        deadline = time.monotonic() + 10
         while not exits and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(0.01)
     assert exits == [EXIT_STALLED] and wd.fired is not None and "phase 'reward' of step 1" in wd.fired
     assert "error: watchdog: no progress" in capfd.readouterr().err
 
