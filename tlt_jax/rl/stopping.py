@@ -11,6 +11,7 @@ rollout's chunks and the update's parts are SPMD programs over all of them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -120,7 +121,7 @@ class LoopGuards:
         self.watchdog.beat()
         return self.agreement.between_steps(step)
 
-    def timed_save(self, save: Any) -> None:
+    def timed_save(self, save: Callable[[], None]) -> None:
         """Run `save()` and record how long it blocked (what a finishing step's estimate adds)."""
         t0 = time.monotonic()
         save()
@@ -133,14 +134,16 @@ class LoopGuards:
         return {"stop/checks": float(a.checks - n), "stop/check_s": a.check_seconds - s}
 
     def abandoned(self, e: StopRequested, saved_step: int) -> None:
+        """Log the agreed abandonment of step `e.step` (both processes write the same line)."""
         self.in_step = False
+        resume = f"step {saved_step}'s checkpoint" if saved_step else "the start (no checkpoint yet)"
         logging.warning(
-            "stop agreed by every process at %s of step %d: step %d abandoned (not saved); the resume "
-            "point is step %d's checkpoint",
+            "stop agreed by every process at %s of step %d: step %d abandoned (not saved); a rerun "
+            "resumes from %s",
             e.where,
             e.step,
             e.step,
-            saved_step,
+            resume,
         )
 
     def __enter__(self) -> LoopGuards:
