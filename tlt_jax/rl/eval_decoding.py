@@ -14,7 +14,10 @@ trainer runs, the drafter it trains: `Learner.weights`), so speculation runs as 
 Why not let the selector choose and learn as in training: its choices draw from its key and its rewards move
 its windows, so a run's training would differ with and without evaluation (and its checkpoints with them);
 and exploration would spend evaluation time on arms the selector already rates slower. Why not only the
-threshold switch: the selector knows where SD pays on this hardware, for the arms it has measured.
+threshold switch: the selector knows where SD pays on this hardware, for the arms it has measured. Early in a
+run BEG-MAB trusts plain first (its reference arm gets `min_plays` before the others), so the first
+evaluations after training started may decode plain in buckets where the threshold switch would speculate:
+what the selector currently believes, not a guess.
 The spot trainer, the speculation monitor and the console's rollout watch are not hooks of an evaluation: its
 rollouts feed neither the drafter's data nor the training step's metrics. The engine is shared, so its
 compiled programs are too (a chunk program is keyed by batch and cache bucket, mode group and sampling).
@@ -76,14 +79,10 @@ class FrozenSelector(RolloutHooks):
     def __init__(self, policy: BanditPolicy):
         self.cfg = policy.cfg
         self.state = shd.to_host_tree(policy.state)  # a copy: nothing the evaluation does reaches the policy
-        self.chosen: dict[str, int] = {}
 
     def choose_mode(self, running: int, batch_bucket: int) -> str | None:
         del batch_bucket
-        arm = exploit_arm(self.cfg, self.state, running)
-        if arm is not None:
-            self.chosen[arm] = self.chosen.get(arm, 0) + 1
-        return arm
+        return exploit_arm(self.cfg, self.state, running)
 
 
 @dataclasses.dataclass(frozen=True)
