@@ -8,7 +8,7 @@
   update_7b   (call 2; part a's wheels, installed in call 1) `gpu/regime_7b.py update` at 8K then 32K
               response tokens per row: the policy update's micro-step at 7B width with as many layers as fit,
               its peak memory beside XLA:GPU's plan of the same program and XLA:CPU's (recorded on a CPU:
-              gpu/update_plan_cpu.json), and whether the update's attention is cuDNN's.
+              experiments/models/update_plans_7b.json), and whether the update's attention is cuDNN's.
 
 The plan of the device calls is gpu_plan.py's.
 """

@@ -3,10 +3,17 @@ runs the checks and benchmarks the paper's numbers need, each phase in subproces
 budget, and leaves JSON + PNG results under --out ($OUT on the device machine) and `RESULT` lines last.
 
 Phases (docs/gpu.md says what each measures and the targets they are judged by):
-  env             versions, device, memory bandwidth (device copy) and bf16 matmul rate, Pallas backends
+  env             versions, the stack against requirements/jax-gpu.txt (gpu/stack.py), device, memory
+                  bandwidth (device copy) and bf16 matmul rate, Pallas backends
+  rl_step_7b      gpu_rlstep.py: `python -m tlt_jax.main` with configs/qwen2_5_7b_gpu_step.py (Qwen2.5-7B
+                  layer shapes, random bf16 weights, the token task): time to step 1 from a cold cache, the
+                  steps' parts, peak memory per learner phase vs the memory plans of the same config
   regime_7b       gpu/regime_7b.py: Qwen2.5-7B shapes, random bf16 weights on the device: plain decode at
-                  batch 1..128 x cache 4K/32K vs the paper and the roofline, a speculative round in plain
-                  steps (TV 4..64, batch 1..32) split draft/verify/accept, the drafter's step, compile times
+                  batch 1 and 8 x cache 4K/32K vs the paper and the roofline, a speculative round in plain
+                  steps (TV 16/4/48 at 4K and 32K, batch 1 then 8), compile times (+ drafter step, split)
+  update_7b       gpu/regime_7b.py update: the 7B-width update micro-step at 8K / 32K tokens per row, as
+                  many layers as fit, peak memory vs XLA:GPU's and XLA:CPU's plans, cuDNN attention
+  gpu_tests       the tests make test skips for want of a GPU and the kernels' test files, compiled
   kernel_tests    tests/kernels/test_tree_attention.py with the kernel compiled by Triton (not interpreted)
   tree_attention  experiments/bench/bench_tree_attention.py --tune: block sizes (split-K included) tuned,
                   kernel vs jnp reference
@@ -15,8 +22,6 @@ Phases (docs/gpu.md says what each measures and the targets they are judged by):
   decode          experiments/bench/bench_decode.py, bfloat16 then float32, vs HF's dynamic-cache, fast paths
   identity        experiments/checks/sd_identity.py: SD rollouts identical to plain ones (bfloat16, float32)
   compile         experiments/bench/compile_time.py --quick: compile time, first run vs rerun (if it exists)
-  update_7b       gpu/regime_7b.py update: the 7B-width update micro-step at 8K / 32K tokens per row, as
-                  many layers as fit, peak memory vs the plan
   verify_cost     experiments/bench/bench_verify_cost.py --quick --breakdown: a verify round's phases (if
                   supported)
   drafter         the drafter warm-up (configs/drafter_warmup.py:gpu), cut at a checkpoint if out of time
@@ -24,11 +29,11 @@ Phases (docs/gpu.md says what each measures and the targets they are judged by):
   e2e             experiments/paper/e2e_speedup.py --quick, when the script exists
 
 A task is lent a GPU for 15 minutes of device time in all (start, transfers and idle time included), so the
-plan is two calls (gpu_regime.PLAN: <= 12 minutes with the machine's start, printed at every call); the 98
+plan is two calls (gpu_plan.PLAN: <= 13 minutes with the machine's start, printed at every call); the 98
 MB model cannot travel in one call (64 MiB), so each call carries one part of `make gpu-bundle`'s
 .gpu_bundle, which the suite copies into its state folder on arrival:
-  --call 1  (305 s)  env, regime_7b, update_7b, tree_attention  carry .gpu_bundle/a (wheels, model part 1)
-  --call 2  (265 s)  env, model, identity, compile              carry .gpu_bundle/b (model part 2)
+  --call 1  (320 s)  env, rl_step_7b, regime_7b                               carry .gpu_bundle/a (wheels)
+  --call 2  (320 s)  env, model, gpu_tests, identity, update_7b, compile      carry .gpu_bundle/b (model)
   --call 3, --call 4 (570 / 540 s): the other phases, for a session with a longer lease
 State that later calls use (the bundle parts, the model, wheels, tuned block sizes, the drafter, the XLA and
 inductor caches, every phase's result) lives outside the repository (gpu_state.py: --state-dir, else
@@ -37,7 +42,7 @@ $TLT_GPU_STATE, else /root/keep/gpu_suite); `--resume` runs the phases that have
     python3 -m gpu.gpu_suite --call 1 --out $OUT              # on the device machine
     python3 -m gpu.gpu_suite --resume --call plan --out $OUT  # what the plan's calls have not finished
     python -m gpu.gpu_suite --dry-run                          # CPU: tiny shapes, interpret mode
-    python -m gpu.gpu_suite --dry-run --phases regime_7b,update_7b   # the plan's new phases (make test)
+    python -m gpu.gpu_suite --dry-run --phases rl_step_7b,regime_7b,update_7b   # the 7B phases (make test)
     python -m gpu.gpu_suite --phases decode,sd --budget-s 300  # any subset
 
 Exit status 0 when no phase failed or timed out (partial and skipped phases are reported, not failures).

@@ -53,7 +53,7 @@ from gpu.regime_common import (
     gib,
     tree_bytes,
 )
-from gpu.regime_train import part_drafter, part_update, record_cpu_plan
+from gpu.regime_train import part_drafter, part_update
 
 if TYPE_CHECKING:
     from tlt_jax.models.config import ModelConfig
@@ -431,15 +431,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--update-len", type=int, default=8192, help="update: response tokens per row")
     ap.add_argument("--update-rows", type=int, default=2, help="update: rows (a GRPO group: >= 2)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes (any backend)")
-    ap.add_argument(
-        "--record-cpu-plan", action="store_true", help="update: record XLA:CPU's plan at --update-len (a CPU)"
-    )
     args = ap.parse_args(argv)
     import jax
 
-    if args.record_cpu_plan:
-        record_cpu_plan(args.update_len, args.update_rows)
-        return
     if not args.json:
         raise SystemExit("--json is required (the results file)")
 

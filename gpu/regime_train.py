@@ -14,9 +14,8 @@ if TYPE_CHECKING:
 
 from gpu.regime_common import FIT_FRACTION, GIB, TINY, Recorder, bytes_in_use, device_limit, peak_bytes
 
-CPU_PLAN = pathlib.Path(__file__).with_name(
-    "update_plan_cpu.json"
-)  # XLA:CPU's update plans (record_cpu_plan)
+# XLA:CPU's plans of the update (experiments/models/update_record.py), what update_7b sets its own beside
+CPU_PLAN = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "models" / "update_plans_7b.json"
 DRAFTER_COMPILE_S = 21.0  # the drafter's step at 7B width: 21.3 s to compile on the H200 (2026-11-26)
 
 
@@ -92,11 +91,9 @@ def part_drafter(rec: Recorder, args: argparse.Namespace, dry: bool) -> None:
 def update_config(dry: bool, rows: int) -> ml_collections.ConfigDict:
     """configs/qwen2_5_7b.py's trainer on one device: one micro-batch of `rows` rows per step (one prompt x
     `rows` samples, one mini-batch), everything else (scan, remat, FSDP, chunks, dtypes) as configured."""
-    config = load_7b_config(dry)
-    config.mesh.data, config.mesh.model = 1, 1
-    config.rl.prompts_per_step, config.rl.samples_per_prompt, config.rl.mini_batches = 1, rows, 1
-    config.trainer.micro_batch_size = rows
-    return config
+    from tlt_jax import memory_plan as mpp
+
+    return mpp.one_device_update(load_7b_config(dry), rows)  # the program the CPU record compiles
 
 
 def update_program(
@@ -212,7 +209,7 @@ def part_update(rec: Recorder, args: argparse.Namespace, dry: bool) -> None:
     row.update(first_call_s=times[0], step_s=times[-1], peak_bytes=peak)
     row["peak_over_plan"] = peak / plan if peak else None
     row.update(attention_calls(compiled))
-    row.update(cpu_plan_fields(plan_key(config, layers, prompt_len, args.update_len, args.update_rows), row))
+    row.update(cpu_plan_fields(row))
     print(
         f"   {what} at {layers} layers: {times[-1]:.2f}s, plan {plan / GIB:.2f} GiB, peak {peak}", flush=True
     )
@@ -226,69 +223,26 @@ def attention_calls(compiled: Any) -> dict[str, int]:
     return {"cudnn_fmha_calls": text.count("__cudnn$fmha"), "cudnn_custom_calls": text.count("__cudnn$")}
 
 
-def plan_key(
-    config: ml_collections.ConfigDict, layers: int, prompt_len: int, response_len: int, rows: int
-) -> str:
-    """An update plan's record key: the model's width, vocabulary and depth, and the micro-batch."""
-    from tlt_jax.models.build import model_config_from
-
-    cfg = model_config_from(config)
-    return f"h{cfg.hidden_size}_v{cfg.vocab_size}_l{layers}_{rows}x({prompt_len}+{response_len})"
-
-
-def cpu_plan_fields(key: str, row: dict[str, Any]) -> dict[str, Any]:
-    """XLA:CPU's plan of the same update program (`record_cpu_plan`'s file, made on a CPU), beside XLA:GPU's
-    (`row["plan_bytes"]`) and the measured peak; None where nothing was recorded for `key`."""
+def cpu_plan_fields(row: dict[str, Any]) -> dict[str, Any]:
+    """XLA:CPU's plan of the same update program (`experiments/models/update_plans_7b.json`, layout
+    "one_device": `python -m experiments.models.update_record` on a CPU, jax 0.10.2), beside XLA:GPU's
+    (`row["plan_bytes"]`) and the measured peak; None where the record has no row of these shapes (another
+    depth: an 80 GB GPU fits fewer than 28 layers)."""
     import json
 
-    recorded = json.loads(CPU_PLAN.read_text()).get(key) if CPU_PLAN.exists() else None
-    if not recorded:
-        return {"cpu_plan_bytes": None, "cpu_plan_key": key}
-    cpu = recorded["plan_bytes"]
-    peak = row.get("peak_bytes")
+    want = {"layout": "one_device", "program": "update_accum", "micro_batch_rows": row["rows"]}
+    want |= {"prompt_len": row["prompt_len"], "response_len": row["response_len"], "layers": row["layers"]}
+    rows = json.loads(CPU_PLAN.read_text()).get("programs", []) if CPU_PLAN.exists() else []
+    found = next((r for r in rows if all(r.get(k) == v for k, v in want.items())), None)
+    if found is None:
+        return {"cpu_plan_bytes": None, "cpu_plan_record": f"{CPU_PLAN.name}: no row {want}"}
+    cpu, peak = found["plan_bytes"], row.get("peak_bytes")
     return {
         "cpu_plan_bytes": cpu,
-        "cpu_plan_key": key,
-        "cpu_plan_jax": recorded.get("jax"),
+        "cpu_plan_record": CPU_PLAN.name,
         "cpu_over_gpu_plan": cpu / row["plan_bytes"] if row.get("plan_bytes") else None,
         "peak_over_cpu_plan": peak / cpu if peak else None,
     }
-
-
-def record_cpu_plan(response_len: int, rows: int, path: pathlib.Path | None = None) -> dict[str, Any]:
-    """Compile the 7B update (configs/qwen2_5_7b.py's trainer, all its layers, one device, `rows` x (1,024 +
-    `response_len`)) with XLA:CPU and record its plan in `path` (default CPU_PLAN), as the README's memory
-    plans are made: what the GPU's `update_7b` compares its own plan and peak with."""
-    import json
-
-    import jax
-
-    from tlt_jax.models.build import model_config_from
-
-    if jax.default_backend() != "cpu":
-        raise SystemExit("--record-cpu-plan is XLA:CPU's plan: run it with JAX_PLATFORMS=cpu")
-    path = path or CPU_PLAN
-    config, prompt_len = update_config(False, rows), 1024
-    layers = model_config_from(config).num_layers
-    t = time.perf_counter()
-    _, info, _ = update_program(config, layers, prompt_len, response_len)
-    entry = {
-        "plan_bytes": info.argument_bytes + info.footprint_bytes,
-        "argument_bytes": info.argument_bytes,
-        "temp_bytes": info.temp_bytes,
-        "output_bytes": info.output_bytes,
-        "alias_bytes": info.alias_bytes,
-        "code_bytes": info.code_bytes,
-        "compile_s": round(time.perf_counter() - t, 1),
-        "jax": jax.__version__,
-        "recorded": time.strftime("%Y-%m-%d"),
-    }
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data[plan_key(config, layers, prompt_len, response_len, rows)] = entry
-    path.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")
-    print(f"XLA:CPU plan of the update at {layers} layers, {rows} x ({prompt_len} + {response_len}): "
-          f"{entry['plan_bytes'] / GIB:.2f} GiB (compiled in {entry['compile_s']} s) -> {path}")  # fmt: skip
-    return entry
 
 
 # ---- main -------------------------------------------------------------------------------------------

@@ -182,6 +182,21 @@ def test_rl_step_numbers_from_its_steps_timeline_and_plan(tmp_path: pathlib.Path
     assert "step 1 ended 122 s after the start" in md and "update_accum 1024" in md
 
 
+def test_update_row_reads_xla_cpu_plan_of_the_same_program() -> None:
+    """update_7b's row beside XLA:CPU's recorded plan of the same one-device program (28 layers, 2 x (1,024
+    + 8,192)): the CPU over the GPU plan and the peak over the CPU plan; no row for another depth."""
+    from gpu import regime_train
+
+    gib = 2**30
+    row = {"rows": 2, "prompt_len": 1024, "response_len": 8192, "layers": 28}
+    row |= {"plan_bytes": 100 * gib, "peak_bytes": 110 * gib}
+    got = regime_train.cpu_plan_fields(row)
+    assert got["cpu_plan_bytes"] / gib == pytest.approx(101.05, abs=0.01)
+    assert got["cpu_over_gpu_plan"] == pytest.approx(1.0105, abs=1e-4)
+    assert got["peak_over_cpu_plan"] == pytest.approx(110 / 101.05, abs=1e-3)
+    assert regime_train.cpu_plan_fields({**row, "layers": 20})["cpu_plan_bytes"] is None
+
+
 def test_measured_costs_are_exact_at_measured_cells(tmp_path: pathlib.Path) -> None:
     """The measured cost model returns the measured seconds at every measured cell and the roofline's shape
     scaled by the nearest cells' ratio elsewhere (flat beyond the ends)."""
