@@ -46,6 +46,11 @@ Args (`configs/tlt.py:drafter=ngram,steps=10,seed=0`):
            every task key (tlt_jax.tasks.datasets.task_config) overridable as --config.task.<key>=...
   eval_data: a benchmark file evaluated as config.eval.sets.bench (4 samples of its first 8 problems:
            mean@4, pass@k) before training, every eval.every steps (2 with quick) and at the end.
+  dapo: DAPO's algorithm as VeRL's recipe runs it (config_lib.dapo_algorithm, configs/recipes/) at this
+           CPU's size: clip 0.2 / 0.28, token-mean loss, no KL, dynamic sampling on the verdict (generation
+           batches of the step's 8 prompts, up to 10), overlong shaping over the last 64 of 384 tokens,
+           rewards routed by data_source (write the file with `write_parquet --data-source math_dapo`), 4
+           samples per prompt at T 1.0; the optimizer stays this config's (lr 1e-4: 1e-6 moves nothing here).
 """
 
 from tlt_jax import config_lib, config_schema
@@ -80,6 +85,7 @@ def get_config(arg: str | None = None):
         runlocal=False,
         data="",
         eval_data="",
+        dapo=False,
     )
     c = config_schema.base_config()
     c.seed = arg.seed
@@ -151,6 +157,10 @@ def get_config(arg: str | None = None):
         c.eval.sets = {"bench": dict(path=arg.eval_data, samples=4, max_prompts=8)}
         c.eval.every = c.eval.every or 2
         c.eval.prompts = c.eval.prompts if c.eval.every == 5 else 0  # quick: the set only, no held-out split
+
+    if arg.dapo:
+        config_lib.dapo_algorithm(c, samples=4, overlong_buffer=64, eval_samples=4)
+        c.rl.gen_prompts_per_batch = c.rl.prompts_per_step  # 32 rows a batch: this CPU's rollout size
 
     c.trainer.micro_batch_size = 8
     c.trainer.train_layers = 10  # the top 10 of 30 layers: ~2x cheaper update on this CPU

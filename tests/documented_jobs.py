@@ -52,6 +52,7 @@ JOBS = (
     Job("smoke", "configs/smoke.py"),
     Job("qwen2.5-0.5b runlocal", "configs/qwen2_5_0_5b.py:runlocal"),
     Job("qwen2.5-7b runlocal", "configs/qwen2_5_7b.py:runlocal"),
+    Job("dapo recipe runlocal", "configs/recipes/dapo_qwen2_5_7b.py:runlocal"),
     # the cluster command's shape: --config.model.path=<HF dir> on the config's tensor-parallel mesh
     Job("qwen2.5-7b from an HF directory", "configs/qwen2_5_7b.py", hf_dir=True),
     Job("qwen2.5-32b runlocal", "configs/qwen2_5_32b.py:runlocal"),

@@ -226,6 +226,32 @@ def paper_grpo(
     return c
 
 
+def dapo_algorithm(
+    c: mlc.ConfigDict, samples: int = 16, overlong_buffer: int = 4096, eval_samples: int = 32
+) -> mlc.ConfigDict:
+    """DAPO's algorithm as VeRL's recipe runs it (recipe/dapo/run_dapo_qwen2.5_32b.sh, test_dapo_7b_math.sh;
+    Yu et al. 2025): `samples` per prompt at T 1.0, clip-higher 0.2 / 0.28 with dual-clip 10, token-mean
+    loss, GRPO advantages over VeRL's unbiased std, no KL anywhere, no entropy bonus, dynamic sampling on
+    the verdict (`acc`, up to 10 generation batches of 3x the step's prompts), overlong shaping over the
+    last `overlong_buffer` tokens (penalty 1), rewards routed by the rows' data_source on VeRL's scale (DAPO's
+    check -1 / +1), and evaluations at T 1.0 / top-p 0.7 with `eval_samples` samples (the DAPO paper's
+    avg@32 on AIME). Sizes, the optimizer and the response cap are the caller's (configs/recipes/)."""
+    rl = c.rl
+    rl.samples_per_prompt = samples
+    rl.advantage, rl.adv_std, rl.loss_agg = "grpo", "unbiased", "token_mean"
+    rl.clip_low, rl.clip_high, rl.clip_ratio_c = 0.2, 0.28, 10.0
+    rl.kl_coef, rl.reward_kl_coef, rl.entropy_coeff = 0.0, 0.0, 0.0
+    rl.dynamic_sampling, rl.filter_metric, rl.max_num_gen_batches = True, "acc", 10
+    rl.gen_prompts_per_batch = 3 * rl.prompts_per_step
+    rl.overlong_buffer, rl.overlong_penalty = overlong_buffer, 1.0
+    c.rollout.temperature, c.rollout.top_p, c.rollout.top_k = 1.0, 1.0, 0
+    if c.task.get("kind") in ("parquet", "jsonl"):
+        c.task.reward, c.task.reward_scale = "verl", "verl"
+    c.eval.samples, c.eval.temperature, c.eval.top_p = eval_samples, 1.0, 0.7
+    c.eval.before_train = True
+    return c
+
+
 # the arguments of the paper configs (configs/qwen2_5_{7b,32b}.py): `paper_grpo`'s, runlocal, `paper_tlt`'s
 PAPER_ARGS: dict[str, Any] = dict(
     dataset="gsm_symbolic",
