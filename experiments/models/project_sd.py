@@ -30,7 +30,10 @@ Tables: Table 2 (batch 1 tokens/s without / with SD; paper Qwen-7B H100 164.65 /
 With `--measured JSON` (a GPU call's 7B costs: `docs/gpu_runs/<date>-<device>/summary.json` of the GPU
 suite's call 1, issue #38), the projection's costs are the measured plain steps and rounds at Qwen2.5-7B
 shape (fixed per-kernel costs included) instead of the roofline (`measured_costs.py`: the roofline only
-interpolates between measured cells); the output says which inputs are measured and which assumed.
+interpolates between measured cells, rounds by cache too); Table 2 also at every other cache bucket the call
+measured (RESULT keys suffixed `_c<cache>`); the output says which inputs are measured and which assumed, and
+a BIAS line what still biases the projection (rounds at one cache only, batch buckets not measured, the
+acceptance's source).
 
     python -m experiments.models.project_sd
     python -m experiments.models.project_sd --measured docs/gpu_runs/<date>-<device>/summary.json
@@ -293,36 +296,59 @@ def print_projection(gpu: dict[str, Any], cache: int) -> tuple[dict[str, float],
     return res, tables
 
 
+def accept_bias(gpu: dict[str, Any]) -> str:
+    """What the acceptance sources still are (for the measured projections' bias line)."""
+    return (
+        "accept: ours = the warmed SmolLM2-135M EAGLE drafter's sampled per-position acceptance on the "
+        f"{gpu['device']} (the --gpu-run's; a 135M target's drafter, not a 7B's), paper = Table 6 (during "
+        "RL), both placed over TV by bench_sd's SmolLM2 curve"
+    )
+
+
+def measured_t2(costs: Any, sources: dict[str, Accept], cache: int, measured: bool) -> dict[str, float]:
+    """Table 2 (batch 1) at one cache bucket from the measured costs (`measured`: rounds measured at that
+    cache): plain tok/s and per source the best TV's speedup (accept / the round in plain steps); RESULT
+    keys, suffixed by the cache."""
+    plain = 1.0 / costs.plain(1, cache)
+    res: dict[str, float] = {f"measured_t2_plain_tok_s_c{cache}": plain}
+    note = "" if measured else "; no round measured at this cache: see BIAS"
+    print(
+        f"\nTable 2 (batch 1, cache {cache}): plain {plain:.0f} tok/s (paper {PAPER_T2['plain_tok_s']}{note})"
+    )
+    print(f"{'source':>11} {'TV':>3} {'accept':>6} {'round':>6} {'SD tok/s':>9} {'speedup':>7}")
+    for name, acc in sources.items():
+        best = max(TVS, key=lambda tv: acc(tv) / costs.round(1, tv, cache))
+        rc = costs.round_steps(1, best, cache)
+        sp = acc(best) / rc
+        print(f"{name:>11} {best:>3} {acc(best):>6.2f} {rc:>6.2f} {plain * sp:>9.0f} {sp:>6.2f}x")
+        res[f"measured_t2_speedup_{name}_c{cache}"] = sp
+    return res
+
+
 def print_measured(gpu: dict[str, Any], path: str, cache: int) -> tuple[dict[str, float], dict]:
     """Tables 2 and 4 for Qwen2.5-7B with the costs a GPU call measured at 7B shape (`measured_costs`), the
-    acceptance sources as in the roofline projection; RESULT keys prefixed `measured_`."""
+    acceptance sources as in the roofline projection; Table 2 also at every other cache bucket the call
+    measured; the bias line. RESULT keys prefixed `measured_` (at `cache` without a cache suffix)."""
     from experiments.models import measured_costs as mc
 
     m = mc.load(path)
     costs = mc.measured_costs(m)
     print("\nPROJECTION FROM MEASURED COSTS (Qwen2.5-7B shapes, random weights on the device):")
     print("\n".join(mc.describe(m, costs)))
+    print(mc.bias(m, costs, list(BATCHES), accept_bias(gpu)))
     sources = accept_sources(gpu)
-    plain = 1.0 / costs.plain(1, cache)
-    res: dict[str, float] = {"measured_t2_plain_tok_s": plain}
-    print(f"\nTable 2 (batch 1, cache {cache}): plain {plain:.0f} tok/s (paper {PAPER_T2['plain_tok_s']})")
-    print(f"{'source':>11} {'TV':>3} {'accept':>6} {'round':>6} {'SD tok/s':>9} {'speedup':>7}")
-    for name, acc in sources.items():
-        best = max(TVS, key=lambda tv: acc(tv) / costs.round(1, tv, cache))
-        rc = costs.round(1, best, cache) / costs.plain(1, cache)
-        sp = acc(best) / rc
-        print(f"{name:>11} {best:>3} {acc(best):>6.2f} {rc:>6.2f} {plain * sp:>9.0f} {sp:>6.2f}x")
-        res[f"measured_t2_speedup_{name}"] = sp
+    res: dict[str, float] = {}
+    for c in sorted({cache, *m["round_cache"], *(c for _, c in m["plain"])}):
+        t2 = measured_t2(costs, sources, c, c in m["round_cache"])
+        res |= {k.removesuffix(f"_c{cache}"): v for k, v in t2.items()}
     tables = {}
     for name in ("ours", "paper"):
         t = table4(costs, sources[name], cache)
         tables[f"measured_{name}"] = t
-        print(f"\nTable 4 from measured costs, accept from {name}: speedup (round in plain steps)")
+        print(f"\nTable 4 from measured costs, cache {cache}, accept {name}: speedup (round in plain steps)")
         print(f"{'batch':>5} " + " ".join(f"{f'tv{tv}':>13}" for tv in TVS))
         for b in BATCHES:
-            cells = [
-                f"{t[b, tv]:.2f}x ({costs.round(b, tv, cache) / costs.plain(b, cache):.2f})" for tv in TVS
-            ]
+            cells = [f"{t[b, tv]:.2f}x ({costs.round_steps(b, tv, cache):.2f})" for tv in TVS]
             print(f"{b:>5} " + " ".join(f"{c:>13}" for c in cells))
         for b, tv in PAPER_T4:
             res[f"measured_t4_bs{b}_tv{tv}_{name}"] = t[b, tv]

@@ -36,9 +36,9 @@ sources (ours, the paper's; `--accept-scale` for a staleness curve), the rest of
 times, E2E speedup, time at <= 32/8/2 running rows, idle and spot-used device-seconds, and the Fig 14 case
 study (128 requests, SD below 32); `simulate_rl_projection.png` in `--out`. With `--measured JSON` (a GPU
 call's 7B costs, `docs/gpu_runs/<date>-<device>/summary.json` of the GPU suite's call 1) the steps and
-rounds are the measured ones (`measured_costs.py`; fixed per-kernel costs included, the roofline only
-interpolates between measured cells) and the spot drafter step is the measured one; the output lists which
-inputs are measured and which assumed. Final line: `RESULT
+rounds are the measured ones (`measured_costs.py`: fixed per-kernel costs included, the roofline only
+interpolates between measured cells, rounds by cache too), the spot drafter step the measured one; the output
+lists which inputs are measured and which assumed, and a BIAS line what still biases it. Final line: `RESULT
 e2e_speedup_<source>=.. rollout_speedup_<source>=.. ... fig14_rollout_speedup_<source>=..`.
 """
 
@@ -350,7 +350,11 @@ def project(args: argparse.Namespace) -> None:
     """Qwen2.5-7B GRPO steps on D x H100 (roofline or --measured costs): plain vs TLT per accept source."""
 
     gpu = ps.load_gpu_run(pathlib.Path(args.gpu_run))
-    roof, costs, spot, args.spot_step = mc.projection_costs(gpu, args.measured, args.spot_step)
+    rows = max(args.prompts * args.samples // args.devices, 128)  # a device's rows (Fig 14: 128 on one)
+    more = "; host time per chunk SmolLM2's on the H100, the non-rollout time the paper's share (not 7B's)"
+    roof, costs, spot, args.spot_step = mc.projection_costs(
+        gpu, args.measured, args.spot_step, rows, ps.accept_bias(gpu) + more
+    )
     device = getattr(roof, "device", "") or gpu["device"]
     d = args.devices
     sources = project_sources(gpu)

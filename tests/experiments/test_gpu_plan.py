@@ -71,7 +71,7 @@ def test_plan_dry_run_and_projection_from_its_json(tmp_path: pathlib.Path) -> No
     assert summary["targets"]["rl_step"] == "pass"
 
     m = mc.load(out / "summary.json")  # the GPU call's JSON feeds the projection
-    assert m["dry"] and (1, 256) in m["plain"] and (1, 4) in m["rounds"]
+    assert m["dry"] and (1, 256) in m["plain"] and (1, 4, 256) in m["rounds"]  # (batch, TV, cache)
     res = tmp_path / "ps.json"
     ps.main(["--measured", str(out / "summary.json"), "--out", str(tmp_path / "ps"), "--json", str(res)])
     got = json.loads(res.read_text())["results"]
@@ -87,6 +87,8 @@ def test_plan_dry_run_and_projection_from_its_json(tmp_path: pathlib.Path) -> No
     )
     assert sim.returncode == 0, sim.stdout[-2000:] + sim.stderr[-2000:]
     assert "costs MEASURED on" in sim.stdout and " ms (measured);" in sim.stdout  # the spot step's too
+    bias = [x for x in sim.stdout.splitlines() if x.startswith("BIAS still in this projection: A DRY RUN'S")]
+    assert len(bias) == 1 and "rounds at one cache (256)" in bias[0]  # the fallback, stated
     assert "RESULT e2e_speedup_ours=" in sim.stdout
 
 

@@ -131,3 +131,58 @@ def test_step_costs_bench_shapes_smoke(smollm_gguf_path, tmp_path):
     assert set(modes) == {"plain", "3_1_4", "ngram_4_1_5"}
     assert all(r["seconds"] > 0 and r["batch"] == 1 for r in modes.values())
     assert data["columns"]["tv4"] == {"mode": "3_1_4", "tv": 4}
+
+
+def two_cache_summary(path: pathlib.Path) -> pathlib.Path:
+    """A GPU call's summary.json, hand-built: plain steps at batch 1 and 8 at 4K and 32K; a TV-16 round at
+    batch 1 at 4K and 32K, each with the plain step its own call measured beside it (4K: 7.5 ms, not the
+    decode cell's 8 ms: a round's cost in plain steps is its own call's)."""
+    decode = [{"batch": b, "cache": c, "step_ms": ms} for (b, c), ms in PLAIN_MS.items()]
+    rounds = [
+        {"batch": 1, "tv": 16, "cache": 4096, "round_ms": 12.0, "plain_step_ms": 7.5},  # 1.6 plain steps
+        {"batch": 1, "tv": 16, "cache": 32768, "round_ms": 25.0, "plain_step_ms": 20.0},  # 1.25
+    ]
+    meta = {"model": "Qwen2.5-7B shapes, random bf16 weights", "device": "H200", "draft_vocab": 8192}
+    env = {"bandwidth_gb_s": 4000.0, "bf16_matmul_tflops": 700.0, "device": "H200"}
+    details = {"meta": meta, "decode": decode, "round": rounds}
+    path.write_text(json.dumps({"phases": {"regime_7b": {"details": details}, "env": {"metrics": env}}}))
+    return path
+
+
+PLAIN_MS = {(1, 4096): 8.0, (8, 4096): 9.0, (1, 32768): 20.0, (8, 32768): 24.0}
+
+
+def test_measured_rounds_by_cache_length(tmp_path, capsys):
+    """Rounds at two caches: the round's cost in plain steps is the measured one at 4K and 32K (its own
+    call's ratio, in seconds at the decode cell's step), interpolated in log2 cache at 16K (hand-computed
+    from the roofline and the two cells), flat beyond; Table 2 at both caches; the bias line says so."""
+    from experiments.models import measured_costs as mc
+
+    m = mc.load(two_cache_summary(tmp_path / "summary.json"))
+    costs = mc.measured_costs(m)
+    assert m["round_cache"] == [4096, 32768] and m["round_steps"][1, 16, 4096] == pytest.approx(1.6)
+    assert costs.round_steps(1, 16, 4096) == pytest.approx(1.6)
+    assert costs.round_steps(1, 16, 32768) == pytest.approx(1.25)
+    assert costs.round(1, 16, 4096) == pytest.approx(1.6 * 8e-3)  # not the 12 ms of a slower call
+    roof = rf.Roofline(rf.QWEN2_5_7B, 4000e9, 700e12, 8192)  # the rounds' draft vocabulary
+    k4, k32 = 1.6 * 8e-3 / roof.round(1, 16, 4096), 1.25 * 20e-3 / roof.round(1, 16, 32768)
+    s4, s32 = 8e-3 / roof.plain(1, 4096), 20e-3 / roof.plain(1, 32768)
+    w = 2 / 3  # log2 16K = 14: two thirds of the way from 12 to 15
+    want = roof.round(1, 16, 16384) * (k4 + w * (k32 - k4)) / (roof.plain(1, 16384) * (s4 + w * (s32 - s4)))
+    assert costs.round_steps(1, 16, 16384) == pytest.approx(want)
+    assert 1.25 < want < 1.6
+    assert costs.round(1, 16, 65536) == pytest.approx(roof.round(1, 16, 65536) * k32)  # flat beyond
+    line = mc.bias(m, costs, [1, 2, 8], "accept: hand-made")
+    assert "rounds at 2 caches [4096, 32768], interpolated in log2 cache" in line
+    assert "rounds not measured at batch [2, 8]" in line and "plain steps not measured at batch [2]" in line
+    assert line.endswith("; accept: hand-made") and "\n" not in line
+    gpu = ps.load_gpu_run(ps.GPU_RUN)
+    res, _ = ps.print_measured(gpu, str(tmp_path / "summary.json"), 4096)
+    out = capsys.readouterr().out
+    assert out.count("BIAS still in this projection: rounds at 2 caches") == 1
+    assert res["measured_t2_plain_tok_s"] == pytest.approx(125.0)
+    assert res["measured_t2_plain_tok_s_c32768"] == pytest.approx(50.0)
+    assert {"measured_t2_speedup_ours", "measured_t2_speedup_ours_c32768"} <= set(res)
+    (tmp_path / "bad.json").write_text(json.dumps({"round": [{"batch": 1, "tv": 4, "round_ms": 1.0}]}))
+    with pytest.raises(ValueError, match="without its cache bucket"):
+        mc.load(tmp_path / "bad.json")

@@ -12,6 +12,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+from experiments.models import measured_costs as mc  # noqa: E402
+from experiments.models import project_sd as ps  # noqa: E402
 from experiments.models import rl_model as rm  # noqa: E402
 from experiments.models import simulate_rl  # noqa: E402
 
@@ -158,6 +160,25 @@ def test_e2e_net_times_leave_out_every_compilation():
     }
     assert e2e_speedup.net(m, "time/rollout") == pytest.approx(24.0)
     assert e2e_speedup.net(m, "time/step") == pytest.approx(100.0 - 6.0 - 15.0 - 0.5)
+
+
+def test_measured_costs_of_one_round_cache_load_with_their_bias(capsys):
+    """The 2026-11-26 H200 files (rounds at 4K only) still feed the projection: a round's cost in plain steps
+    at 4K is its own call's (2.03 at TV 16), at 32K its 4K ratio to the roofline is held (the fallback),
+    and the one BIAS line says so, with the batch buckets not measured."""
+    run = ROOT / "docs" / "gpu_runs" / "2026-11-26-h200"
+    files = ",".join(str(run / f"call{i}_summary.json") for i in (1, 3, 4))
+    gpu = ps.load_gpu_run(ps.GPU_RUN)
+    costs, _, spot, step = mc.projection_costs(gpu, files, None, 128, "accept: x")
+    bias = [x for x in capsys.readouterr().out.splitlines() if x.startswith("BIAS")]
+    assert len(bias) == 1 and "rounds at one cache (4096)" in bias[0] and "biased towards SD" in bias[0]
+    assert "rounds not measured at batch [2, 4, 16, 32, 64, 128]" in bias[0] and bias[0].endswith("x")
+    assert costs.round_steps(1, 16, 4096) == pytest.approx(15.1527 / 7.4706, abs=1e-4)
+    roof = ps.Roofline(ps.QWEN2_5_7B, costs.bw, costs.flops)
+    held = roof.round(1, 16, 32768) / roof.round(1, 16, 4096)
+    assert costs("8_2_16", 1, 32768) / costs("8_2_16", 1, 4096) == pytest.approx(held)
+    assert costs.round_steps(1, 16, 32768) < 1.0  # the bias: a 32K plain step is x5.2 its roofline
+    assert (spot, step) == ("measured", pytest.approx(0.016726, abs=1e-6))
 
 
 @pytest.mark.experiments
