@@ -136,7 +136,7 @@ class LearnerStatus:
         step, phase = (self._key or "0 ?").split(" ", 1)
         where = f"step {step}/{self.num_steps} {phase}"
         if phase == "eval":
-            where = "held-out eval " + ("before training" if step == "0" else f"after step {step}")
+            where = "eval " + ("before training" if step == "0" else f"after step {step}")
         parts = [f"{where} {int(elapsed) // 60}:{int(elapsed) % 60:02d}"]
         w = self.watch
         if phase == "rollout" and w.rows:

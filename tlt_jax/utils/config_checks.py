@@ -38,6 +38,15 @@ RESUMABLE_KEYS = (
     "mesh",
     "wandb",
     "eval.every",
+    # what an evaluation decodes and reports (never what training reads: eval.prompts is the split)
+    "eval.sets",
+    "eval.samples",
+    "eval.temperature",
+    "eval.top_p",
+    "eval.top_k",
+    "eval.before_train",
+    "eval.plain_baseline",
+    "export_every",
     "stop_within",  # how a stop or a stall ends the run (tlt_jax/rl/stopping.py)
     "watchdog",
 )
