@@ -10,7 +10,8 @@ export: python -m tlt_jax.export_drafter>), and with the n-gram drafter until on
 trains the EAGLE drafter on the data groups (4-GPU TP groups) whose rows have all finished; BEG-MAB picks each
 chunk's mode. At most `rollout.max_running_rows` rows decode per data group (from `kv_budget_gib` below), the
 rest of the step's 512 rows wait and are inserted as rows finish.
-Args: dataset=parquet (VeRL-layout parquet scored by math-verify: --config.task.path=/data/train.parquet),
+Args: dataset=parquet (VeRL-layout parquet scored as VeRL scores it, by each row's data_source:
+--config.task.path=/data/train.parquet),
 jsonl (--config.task.path=/data/x.jsonl) or a reasoning-gym name (default gsm_symbolic); evals=NAME@PATH+...
 (benchmark sets, e.g. evals=math500@/data/math500.parquet+aime24@/data/aime24.parquet); steps=N; runlocal
 (the same algorithm on a tiny random Qwen2-architecture model on CPU: a pipeline check; the spot trainer

@@ -12,7 +12,7 @@
 #
 # What each variable is (export before sbatch: sbatch passes the environment to the job):
 #   CONFIG   the config file and its argument (configs/qwen2_5_7b.py: the paper's 7B GRPO, TP 4 x DP rest;
-#            dataset=parquet reads VeRL-layout parquet files scored by math-verify)
+#            dataset=parquet reads VeRL-layout parquet files scored by each row's data_source, as VeRL)
 #   MODEL    the HF model directory (config.json, *.safetensors, tokenizer files), e.g. Qwen2.5-7B
 #   DATA     the training parquet file(s): a path, a glob or a comma list
 #   WORKDIR  where checkpoints, metrics.jsonl and config.json go (default workdirs/<job name>). It does not
