@@ -222,6 +222,9 @@ def test_format_step_line_full_and_partial():
         format_step_line(6, {"spec/modes": 2, "spec/verify_rounds": 0}) == "step 6 | accept - (no SD chunk)"
     )
     assert format_step_line(7, {"spec/modes": 0, "spec/verify_rounds": 0}) == "step 7"  # plain decoding only
+    refill = {"dynamic_sampling/gen_batches": 3, "dynamic_sampling/kept_groups": 5}
+    refill |= {"dynamic_sampling/generated_groups": 24, "dynamic_sampling/short_groups": 3}
+    assert format_step_line(8, refill) == "step 8 | 3 gen batches, kept 5/24 groups (3 short)"
     # phases of older metrics (no breakdown) still show, after the known parts
     assert format_step_line(8, {"time/rollout": 6.0, "time/train": 2.0}) == (
         "step 8 | time 8.00 s = rollout 6.00 + train 2.00"

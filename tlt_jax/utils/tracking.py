@@ -243,8 +243,8 @@ def format_step_line(step: int, metrics: Metrics, num_steps: int | None = None) 
 
     Reads: reward/mean, accuracy, length/{p50,p90,max} (tokens, whole numbers), time/step and its parts
     time/<part> (they add up to time/step), throughput/tok_per_s, spec/accept_len (`accept - (no SD chunk)`
-    when speculative modes exist, spec/modes > 0, but no chunk of the step speculated), eval/reward,
-    eval/accuracy and eval/seconds (the held-out evaluation).
+    when speculative modes exist, spec/modes > 0, but no chunk of the step speculated), dynamic_sampling/*
+    (DAPO's refill), eval/reward, eval/accuracy and eval/seconds (the held-out evaluation).
     """
     m = dict(metrics)
     parts = [f"step {step}" + (f"/{num_steps}" if num_steps else "")]
@@ -259,6 +259,13 @@ def format_step_line(step: int, metrics: Metrics, num_steps: int | None = None) 
         parts.append(time_field)
     if "throughput/tok_per_s" in m:
         parts.append(f"{float(m['throughput/tok_per_s']):.0f} tok/s")
+    if "dynamic_sampling/gen_batches" in m:  # DAPO's refill: generation batches, groups kept / generated
+        kept, made = m["dynamic_sampling/kept_groups"], m["dynamic_sampling/generated_groups"]
+        short = float(m.get("dynamic_sampling/short_groups", 0))
+        parts.append(
+            f"{float(m['dynamic_sampling/gen_batches']):.0f} gen batches, kept {float(kept):.0f}/"
+            f"{float(made):.0f} groups" + (f" ({short:.0f} short)" if short else "")
+        )
     if "spec/accept_len" in m:
         parts.append(f"accept {float(m['spec/accept_len']):.2f}")
     elif float(m.get("spec/modes", 0)) > 0:
