@@ -30,10 +30,11 @@ run's rollouts produce:
              depth of its response (`warmup_data.cut_sample`).
 What a 32K response costs (qwen7b; `rollout_memory_plan.warmup_memory`, docs/benchmarks.md "Drafter warm-up
 on the user's data"): per running row on the GPU 1.86 GiB of KV at the 34,816-token cache plus 0.22 GiB of
-recorded hidden states, so `generation.kv_budget_gib=32` runs 16 of an engine call's 128 rows at once
-(continuous batching, the rest queued): 33.3 GiB beside 14.2 GiB of weights. Generation: up to 16x the
-tokens of 2,048-token responses, decoded at 16 rows instead of 128. Host: an engine call's recorded states
-up to 128 x 32K x 7 KiB = 28 GiB before the cut; the kept data 3,072 x 2,048 x 7 KiB = 42 GiB (float16).
+recorded hidden states (the cap counts both), so `generation.kv_budget_gib=34` runs 16 of an engine call's
+128 rows at once (continuous batching, the rest queued): 33.3 GiB beside 14.2 GiB of weights. Generation: up
+to 16x the tokens of 2,048-token responses, decoded at 16 rows instead of 128. Host: the recorded states
+stream to the cut as rows finish, at most the 16 running rows' 3.5 GiB at once (not an engine call's 128 x
+32K x 7 KiB = 28 GiB); the kept data 3,072 x 2,048 x 7 KiB = 42 GiB (float16).
 Training: unchanged per step (rows of forward.seq_len tokens), one window per response.
 Every field can be overridden, e.g. `--config.train.steps=400 --config.task.name=gsm_symbolic`.
 """
@@ -145,10 +146,10 @@ def policy_config(
     c.generation.chunk_steps = grpo.rollout.chunk_steps
     # 32 prompts x 4 = 128 rows per engine call, at most 16 decoding at once: Qwen2.5-7B's KV is 56 KiB per
     # token on one device (28 layers x K,V x 4 heads x 128 x bf16), 1.86 GiB per row at 34,816 tokens, plus
-    # 0.22 GiB of recorded hidden states (32,768 x 3,584 x bf16): 16 rows hold 33.3 GiB beside 14.2 GiB of
-    # weights (`rollout_memory_plan.warmup_memory`); shorter responses fit more rows under the same budget
+    # 0.22 GiB of recorded hidden states (32,768 x 3,584 x bf16; the cap counts both): 16 rows hold 33.3 GiB
+    # beside 14.2 GiB of weights (`rollout_memory_plan.warmup_memory`); shorter responses fit more rows
     c.generation.batch_prompts = 32
-    c.generation.kv_budget_gib = 32.0
+    c.generation.kv_budget_gib = 34.0
     c.forward.seq_len = c.train.seq_len = c.drafter_eval.seq_len = SAMPLE_TOKENS
 
 

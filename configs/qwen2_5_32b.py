@@ -29,9 +29,12 @@ def get_config(arg: str | None = None):
     # planned) leaves 18.4 GiB. KV per row per device at the top cache bucket 35,328: (64 + 1 drafter layer)
     # x K,V x 1 of 8 KV heads x 128 x bf16 x 35,328 = 1.10 GiB: 18 GiB holds 16 rows, a cap of 16 per group
     c.rollout.kv_budget_gib = 18.0
-    # the spot trainer's recorded span, as configs/qwen2_5_7b.py: 16 rows x 8,192 x 5,120 x bf16 = 1.25 GiB
-    # per device (replicated over the model axis), inside the 16 GiB kept for the programs
-    c.rollout.hidden_window = 8192
+    # the spot trainer's recorded span, as configs/qwen2_5_7b.py at a per-row random depth, but 2,048 tokens:
+    # the cap counts the recorded states beside the KV, and 8,192 (80 MiB per row: 1.173 GiB with the KV)
+    # would fit 15 rows in 18 GiB, a cap of 8; 2,048 (20 MiB per row) keeps 16 rows (17.8 GiB). Its random
+    # depth, not its length, is what covers long responses (one 512-token window per sequence is trained on)
+    c.rollout.hidden_window = 2048
+    c.rollout.hidden_span = "random"
     c.trainer.fsdp = True
     # one response row per data group per micro-step (sub-groups of a group: `rl.batch.regroup`; on more
     # than two nodes, the data axis's size): by the memory plan the update at 32K-token responses then needs

@@ -39,12 +39,16 @@ def get_config(arg: str | None = None):
     # the rows' other state (an insert of 16 rows per data group) leaves 40.3 GiB: 40 GiB holds 81 rows, so
     # a cap of 64 running rows per data group (31.3 GiB of KV; 128 rows would need 62.5)
     c.rollout.kv_budget_gib = 40.0
-    # the spot trainer's data: the target's hidden states of the first 8,192 response tokens of every row
-    # (rows x 8,192 x 3,584 x bf16: 3.5 GiB per device at 64 rows per data group, replicated over the model
-    # axis; 0.22 GiB at the default 512; the whole 32K response would take 14 GiB), trained on as one
-    # spot.window = 512-token window per sequence at a random depth of that span (rollout memory plan:
-    # docs/benchmarks.md, "Drafter warm-up on the user's data")
+    # the spot trainer's data: the target's hidden states of 8,192 response tokens of every row (rows x
+    # 8,192 x 3,584 x bf16: 3.5 GiB per device at 64 rows per data group, replicated over the model axis and
+    # counted in kv_budget_gib's cap; 0.22 GiB at the default 512; the whole 32K response would take 14 GiB),
+    # at a per-row random depth of the response (hidden_span random: [s, s + 8,192), s uniform in [0, 24,576]
+    # from the row's key, or the last 8,192 of a response that ends before; so the depths past 8,192 the long
+    # tail drafts at are trained on), as one spot.window = 512-token window per sequence at a random depth of
+    # that span; on the host they stream to the spot trainer (rollout memory plan: docs/benchmarks.md,
+    # "Drafter warm-up on the user's data")
     c.rollout.hidden_window = 8192
+    c.rollout.hidden_span = "random"
     if arg.runlocal:
         config_lib.shrink_for_cpu(c, "qwen2")
     else:

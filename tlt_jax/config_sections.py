@@ -14,6 +14,7 @@ from typing import ClassVar
 from tlt_jax.models.build import DTYPES
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.programs import MATMUL_PRECISIONS
+from tlt_jax.rollout.record import HIDDEN_SPANS
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import SpecConfig
 from tlt_jax.utils.config_checks import STR, Section
@@ -128,13 +129,17 @@ class RolloutSection(Section):
     # (lossless coupled verification on GPUs, whose default is TF32), the process default for bfloat16
     matmul_precision: str = "auto"
     stop_strings: tuple[str, ...] = ()
-    # the target's hidden states of the prompt and the first `hidden_window` response tokens of every sequence
+    # the target's hidden states of the prompt and `hidden_window` response tokens of every sequence
     # (drafter training data; recorded whenever the spot trainer runs). The spot trainer trains on one
     # spot.window-token window per sequence at a random depth of this span (spot.window <= hidden_window);
     # memory: running rows x min(hidden_window, max_new_tokens) x hidden size x dtype per device (replicated
-    # over the model axis; rollout_memory_plan.hidden_line), and as much on the host per harvested row
+    # over the model axis; rollout_memory_plan.hidden_line; counted in the kv_budget_gib cap), and on the
+    # host one harvest's rows at a time (they stream to the spot trainer, no rollout keeps them).
+    # hidden_span: which tokens of a response: "first" (0..W-1), "random" (W at a per-row random depth of the
+    # response, from the row's key: long responses are recorded at every depth) or "last" (its last W)
     record_hidden: bool = False
     hidden_window: int = 512
+    hidden_span: str = "first"
 
     def problems(self) -> list[str]:
         out = []
@@ -162,6 +167,8 @@ class RolloutSection(Section):
                           ("prompt_bucket", ""), ("hidden_window", "")):  # fmt: skip
             if getattr(self, key) < 1:
                 out.append(f"config.rollout.{key}={getattr(self, key)!r}: must be >= 1{need}.")
+        if self.hidden_span not in HIDDEN_SPANS:
+            out.append(f"config.rollout.hidden_span={self.hidden_span!r}: use one of {list(HIDDEN_SPANS)}.")
         return out
 
     def sampling(self) -> SamplingParams:
@@ -184,6 +191,8 @@ class RolloutSection(Section):
             spec=spec,
             record_hidden=self.record_hidden or record_hidden,
             hidden_window=self.hidden_window,
+            hidden_span=self.hidden_span,
+            keep_hidden=False,  # a run's states stream to the spot trainer; nothing reads Rollout.hidden
         )
 
 

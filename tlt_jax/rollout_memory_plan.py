@@ -19,11 +19,13 @@ real target's and drafter's graphs swapped in:
     `spec.threshold`, all in one shard) and the top cache bucket;
   the spot trainer's drafter step (`drafter.trainer.train_step`, the `config.spot` shapes).
 
-The running batch holds the target's hidden states of the first `rollout.hidden_window` response tokens of
-every row (`DecodeState.out_hidden` [rows, W, H], batch-sharded, replicated over the model axis: the spot
-trainer's data); `live_bytes` reports them apart (`recorded_hidden`, `hidden_line`). `warmup_memory`: the
-drafter warm-up's engine on one device (weights, KV and recorded states per running row, the cap its KV budget
-gives, host bytes), from the same functions the engine sizes itself with.
+The running batch holds the target's hidden states of `rollout.hidden_window` response tokens of every row
+(`DecodeState.out_hidden` [rows, W, H], batch-sharded, replicated over the model axis: the spot trainer's
+data; which W, `rollout.hidden_span`, does not change the bytes); `live_bytes` reports them apart
+(`recorded_hidden`, `hidden_line`), and the cap counts them beside the KV (`admission.running_rows_cap`). On
+the host they stream to the spot trainer: one harvest's rows at a time, at most the running batch
+(`host_hidden`). `warmup_memory`: the drafter warm-up's engine on one device (weights, KV and recorded states
+per running row, the cap its budget gives, host bytes), from the same functions the engine sizes itself with.
 
 The spot trainer's fused tick (`spmd.tick_program`: busy data groups decode, idle ones train) is not compiled
 here: its idle-device body is a closure of `SpotTrainer.idle_work` that needs a live trainer with data, so it
@@ -109,7 +111,10 @@ def rollout_shape(
     drafter_layers = int(engine.needs()[0] or config.spot.mode != "off")
     per_token = admission.kv_bytes_per_token(cfg, model_axis, drafter_layers)
     top = engine.top_cache_bucket()
-    cap, line = admission.running_rows_cap(rollout.max_running_rows, rollout.kv_budget_gib, per_token, top)
+    hid = recorded_bytes_per_row(config, cfg)
+    cap, line = admission.running_rows_cap(
+        rollout.max_running_rows, rollout.kv_budget_gib, per_token, top, hid
+    )
     rows = int(config.rl.prompts_per_step) * int(config.rl.samples_per_prompt)
     full = engine.local_bucket(-(-rows // data))
     cap = min(cap, full) if cap else full
@@ -236,42 +241,60 @@ def live_bytes(
     }
 
 
-def hidden_bytes_per_row(window: int, max_new_tokens: int, hidden_size: int, dtype: str) -> int:
-    """Bytes of one row's recorded hidden states (`decode.start_rows`: [min(window, max_new), H] in the
-    model's dtype; replicated over the model axis, so per device as well)."""
-    return min(window, max_new_tokens) * hidden_size * jnp.dtype(dtype).itemsize
+def recorded_bytes_per_row(config: mlc.ConfigDict, cfg: ModelConfig) -> int:
+    """Bytes of one running row's recorded hidden states per device for the RL config (0 when nothing records
+    them: neither the spot trainer nor `rollout.record_hidden`)."""
+    ro = config_schema.section(config, "rollout")
+    if not (ro.record_hidden or config.spot.mode != "off"):
+        return 0
+    return admission.hidden_bytes_per_row(ro.hidden_window, ro.max_new_tokens, cfg.hidden_size, cfg.dtype)
+
+
+def host_hidden(config: mlc.ConfigDict, cfg: ModelConfig, shape: RolloutShape) -> dict[str, float]:
+    """GiB of recorded states on the host per process: `kept`, what a rollout kept for `Rollout.hidden` until
+    it returned (every row of the step; what the harvester held before the states streamed), and `harvest`,
+    the most one harvest holds now (every running row of the mesh finishing in one chunk; fetched rows
+    reach every process)."""
+    per_row = recorded_bytes_per_row(config, cfg)
+    rows = int(config.rl.prompts_per_step) * int(config.rl.samples_per_prompt)
+    return {"kept": rows * per_row / GIB, "harvest": shape.cap * shape.data * per_row / GIB}
 
 
 def hidden_line(config: mlc.ConfigDict, cfg: ModelConfig, shape: RolloutShape, live: dict[str, int]) -> str:
     """The recorded hidden states of the running batch in words: per row and per device at the cap, at the
     configured `rollout.hidden_window` and, for scale, at 512 tokens and at the whole response."""
     ro = config_schema.section(config, "rollout")
-    per_row = lambda w: hidden_bytes_per_row(w, ro.max_new_tokens, cfg.hidden_size, cfg.dtype)  # noqa: E731
+    per_row = lambda w: admission.hidden_bytes_per_row(w, ro.max_new_tokens, cfg.hidden_size, cfg.dtype)  # noqa: E731
     at = lambda w: f"{per_row(w) / 2**20:.1f} MiB per row, {shape.cap * per_row(w) / GIB:.2f} GiB"  # noqa: E731
+    host = host_hidden(config, cfg, shape)
     return (
         f"recorded hidden states (rollout.hidden_window={ro.hidden_window} of {ro.max_new_tokens} response "
-        f"tokens, hidden {cfg.hidden_size}, {cfg.dtype}): {at(ro.hidden_window)} per device at the cap of "
-        f"{shape.cap} rows (compiled: {live['recorded_hidden'] / GIB:.2f} GiB, part of the running batch); "
-        f"at 512: {at(512)}; the whole response: {at(ro.max_new_tokens)}"
+        f"tokens, span {ro.hidden_span}, hidden {cfg.hidden_size}, {cfg.dtype}): {at(ro.hidden_window)} per "
+        f"device at the cap of {shape.cap} rows (compiled: {live['recorded_hidden'] / GIB:.2f} GiB, part of "
+        f"the running batch; counted in the cap); at 512: {at(512)}; the whole response: "
+        f"{at(ro.max_new_tokens)}; host per process: <= {host['harvest']:.2f} GiB per harvest (streamed; "
+        f"a rollout kept {host['kept']:.2f} GiB before)"
     )
 
 
 def warmup_memory(config: mlc.ConfigDict, cfg: ModelConfig) -> dict[str, float]:
     """GiB of the drafter warm-up's generation (`config.generation`, one device, no drafter) for the target
     `cfg`: weights, per running row the KV cache at the engine's top cache bucket and the recorded hidden
-    states of a whole response, the running-rows cap the KV budget gives (`admission.running_rows_cap`, as
-    the engine picks it), the running rows and the prompt cache of one engine call on the device, and on the
-    host an engine call's recorded states (every row at the cap) and the kept samples (float16, cut to
-    `forward.seq_len`)."""
+    states of a whole response, the running-rows cap the budget gives to both (`admission.running_rows_cap`,
+    as the engine picks it), the running rows and the prompt cache of one engine call on the device, and on
+    the host the most one harvest holds (the states stream to `warmup_data.RecordedSamples`: every running
+    row finishing at once), an engine call's states were it to keep them (`host_call`, what it held
+    before) and the kept samples (float16, cut to `forward.seq_len`)."""
     gen = config_schema.section(config, "generation")
     fw = config_schema.section(config, "forward")
     ec = EngineConfig(max_new_tokens=gen.max_new_tokens, max_cache_len=gen.max_cache_len)
     top = RolloutEngine(Transformer(tiny_config("qwen2"), nnx.Rngs(0)), ec, [0]).top_cache_bucket()
     per_token = admission.kv_bytes_per_token(cfg, 1)
-    cap, _ = admission.running_rows_cap(gen.max_running_rows, gen.kv_budget_gib, per_token, top)
+    h = admission.hidden_bytes_per_row(gen.max_new_tokens, gen.max_new_tokens, cfg.hidden_size, cfg.dtype)
+    h = h if gen.record_hidden else 0
+    cap, _ = admission.running_rows_cap(gen.max_running_rows, gen.kv_budget_gib, per_token, top, h)
     rows = gen.batch_prompts * gen.n
     cap = min(cap or rows, rows)
-    h = hidden_bytes_per_row(gen.max_new_tokens, gen.max_new_tokens, cfg.hidden_size, cfg.dtype)
     room = gen.max_cache_len - gen.max_new_tokens
     weights = bytes_per_device(mpp.abstract_models(cfg, shd.make_mesh(1, 1, jax.devices()[:1])).params)
     out = dict(
@@ -280,6 +303,7 @@ def warmup_memory(config: mlc.ConfigDict, cfg: ModelConfig) -> dict[str, float]:
         hidden_per_row=h,
         running=cap * (per_token * top + h),
         prompt_cache=gen.batch_prompts * room * (per_token + cfg.hidden_size * jnp.dtype(cfg.dtype).itemsize),
+        host_harvest=cap * h,
         host_call=rows * h,
         host_samples=gen.num_prompts * gen.n * fw.seq_len * cfg.hidden_size * 2,
     )

@@ -44,7 +44,7 @@ import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -118,8 +118,12 @@ class DrafterBuffer:
         self.skipped = 0  # samples without response tokens (nothing to train on)
 
     # ---- adding -----------------------------------------------------------------------------------------
-    def add(self, samples: Iterable[DrafterSample], step: int) -> None:
-        """Add finished sequences of RL step `step` (see the module docstring for the rotation rule)."""
+    def add(
+        self, samples: Iterable[DrafterSample], step: int, response_lens: Sequence[int] | None = None
+    ) -> None:
+        """Add finished sequences of RL step `step` (see the module docstring for the rotation rule).
+        response_lens: their whole responses' lengths (the previous step's eviction order) when the samples
+        hold part of them (a recorded span); default each sample's response tokens."""
         step = int(step)
         if self.step is not None and step < self.step:
             raise ValueError(
@@ -131,13 +135,17 @@ class DrafterBuffer:
             self.prev_step = self.step if adjacent else None
             self._current = []
         self.step = step
-        for s in samples:
+        samples = list(samples)
+        lens = [s.num_response for s in samples] if response_lens is None else list(response_lens)
+        if len(lens) != len(samples):
+            raise ValueError(f"add: {len(samples)} samples but {len(lens)} response lengths")
+        for s, n in zip(samples, lens, strict=True):
             if s.num_response == 0:
                 self.skipped += 1
                 continue
             rng = np.random.default_rng([self.seed, self._counter])
             w = window_sample(s, self.window, self.context, rng)
-            self._current.append(_Entry(w, step, self._counter, s.num_response))
+            self._current.append(_Entry(w, step, self._counter, int(n)))
             self._counter += 1
         self._enforce_budget()
 

@@ -8,10 +8,12 @@ between rollouts, and a rollout drafts with one snapshot.
 
 Data (`on_finished`): every finished sequence streams into a `DrafterBuffer` (one-step offset: this step's
 finished sequences plus the previous step's) while the rest still decode. The rollout records the target's
-hidden states of the first `rollout.hidden_window` response tokens of each row (device memory: rows x window x
-hidden per device, `rollout_memory_plan.hidden_line`); the buffer keeps one `spot.window`-token window of each
-at a uniformly random depth of that span (`buffer.window_sample`), so a recorded span longer than the window
-spreads training over the depths of long responses at the same step shape (`window_problems` checks the two).
+hidden states of `rollout.hidden_window` response tokens of each row (device memory: rows x window x hidden
+per device, `rollout_memory_plan.hidden_line`), the first ones or, with `rollout.hidden_span` random / last,
+a span at a per-row random depth or the end of the response (`rollout/record.py`: the depths the long tail
+drafts at, past any fixed window); the buffer keeps one `spot.window`-token window of each at a uniformly
+random depth of that span (`buffer.window_sample`), so a recorded span longer than the window spreads
+training over the depths of long responses at the same step shape (`window_problems` checks the two).
 Before a step's first update the current drafter is scored on the freshest of that data
 (`staleness`: loss, top-1/top-3 accuracy of its next-token guess, i.e. before it has trained on it).
 
@@ -136,19 +138,33 @@ def window_problems(cfg: SpotConfig, hidden_window: int) -> list[str]:
     ]
 
 
-def samples_from(seqs: FinishedSequences) -> list[DrafterSample]:
-    """Finished sequences with recorded hidden states -> drafter samples (prompt + the recorded response)."""
+def samples_from(seqs: FinishedSequences, window: int, context: int) -> list[DrafterSample]:
+    """Finished sequences with recorded hidden states -> drafter samples, token t's state at row t.
+
+    A span that follows the prompt (offset 0): prompt + the recorded response, loss on the response. A later
+    span (offset k > 0, `rollout.hidden_span`): response tokens k, k + 1, ... with their states only (the
+    tokens between the prompt and k have none); its first min(context, span - window) tokens are the
+    context a window drawn from it keeps before itself (no loss), as the prompt's last tokens are for
+    offset 0. Positions restart per packed sample either way: the drafter's attention (RoPE) depends on
+    distances only, so a window at depth k trains as it is served."""
     if seqs.hidden is None or seqs.prompt_hidden is None:
         raise ValueError(
             "the spot trainer needs the rollout's hidden states: set config.rollout.record_hidden"
         )
+    offsets = np.zeros(len(seqs), np.int64) if seqs.hidden_offset is None else seqs.hidden_offset
     out = []
-    for prompt, toks, hid, ph in zip(
-        seqs.prompt_tokens, seqs.tokens, seqs.hidden, seqs.prompt_hidden, strict=True
+    for prompt, toks, hid, ph, k in zip(
+        seqs.prompt_tokens, seqs.tokens, seqs.hidden, seqs.prompt_hidden, offsets, strict=True
     ):
-        h = np.concatenate([ph, hid]).astype(np.float16)
-        tokens = np.asarray(list(prompt) + toks.tolist(), np.int32)[: len(h)]
-        out.append(DrafterSample(tokens=tokens, hidden=h, loss_mask=np.arange(len(h)) >= len(prompt)))
+        if k == 0:
+            h = np.concatenate([ph, hid]).astype(np.float16)
+            tokens = np.asarray(list(prompt) + toks.tolist(), np.int32)[: len(h)]
+            mask = np.arange(len(h)) >= len(prompt)
+        else:
+            h = hid.astype(np.float16)
+            tokens = np.asarray(toks[k : k + len(h)], np.int32)
+            mask = np.arange(len(h)) >= min(context, max(len(h) - window, 0))
+        out.append(DrafterSample(tokens=tokens, hidden=h, loss_mask=mask))
     return out
 
 
@@ -286,14 +302,14 @@ class SpotTrainer(RolloutHooks):
     def on_finished(self, seqs: FinishedSequences) -> None:
         if self.cfg.mode == "off":
             return
-        samples = samples_from(seqs)
+        samples = samples_from(seqs, self.cfg.window, self.cfg.context)
         # the staleness probe's samples, cut as the buffer cuts them (any prompt and response length)
         scorable = [x for x in samples if x.num_response >= 2][
             : max(self.cfg.eval_samples - len(self._fresh), 0)
         ]
         rng = np.random.default_rng([self.cfg.seed, self.rl_step, len(self._fresh)])
         self._fresh.extend(window_sample(x, self.cfg.window, self.cfg.context, rng) for x in scorable)
-        self.buffer.add(samples, self.rl_step)
+        self.buffer.add(samples, self.rl_step, response_lens=[len(t) for t in seqs.tokens])
 
     def _staleness(self) -> None:
         """Score the current drafter on the step's first finished samples before training on them."""

@@ -1,11 +1,14 @@
 """Drafter warm-up data: the target answers task prompts and its final hidden states are kept as features.
 
-The target answers task prompts (chat template; `config.generation`) with the RolloutEngine, which records the
+The task's prompts are fitted to the engine's prompt room when the data loads, on the GRPO learner's code
+path (`fit_task`: over-long ones dropped and counted, truncated or refused, never met inside generation).
+The target answers them (chat template; `config.generation`) with the RolloutEngine, which records the
 target's final hidden states as it goes (`EngineConfig.record_hidden`: the prefill's for the prompt, each
-decode step's for the token it fed, over the whole response: `hidden_window = max_new_tokens`), so the
-features cost no second pass; with `generation.record_hidden=False` a target forward over prompt + response
+decode step's for the token it fed, over the whole response: `hidden_window = max_new_tokens`) and streams
+them to `RecordedSamples` as rows finish, so the features cost no second pass and the host never holds a
+whole engine call's states; with `generation.record_hidden=False` a target forward over prompt + response
 (packed rows with a block mask, fixed shapes; the n responses of a prompt share one copy of it:
-`target_hidden_states`) computes them instead. Every sample is then cut to `forward.seq_len` tokens
+`target_hidden_states`) computes them instead. Every sample is cut to `forward.seq_len` tokens
 (`cut_sample`: a long response keeps one window at a seeded random position, so the data covers every depth
 of long responses at a bounded size per sequence). Each engine batch is cached as
 `DIR/data/{train,eval}_NNN.npz` (tokens, features in float16, timings; `save_chunk` / `load_chunk`), so a
@@ -33,10 +36,12 @@ from tlt_jax.drafter.warmup_config import WarmupConfig
 from tlt_jax.models.build import TextCodec
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.engine import RolloutEngine
-from tlt_jax.rollout.hooks import ProgressHook
+from tlt_jax.rollout.hooks import FinishedSequences, ProgressHook, RolloutHooks
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.types import Rollout
+from tlt_jax.tasks import Task
+from tlt_jax.tasks.prompt_fit import fit_prompts
 from tlt_jax.utils.tracking import RolloutProgress
 
 
@@ -69,7 +74,8 @@ class PhaseTimes:
 def warmup_engine(job: WarmupConfig, target: Transformer, tokenizer: TextCodec) -> RolloutEngine:
     """The engine that generates the warm-up data (`config.generation`; it records the target's hidden
     states of the whole response unless `generation.record_hidden=False`: [running rows, max_new_tokens, H]
-    on the device, the rows' KV caches' hidden_size / (2 x layers x KV heads x head_dim) share)."""
+    on the device, the rows' KV caches' hidden_size / (2 x layers x KV heads x head_dim) share, counted in
+    the `kv_budget_gib` cap; streamed to the hooks, not kept in the `Rollout`)."""
     gen = job.generation
     return RolloutEngine(
         target,
@@ -81,6 +87,7 @@ def warmup_engine(job: WarmupConfig, target: Transformer, tokenizer: TextCodec) 
             kv_budget_gib=gen.kv_budget_gib,
             record_hidden=gen.record_hidden,
             hidden_window=gen.max_new_tokens,
+            keep_hidden=False,  # the states stream to `RecordedSamples`, cut as each row finishes
         ),
         eos_ids=list(tokenizer.eos_token_ids),
         tokenizer=tokenizer,
@@ -253,9 +260,14 @@ def build_split(
             problems, _ = task.batch(start + c * bp, count)
             prompts = [task.encode_prompt(p, tokenizer) for p in problems]
             desc = f"{split} {c + 1}/{num_chunks}"
-            roll, t_gen = _generate(engine, prompts, n, jax.random.fold_in(key, c), sampling, desc)
-            rng = np.random.default_rng([job.run.seed, 0 if split == "train" else 1, c])  # the windows
-            chunk, t_fwd = _chunk_samples(job, roll, count, n, hidden_fn, rng)
+            seed = (job.run.seed, 0 if split == "train" else 1, c)  # with the sequence: its window's draw
+            recorded = RecordedSamples(job.forward, seed) if gen.record_hidden else None
+            roll, t_gen = _generate(engine, prompts, n, jax.random.fold_in(key, c), sampling, desc, recorded)
+            if recorded is not None:  # cut as the rows finished (inside the generation's seconds)
+                chunk, t_fwd = recorded.chunk(len(roll.lengths)), recorded.seconds
+                t_gen -= t_fwd
+            else:
+                chunk, t_fwd = _forward_samples(job, roll, count, n, hidden_fn, seed)
             meta = {
                 **ident,
                 "generate_s": t_gen,
@@ -315,13 +327,15 @@ def _generate(
     key: jax.Array,
     sampling: SamplingParams,
     desc: str,
+    hook: RolloutHooks | None,
 ) -> tuple[Rollout, float]:
-    """The target's `n` answers to each prompt (with a progress bar); returns the rollout and its seconds."""
+    """The target's `n` answers to each prompt (with a progress bar and `hook`); returns the rollout and its
+    seconds."""
     t0 = time.perf_counter()
     with RolloutProgress(
         total=len(prompts) * n, desc=f"generate {desc}", disable=False, mininterval=10.0
     ) as bar:
-        roll = engine.generate(prompts, n=n, key=key, sampling=sampling, hooks=ProgressHook(bar))
+        roll = engine.generate(prompts, n=n, key=key, sampling=sampling, hooks=[ProgressHook(bar), hook])
     return roll, time.perf_counter() - t0
 
 
@@ -339,58 +353,78 @@ def cut_sample(sample: DrafterSample, seq_len: int, context: int, rng: np.random
     return window_sample(sample, seq_len - keep, keep, rng)
 
 
-def _chunk_samples(
-    job: WarmupConfig, roll: Rollout, count: int, n: int, hidden_fn: HiddenFn, rng: np.random.Generator
+def _sample(
+    prompt: Sequence[int], response: Sequence[int], hidden: np.ndarray, fw: Any, rng: np.random.Generator
+) -> DrafterSample:
+    """One training sample: prompt + response tokens with their features [L, H] (L <= their length: the
+    recorded path has no state of the newest token), loss on the response, cut to `forward.seq_len`."""
+    seq = np.asarray(list(prompt) + list(response), np.int32)[: len(hidden)]
+    sample = cut_sample(DrafterSample(seq, hidden, np.arange(len(hidden)) >= len(prompt)), fw.seq_len,
+                        fw.context, rng)  # fmt: skip
+    return dataclasses.replace(sample, hidden=_hidden_dtype(fw.hidden_dtype, sample.hidden))
+
+
+class RecordedSamples(RolloutHooks):
+    """The recorded path's samples, made as the rows finish: the engine streams each sequence's states
+    (`EngineConfig.keep_hidden=False`) and they are cut to `forward.seq_len` on arrival, so the host holds
+    the cut samples and one harvest's states instead of a whole engine call's (at 32K tokens on Qwen2.5-7B:
+    224 MiB per sequence, 28 GiB for 128). A window is drawn with a generator of (`seed`, sequence id)."""
+
+    def __init__(self, fw: Any, seed: Sequence[int]):
+        self.fw, self.seed = fw, tuple(int(x) for x in seed)
+        self.samples: dict[int, DrafterSample] = {}
+        self.seconds = 0.0
+
+    def on_finished(self, seqs: FinishedSequences) -> None:
+        t0 = time.perf_counter()
+        if seqs.hidden is None or seqs.prompt_hidden is None:
+            raise ValueError("the warm-up's engine records no hidden states (generation.record_hidden)")
+        if seqs.hidden_offset is not None and seqs.hidden_offset.any():
+            raise ValueError("the warm-up records whole responses: a span after the prompt is a bug")
+        for sid, prompt, toks, hid, ph in zip(
+            seqs.seq_ids, seqs.prompt_tokens, seqs.tokens, seqs.hidden, seqs.prompt_hidden, strict=True
+        ):
+            rng = np.random.default_rng([*self.seed, int(sid)])
+            self.samples[int(sid)] = _sample(prompt, toks.tolist(), np.concatenate([ph, hid]), self.fw, rng)
+        self.seconds += time.perf_counter() - t0
+
+    def chunk(self, total: int) -> list[DrafterSample]:
+        """The samples of sequences 0..total-1 in sequence order (every one must have finished)."""
+        return [self.samples[i] for i in range(total)]
+
+
+def _forward_samples(
+    job: WarmupConfig, roll: Rollout, count: int, n: int, hidden_fn: HiddenFn, seed: Sequence[int]
 ) -> tuple[list[DrafterSample], float]:
-    """The chunk's training samples (prompt + response tokens, target features, loss on the response), from
-    the features the engine recorded while generating (every position but the newest token) or, without
-    them, a target forward (`target_hidden_states`), each cut to `forward.seq_len` tokens (`cut_sample`,
-    windows drawn from `rng`); returns them and the features' seconds."""
+    """Without recorded states (`generation.record_hidden=False`): the chunk's samples from a target forward
+    over prompt + response (`target_hidden_states`), cut as `RecordedSamples` cuts them; returns them and
+    the forward's seconds."""
     groups = [list(roll.prompt_tokens[i * n]) for i in range(count)]
     resp = [[roll.response(i * n + k) for k in range(n)] for i in range(count)]
     t0 = time.perf_counter()
     fw = job.forward
-    if roll.hidden is not None:  # recorded while generating: every position but the newest token
-        hidden = [[roll.features(g * n + k) for k in range(n)] for g in range(count)]
-    else:
-        hidden = target_hidden_states(hidden_fn, groups, resp, fw.rows, fw.seq_len)
+    hidden = target_hidden_states(hidden_fn, groups, resp, fw.rows, fw.seq_len)
     t_fwd = time.perf_counter() - t0
     chunk = []
     for g in range(count):
         for k in range(n):
-            h = hidden[g][k]
-            seq = np.asarray(groups[g] + resp[g][k], np.int32)[: len(h)]
-            m = np.arange(len(h)) >= len(groups[g])
-            sample = cut_sample(DrafterSample(seq, h, m), fw.seq_len, fw.context, rng)
-            chunk.append(dataclasses.replace(sample, hidden=_hidden_dtype(fw.hidden_dtype, sample.hidden)))
+            rng = np.random.default_rng([*seed, g * n + k])
+            chunk.append(_sample(groups[g], resp[g][k], hidden[g][k], fw, rng))
     return chunk, t_fwd
 
 
-def check_prompts_fit(
-    job: WarmupConfig, task: Any, tokenizer: TextCodec, spans: Sequence[tuple[int, int]]
-) -> None:
-    """Every prompt of the stream `spans` ((start, count) pairs) fits the engine's cache beside a whole
-    response (generation.max_cache_len - max_new_tokens tokens), or one ValueError names how many do not,
-    the longest and the fix, before anything is generated (the engine would stop inside a later batch)."""
+def fit_task(job: WarmupConfig, task: Task, tokenizer: TextCodec) -> tuple[Task, int]:
+    """`task` fitted to the prompt room the warm-up's engine leaves beside a whole response
+    (generation.max_cache_len - max_new_tokens) on the GRPO learner's code path (`tasks.prompt_fit`, as
+    `rl.prompt_budget.fit_to_rollout`): over-long prompts dropped when the data loads (the task's
+    `filter_overlong_prompts`, on by default; count and longest logged), truncated (`truncation`) or refused
+    naming the rows, never met inside generation. Returns it and how many prompts were dropped."""
     gen = job.generation
-    room = gen.max_cache_len - gen.max_new_tokens
-    over: list[tuple[int, str]] = []
-    total = 0
-    for start, count in spans:
-        problems, _ = task.batch(start, count)
-        total += len(problems)
-        for p in problems:
-            if (n := len(task.encode_prompt(p, tokenizer))) > room:
-                over.append((n, p.uid))
-    if over:
-        n, uid = max(over)
-        raise ValueError(
-            f"{len(over)} of {total} warm-up prompts are longer than the {room} tokens the engine's cache "
-            f"leaves beside a {gen.max_new_tokens}-token response (generation.max_cache_len="
-            f"{gen.max_cache_len} - max_new_tokens); the longest, {uid!r}, has {n}: raise "
-            f"config.generation.max_cache_len to >= {n + gen.max_new_tokens} (the served run's "
-            "rollout.max_cache_len must hold them too), or drop the long prompts from the data file."
-        )
+    what = "config.task (warm-up: generation.max_cache_len - max_new_tokens)"
+    fitted = fit_prompts(task, tokenizer, gen.max_cache_len - gen.max_new_tokens, what)
+    if dropped := len(task) - len(fitted):
+        _log(f"{dropped} of {len(task)} prompts dropped: longer than the engine's prompt room")
+    return fitted, dropped
 
 
 def build_data(
@@ -406,15 +440,15 @@ def build_data(
     from tlt_jax.tasks import make_task
 
     gen = job.generation
-    task = make_task(job.task)
+    task, dropped = fit_task(job, make_task(job.task), tokenizer)
     n_train, n_eval = gen.num_prompts, job.drafter_eval.num_prompts
     if n_train + n_eval > len(task):
         raise ValueError(
-            f"{n_train} training + {n_eval} held-out prompts exceed the task's {len(task)} problems: raise "
-            "config.task.size (a file task: use more rows, or fewer generation.num_prompts / "
-            "drafter_eval.num_prompts; held-out prompts are the last ones of the task's order)."
+            f"{n_train} training + {n_eval} held-out prompts exceed the task's {len(task)} problems"
+            f"{f' ({dropped} over-long ones dropped)' if dropped else ''}: raise config.task.size (a file "
+            "task: use more rows, or fewer generation.num_prompts / drafter_eval.num_prompts; held-out "
+            "prompts are the last ones of the task's order)."
         )
-    check_prompts_fit(job, task, tokenizer, [(0, n_train), (len(task) - n_eval, n_eval)])
     engine = warmup_engine(job, target, tokenizer)
     common = dict(
         job=job,
@@ -430,6 +464,7 @@ def build_data(
     train_samples, train_data = build_split(
         "train", start=0, num_prompts=n_train, n=gen.n, temperature=float(gen.temperature), **common
     )
+    train_data["overlong_prompts"] = float(dropped)  # dropped from the task when it loaded
     eval_samples, eval_data = build_split(
         "eval",
         start=len(task) - n_eval,

@@ -9,6 +9,7 @@ and returns the typed `GrpoConfig` the learner is built from.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import ml_collections as mlc
@@ -17,6 +18,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from tlt_jax import config_schema
 from tlt_jax.config_schema import GrpoConfig
+from tlt_jax.drafter.spot_trainer import window_problems
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import grpo
@@ -70,6 +72,8 @@ def rl_problems(config: mlc.ConfigDict) -> list[str]:
             "config.spot.mode=idle_devices needs a data axis of >= 2 devices (config.mesh.data; on "
             "CPU XLA_FLAGS=--xla_force_host_platform_device_count=2); on one device: between_chunks."
         )
+    with contextlib.suppress(ValueError):  # a spot section that does not build: collect names its problems
+        out += window_problems(config_schema.section(config, "spot"), ro.hidden_window)
     return out
 
 

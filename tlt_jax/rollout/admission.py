@@ -11,8 +11,11 @@ Once the queue is empty the tail compacts into smaller buckets as before. Each r
 (rollout key, sequence id, token position) only (`types.row_keys`), so the cap changes the schedule, never
 the tokens.
 
-`running_rows_cap` picks the cap from a per-device KV budget: the dense cache of one row at the top cache
-bucket, over the model axis (KV heads are sharded over it), plus the EAGLE drafter's one-layer cache.
+`running_rows_cap` picks the cap from a per-device budget of what a running row holds: the dense cache of one
+row at the top cache bucket, over the model axis (KV heads are sharded over it), plus the EAGLE drafter's
+one-layer cache, plus the row's recorded hidden states when the rollout records them (`hidden_bytes_per_row`:
+[min(hidden_window, max_new_tokens), H], replicated over the model axis; 56 MiB per row for Qwen2.5-7B at
+8,192 tokens, a tenth of its KV at the 32K bucket under TP 4).
 """
 
 from __future__ import annotations
@@ -33,29 +36,43 @@ def kv_bytes_per_token(cfg: ModelConfig, model_axis: int, drafter_layers: int = 
     return (cfg.num_layers + drafter_layers) * 2 * heads * cfg.head_dim * itemsize
 
 
+def hidden_bytes_per_row(window: int, max_new_tokens: int, hidden_size: int, dtype: str) -> int:
+    """Bytes of one row's recorded hidden states (`decode.start_rows`: [min(window, max_new), H] in the
+    model's dtype; replicated over the model axis, so per device as well)."""
+    return min(window, max_new_tokens) * hidden_size * jnp.dtype(dtype).itemsize
+
+
 def running_rows_cap(
-    max_running_rows: int, kv_budget_gib: float, per_token_bytes: int, top_cache: int
+    max_running_rows: int,
+    kv_budget_gib: float,
+    per_token_bytes: int,
+    top_cache: int,
+    hidden_row_bytes: int = 0,
 ) -> tuple[int, str]:
     """(rows per data shard, or 0 for no cap; the start-up line that says why): `max_running_rows` when set,
-    else the largest power of two whose dense caches at the top bucket fit `kv_budget_gib`."""
-    row_gib = per_token_bytes * top_cache / 2**30
+    else the largest power of two whose dense caches at the top bucket and recorded hidden states
+    (`hidden_row_bytes` per row) fit `kv_budget_gib`."""
+    kv_gib, hid_gib = per_token_bytes * top_cache / 2**30, hidden_row_bytes / 2**30
+    row_gib = kv_gib + hid_gib
+    what = f"KV {kv_gib:.3f} GiB" + (f" + recorded states {hid_gib:.3f} GiB" if hidden_row_bytes else "")
     if max_running_rows > 0:
         return max_running_rows, (
-            f"rollout: at most {max_running_rows} running rows per data shard (config; KV {row_gib:.3f} GiB "
-            f"per row per device at cache {top_cache}: {max_running_rows * row_gib:.2f} GiB)"
+            f"rollout: at most {max_running_rows} running rows per data shard (config; {what} per row per "
+            f"device at cache {top_cache}: {max_running_rows * row_gib:.2f} GiB)"
         )
     if kv_budget_gib <= 0:
         return 0, "rollout: every row of a step runs at once (no rollout.max_running_rows, no kv_budget_gib)"
     fit = int(kv_budget_gib // row_gib)
     if fit < 1:
         raise ValueError(
-            f"rollout.kv_budget_gib={kv_budget_gib} holds no row: one row's KV cache at {top_cache} tokens "
-            f"is {row_gib:.3f} GiB per device: raise the budget, lower max_cache_len or add model devices."
+            f"rollout.kv_budget_gib={kv_budget_gib} holds no row: one row's {what} at {top_cache} tokens "
+            f"per device: raise the budget, lower max_cache_len (or rollout.hidden_window) or add model "
+            "devices."
         )
     cap = 1 << (fit.bit_length() - 1)
     return cap, (
-        f"rollout: at most {cap} running rows per data shard (kv_budget_gib={kv_budget_gib}: "
-        f"{row_gib:.3f} GiB of KV per row per device at cache {top_cache}; {cap * row_gib:.2f} GiB in use)"
+        f"rollout: at most {cap} running rows per data shard (kv_budget_gib={kv_budget_gib}: {what} per row "
+        f"per device at cache {top_cache}; {cap * row_gib:.2f} GiB in use)"
     )
 
 

@@ -27,7 +27,7 @@ from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout import ngram as ngram_lib
 from tlt_jax.rollout.eagle_draft import drafter_advance, drafter_prefill, eagle_draft
-from tlt_jax.rollout.record import record_hidden, record_tokens
+from tlt_jax.rollout.record import record_hidden, record_tokens, span_ends
 from tlt_jax.rollout.sampling import SamplingParams, sample_rows
 from tlt_jax.rollout.strategy import SpecMode
 from tlt_jax.rollout.tree_verify import RoundStats, verify_round
@@ -331,8 +331,9 @@ class PrefillProgram:
     cache_len: int
     max_new: int
     carry_prompt: bool  # n-gram modes need the prompt tokens in the state
-    hidden_window: int  # > 0: record the target's hidden states of the first W response tokens
+    hidden_window: int  # > 0: record the target's hidden states of W response tokens per row
     record_prompt_hidden: bool
+    hidden_span: str = "first"  # which W (`record.span_ends`; EngineConfig.hidden_span)
 
 
 @flax.struct.dataclass
@@ -412,6 +413,7 @@ def start_rows(
         max_new=budget_b,
         aux=aux,
         out_hidden=jnp.zeros((b, window, pc.hidden.shape[-1]), pc.hidden.dtype) if window > 0 else None,
+        hidden_end=span_ends(prog.hidden_span, keys_b, budget_b, window) if window > 0 else None,
     )
     tok, lp = sample_rows(row_keys(state), pc.logits[rows_b], prog.sampling)
     return record_tokens(state, tok[:, None], lp[:, None], (~pad_b).astype(jnp.int32), eos_ids)

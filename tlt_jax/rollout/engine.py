@@ -112,8 +112,11 @@ class RolloutEngine(RowPrograms):
             self.spec_mode = self.add_mode(config.spec.drafter, config.spec.strategy)
         model_axis = self.mesh.shape["model"]
         per_token = admission.kv_bytes_per_token(model.cfg, model_axis, int(drafter is not None))
+        hidden_row = config.record_hidden and admission.hidden_bytes_per_row(
+            config.hidden_window, config.max_new_tokens, model.cfg.hidden_size, model.cfg.dtype
+        )  # the recorded states a running row holds beside its KV
         self.max_running_rows, self.admission_line = admission.running_rows_cap(
-            config.max_running_rows, config.kv_budget_gib, per_token, self.top_cache_bucket()
+            config.max_running_rows, config.kv_budget_gib, per_token, self.top_cache_bucket(), int(hidden_row)
         )
         logging.info("%s", self.admission_line)
 

@@ -3,10 +3,13 @@
 Between chunks the engine calls `Harvester.collect` with the rows' summary the chunk fetched: it applies
 stop strings (host-side, incrementally: the response ends with the token that completes a stop string),
 copies the rows that finished since the last call, and only those, to host arrays (tokens, log-probs and
-the bounded hidden-state window; `RolloutEngine.fetch_rows`) BEFORE compaction or an insert can drop them,
-and streams
-them to the hooks (`on_finished`) while the rest of the rollout is still decoding. `rollout()` assembles the
-final `Rollout` in sequence order.
+the recorded span of hidden states, unrolled from the device's ring by `record.kept_positions`;
+`RolloutEngine.fetch_rows`) BEFORE compaction or an insert can drop them, and streams them to the hooks
+(`on_finished`) while the rest of the rollout is still decoding. `rollout()` assembles the final `Rollout` in
+sequence order. With `keep_hidden=False` (`EngineConfig.keep_hidden`) the hidden states only stream: none is
+kept for the `Rollout`, and a prompt's states are dropped once its last sample has been reported, so the host
+holds the states of one harvest at a time instead of a whole rollout's (at the paper's shapes, 512 rows x
+8,192 x 3,584 x bf16 = 28 GiB per process).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 from tlt_jax import sharding as shd
 from tlt_jax.rollout.hooks import FinishedSequences, RolloutHooks
 from tlt_jax.rollout.interface import EngineLike
+from tlt_jax.rollout.record import kept_positions
 from tlt_jax.rollout.types import DecodeState, Rollout, RolloutStats, RowSummary
 
 
@@ -34,6 +38,7 @@ class Harvester:
         max_new: int,
         record_hidden: bool,
         hooks: RolloutHooks,
+        keep_hidden: bool = True,
     ):
         self.tokenizer = engine.tokenizer
         self.stop_strings = tuple(engine.config.stop_strings)
@@ -51,7 +56,10 @@ class Harvester:
         self.engine = engine
         # the prompts' hidden states arrive with each prefill (`add_prompt_hidden`), before their rows run
         self.prompt_hidden: list[np.ndarray] | None = [None] * len(prompts) if record_hidden else None  # type: ignore[list-item]
-        self.hidden: list[np.ndarray | None] | None = [None] * total if record_hidden else None
+        self.keep_hidden = record_hidden and keep_hidden
+        self.hidden: list[np.ndarray | None] | None = [None] * total if self.keep_hidden else None
+        self.hidden_offset = np.zeros((total,), np.int64) if record_hidden else None
+        self.unreported = np.full((len(prompts),), n, np.int64)  # samples of each prompt not yet reported
         self.hooks = hooks
 
     def add_prompt_hidden(self, prompt_ids: np.ndarray, hidden: jax.Array | None) -> None:
@@ -60,8 +68,9 @@ class Harvester:
             return
         h = shd.to_host(hidden)
         for j, i in enumerate(prompt_ids):
-            if self.prompt_hidden[int(i)] is None:
-                self.prompt_hidden[int(i)] = h[j, : len(self.prompts[int(i)])]
+            if self.prompt_hidden[int(i)] is None and self.unreported[int(i)]:
+                # a copy: a view would keep the whole padded [P_bucket, T, H] array alive
+                self.prompt_hidden[int(i)] = h[j, : len(self.prompts[int(i)])].copy()
 
     @property
     def num_finished(self) -> int:
@@ -87,9 +96,10 @@ class Harvester:
 
     def _harvest(self, state: DecodeState, rows: np.ndarray, seq_ids: np.ndarray, num: np.ndarray) -> None:
         toks, lps, hid = self.engine.fetch_rows(state, rows)  # only these rows leave the device
-        if self.hidden is None:
+        if self.hidden_offset is None:
             hid = None
-        sids = []
+        ends = None if hid is None or state.hidden_end is None else shd.to_host(state.hidden_end)[rows]
+        sids, spans = [], []
         for j, r in enumerate(rows):
             sid = int(seq_ids[r])
             ln = self.stop_cut.get(sid, int(num[r]))
@@ -101,24 +111,38 @@ class Harvester:
             elif ln > 0 and int(toks[j, ln - 1]) in self.eos:
                 self.reason[sid] = "eos"
             if hid is not None:
-                self.hidden[sid] = hid[j, : min(max(ln - 1, 0), hid.shape[1])].copy()
+                end = None if ends is None else int(ends[j])
+                offset, slots = kept_positions(int(num[r]) - 1, ln, hid.shape[1], end)
+                self.hidden_offset[sid] = offset  # type: ignore[index]
+                spans.append(hid[j, slots])  # a copy (fancy index): the fetched block is freed
             self.harvested[sid] = True
             sids.append(sid)
         ids = np.asarray(sids, np.int64)
-        self.hooks.on_finished(
-            FinishedSequences(
-                seq_ids=ids,
-                prompt_index=self.prompt_index[ids],
-                prompt_tokens=[list(self.prompts[int(self.prompt_index[i])]) for i in ids],
-                tokens=[self.tokens[i, : self.lengths[i]].copy() for i in ids],
-                logprobs=[self.logp[i, : self.lengths[i]].copy() for i in ids],
-                finish_reason=[self.reason[i] for i in ids],
-                hidden=None if self.hidden is None else [self.hidden[i] for i in ids],
-                prompt_hidden=None
-                if self.prompt_hidden is None
-                else [self.prompt_hidden[int(self.prompt_index[i])] for i in ids],
-            )
+        self.hooks.on_finished(self._report(ids, spans if hid is not None else None))
+
+    def _report(self, ids: np.ndarray, spans: list[np.ndarray] | None) -> FinishedSequences:
+        """The sequences `ids` as reported to the hooks (their recorded spans `spans`); kept for the
+        `Rollout` unless the states only stream (then a prompt's states go once its samples are out)."""
+        prompts, ph = self.prompt_index[ids], self.prompt_hidden
+        seqs = FinishedSequences(
+            seq_ids=ids,
+            prompt_index=prompts,
+            prompt_tokens=[list(self.prompts[int(p)]) for p in prompts],
+            tokens=[self.tokens[i, : self.lengths[i]].copy() for i in ids],
+            logprobs=[self.logp[i, : self.lengths[i]].copy() for i in ids],
+            finish_reason=[self.reason[i] for i in ids],
+            hidden=spans,
+            prompt_hidden=None if ph is None else [ph[int(p)] for p in prompts],
+            hidden_offset=None if self.hidden_offset is None else self.hidden_offset[ids].copy(),
         )
+        if self.hidden is not None and spans is not None:
+            for i, h in zip(ids, spans, strict=True):
+                self.hidden[int(i)] = h
+        np.subtract.at(self.unreported, prompts, 1)
+        if self.prompt_hidden is not None and not self.keep_hidden:
+            for p in np.unique(prompts[self.unreported[prompts] == 0]):
+                self.prompt_hidden[int(p)] = None  # the hooks hold what they keep
+        return seqs
 
     def _stop_strings(self, state: DecodeState, rows: RowSummary, seq_ids: np.ndarray) -> np.ndarray:
         """Rows whose response now contains a stop string (cut after the token that completes it).
@@ -160,6 +184,7 @@ class Harvester:
             lengths=self.lengths,
             finish_reason=self.reason,
             stats=stats,
-            prompt_hidden=self.prompt_hidden,
+            prompt_hidden=self.prompt_hidden if self.keep_hidden else None,
             hidden=self.hidden,  # type: ignore[arg-type]
+            hidden_offset=self.hidden_offset if self.keep_hidden else None,
         )

@@ -9,7 +9,7 @@ One protocol (`RolloutHooks`, every method optional) for everything that plugs i
   compiled) and which rows and which data-axis devices are still live (a device with no live row is idle:
   the spot trainer's opportunity).
 - `on_finished(seqs)` whenever sequences finish, while the rollout is still running: their tokens, log-probs
-  and, with `EngineConfig.record_hidden`, a bounded window of the target's hidden states (drafter data).
+  and, with `EngineConfig.record_hidden`, a bounded span of the target's hidden states (drafter data).
 - `idle_work(live_per_shard)` before each chunk: work for the data-axis devices that have no live row, fused
   into the chunk's program (ONE SPMD program in `shard_map` in which busy devices decode and idle devices
   run the work: the spot trainer's drafter micro-steps). None: plain chunk.
@@ -65,9 +65,11 @@ class ChunkView:
 class FinishedSequences:
     """Sequences that finished since the last report (sequence ids index the final `Rollout`'s rows).
 
-    hidden[i]: [min(len_i - 1, W), H] the target's final hidden states of the response's first positions
-    (response token j's state at row j; the newest token has none), or None without `record_hidden`.
-    prompt_hidden[i]: [len(prompt), H] the prompt's states (shared by the samples of a prompt) or None.
+    hidden[i]: [<= min(len_i - 1, W), H] the target's final hidden states of the response's recorded span
+    (`EngineConfig.hidden_span`): response token hidden_offset[i] + j's state at row j (the newest token has
+    none), or None without `record_hidden`. hidden_offset: [n] those spans' first response positions (0 for
+    "first": the span follows the prompt). prompt_hidden[i]: [len(prompt), H] the prompt's states (shared by
+    the samples of a prompt) or None.
     """
 
     seq_ids: np.ndarray
@@ -78,6 +80,7 @@ class FinishedSequences:
     finish_reason: list[str]
     hidden: list[np.ndarray] | None = None
     prompt_hidden: list[np.ndarray] | None = None
+    hidden_offset: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.seq_ids)

@@ -24,6 +24,7 @@ from tlt_jax.rollout.decode import PromptCache
 from tlt_jax.rollout.hooks import IdleWork
 from tlt_jax.rollout.ngram import NgramBank
 from tlt_jax.rollout.programs import MATMUL_PRECISIONS
+from tlt_jax.rollout.record import HIDDEN_SPANS
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import AcceptRule, SpecConfig, SpecMode, Strategy
 from tlt_jax.rollout.types import ChunkRecord, DecodeState, RowSummary
@@ -47,11 +48,16 @@ class EngineConfig:
     attn_impl: str = "auto"
     stop_strings: tuple[str, ...] = ()
     spec: SpecConfig = SpecConfig()  # speculative rollouts (off by default)
-    # also return the target's final hidden states of the prompt and of the first `hidden_window` response
-    # positions of every sequence (`Rollout.features`, `FinishedSequences.hidden`): drafter training data
-    # from the rollout with no second target forward; the window bounds device and host memory
+    # also return the target's final hidden states of the prompt and of `hidden_window` response positions of
+    # every sequence (`Rollout.features`, `FinishedSequences.hidden`): drafter training data from the
+    # rollout with no second target forward; the window bounds device and host memory. hidden_span: which
+    # positions, "first" | "random" (a window at a per-row random depth) | "last" (`rollout.record`).
+    # keep_hidden=False: the states only stream to the hooks as rows finish (`on_finished`), Rollout.hidden
+    # stays None and the host holds no rollout's worth of them
     record_hidden: bool = False
     hidden_window: int = 512
+    hidden_span: str = "first"
+    keep_hidden: bool = True
     # strategies with the same tokens_to_verify share one program per (batch bucket, cache bucket): the
     # strategy is a runtime operand (`RolloutEngine.mode_group`); False: one program per strategy
     share_programs: bool = True
@@ -66,6 +72,8 @@ class EngineConfig:
         for name in ("max_new_tokens", "chunk_steps", "hidden_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1 (config.rollout.{name}).")
+        if self.hidden_span not in HIDDEN_SPANS:
+            raise ValueError(f"hidden_span={self.hidden_span!r}: use one of {HIDDEN_SPANS} (config.rollout).")
         r = self.max_running_rows
         if r < 0 or (r & (r - 1)) or self.kv_budget_gib < 0:
             raise ValueError(

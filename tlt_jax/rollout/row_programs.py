@@ -114,6 +114,7 @@ class RowPrograms:
             carry_prompt=use_prompt,
             hidden_window=cfg.hidden_window if cfg.record_hidden else 0,
             record_prompt_hidden=cfg.record_hidden,
+            hidden_span=cfg.hidden_span,
         )
 
     def start_cache_len(self, longest: int, tb: int, max_new: int) -> int:

@@ -86,7 +86,8 @@ def _prefill(
         local = min(local, engine.max_running_rows)
     first = min(total, local * d)
     seq_ids = np.where(np.arange(local * d) < first, np.arange(local * d), -1)
-    harvest = Harvester(engine, prompts, n, r.max_new, engine.config.record_hidden, hook)
+    ec = engine.config  # keep_hidden=False: the recorded states only stream to the hooks (the spot trainer)
+    harvest = Harvester(engine, prompts, n, r.max_new, ec.record_hidden, hook, keep_hidden=ec.keep_hidden)
     if first < total:  # rows will queue: every prompt once into the cache the inserts start rows from
         pc = engine.prompt_cache(prompts, r.max_new, r.params, r.dparams)
         r = dataclasses.replace(r, prompts_kv=pc, seq_keys=sequence_keys(r.key, total))

@@ -48,6 +48,9 @@ class DecodeState:
     # [B, W, H] the target's final hidden state of response token i < W, written when the token is fed back
     # (so the newest token has none yet); only with EngineConfig.record_hidden (`record.record_hidden`)
     out_hidden: jax.Array | None = None
+    # [B] where each row's recorded span ends (`record.span_ends`: out_hidden is then a ring of the last W
+    # positions before it); None: the first W positions (EngineConfig.hidden_span "first")
+    hidden_end: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -222,11 +225,13 @@ class Rollout:
     lengths: np.ndarray  # [B] response lengths (EOS included)
     finish_reason: list[str]  # "eos" | "stop" | "length"
     stats: RolloutStats
-    # with EngineConfig.record_hidden: the target's final hidden states, per unique prompt [Lp, H] and per
-    # response [min(len - 1, W), H] (response token i's state at row i; a response's last token has none;
-    # W = EngineConfig.hidden_window bounds the memory of long responses)
+    # with EngineConfig.record_hidden (and keep_hidden): the target's final hidden states, per unique prompt
+    # [Lp, H] and per response [<= min(len - 1, W), H]: response token hidden_offset[i] + j's state at row j
+    # (a response's last token has none; W = EngineConfig.hidden_window bounds the memory of long responses;
+    # the offset is 0 unless EngineConfig.hidden_span records a later span)
     prompt_hidden: list[np.ndarray] | None = None
     hidden: list[np.ndarray] | None = None
+    hidden_offset: np.ndarray | None = None
 
     @property
     def mask(self) -> np.ndarray:
@@ -241,6 +246,12 @@ class Rollout:
         W: a drafter training sample's `hidden` for `(prompt + response)[:len]`, no second target forward."""
         if self.hidden is None or self.prompt_hidden is None:
             raise ValueError(
-                "this rollout has no hidden states: generate with EngineConfig(record_hidden=True)"
+                "this rollout has no hidden states: generate with EngineConfig(record_hidden=True) (and "
+                "keep_hidden=True: without it they only stream to the hooks)"
+            )
+        if self.hidden_offset is not None and self.hidden_offset[i]:
+            raise ValueError(
+                f"sequence {i}'s recorded states start at response token {self.hidden_offset[i]}, not after "
+                "its prompt (EngineConfig.hidden_span): read Rollout.hidden with hidden_offset instead"
             )
         return np.concatenate([self.prompt_hidden[int(self.prompt_index[i])], self.hidden[i]])
