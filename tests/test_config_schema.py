@@ -24,14 +24,18 @@ def test_base_config_is_the_section_dataclasses_defaults(job: str) -> None:
     run_cls, names = JOB_SCHEMA[job]
     sections = {n: SECTIONS[n] for n in names if n != "task"}
     top = {k: v for k, v in base.items() if k not in names}
-    assert top == {f.name: f.default for f in dataclasses.fields(run_cls)}
+    assert top == {f.name: default(f) for f in dataclasses.fields(run_cls)}
     for name, cls in sections.items():
         fields = {
-            f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            f.name: default(f)
             for f in dataclasses.fields(cls)
             if not (name == "spec" and f.name in SPEC_FROM_DRAFTER)
         }
         assert base[name] == fields, name
+
+
+def default(f: dataclasses.Field) -> object:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 def test_every_section_name_means_one_class() -> None:
