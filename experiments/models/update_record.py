@@ -34,7 +34,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
-import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
@@ -46,6 +45,7 @@ import jax  # noqa: E402
 import jaxlib  # noqa: E402
 import ml_collections as mlc  # noqa: E402
 
+from experiments.lib import harness  # noqa: E402
 from experiments.models.layer_fit import CONFIGS  # noqa: E402
 from tlt_jax import config_lib  # noqa: E402
 from tlt_jax import memory_plan as mpp  # noqa: E402
@@ -134,9 +134,8 @@ def provenance(command: str, t0: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, quick=None, out_help="the JSON to write (default: the record's file)")
     ap.add_argument("--two-layers", action="store_true", help="the test's figures (see above)")
-    ap.add_argument("--out", default=None, help="the JSON to write (default: the record's file)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices", flush=True)
@@ -163,6 +162,10 @@ def main(argv: list[str] | None = None) -> None:
             f"plan {r['plan_bytes'] / 2**30:7.2f} GiB, need {r['need_bytes'] / 2**30:7.2f} GiB"
         )
     print(f"wrote {path} ({record['wall_s']:.0f} s)")
+    config_rows = [r for r in rows if r["layout"] == "config" and r["program"] == "update_accum"]
+    harness.result(
+        {f"update_need_gib_{r['response_len']}": r["need_bytes"] / 2**30 for r in config_rows}, args, ".2f"
+    )
 
 
 if __name__ == "__main__":

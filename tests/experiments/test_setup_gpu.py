@@ -9,6 +9,7 @@ reports what differs from the pins (a simulated GPU image, and this venv against
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import subprocess
 
@@ -21,7 +22,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def make_n(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "-n", "setup-gpu", *args], cwd=ROOT, capture_output=True, text=True)
+    """`make -n setup-gpu` as a user runs it: not a sub-make of `make test` (whose MAKELEVEL/MAKEFLAGS
+    would add "make[1]: Entering directory" lines and pass its own flags on)."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")
+    }
+    cmd = ["make", "--no-print-directory", "-n", "setup-gpu", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
 
 
 def test_setup_gpu_installs_the_pinned_stack_and_nothing_else() -> None:
