@@ -25,6 +25,7 @@ from flax import nnx
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.llama import Transformer
+from tlt_jax.tasks.synthetic import StopIds
 
 # a parameter State of ShapeDtypeStructs -> a pytree of `jax.sharding.Sharding`s of the same structure
 ShardFn = Callable[[Any], Any]
@@ -73,7 +74,7 @@ def bytes_per_device(tree: Any) -> int:
     return total
 
 
-class NoTextTokenizer:
+class NoTextTokenizer(StopIds):
     """The tokenizer of a model with random weights: ids and stop tokens for the engine, no text.
 
     `vocab_size` and `eos_token_ids` are what the rollout engine needs; every method that maps between ids
@@ -81,29 +82,9 @@ class NoTextTokenizer:
     chat prompts and warm-up data from text would be noise) and the fix (real weights).
     """
 
-    chat_template = None
-    bos_token_id = None
-
     def __init__(self, vocab_size: int, eos_token_ids: Iterable[int], what: str, fix: str) -> None:
-        self._vocab_size = int(vocab_size)
-        self._eos = tuple(int(i) for i in eos_token_ids)
+        super().__init__(vocab_size, eos_token_ids)
         self.what, self.fix = what, fix
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._eos[0]
-
-    @property
-    def pad_token_id(self) -> int:
-        return self._eos[0]
 
     def _refuse(self, op: str) -> None:
         raise ValueError(

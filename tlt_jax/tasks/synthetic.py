@@ -42,21 +42,17 @@ def stop_ids(vocab_size: int, mean_length: float) -> np.ndarray:
     return (stride // 2 + stride * np.arange(k)).astype(np.int64)
 
 
-class TokenIdCodec:
-    """A tokenizer for a model with no vocabulary of text (the learner's `TextCodec` duck type): the stop
-    ids are its EOS ids, `decode` writes ids as decimal numbers (stop ids dropped unless asked for) and
-    `encode` reads them back. It has no chat template (`encode_chat` refuses): a token task's prompts are
-    ids already."""
+class StopIds:
+    """What the rollout engine needs of a tokenizer without text: the vocabulary size and the stop (EOS)
+    ids, the first also the pad id. The base of `TokenIdCodec` and of random weights' `NoTextTokenizer`
+    (tlt_jax.models.random_init)."""
 
     chat_template = None
     bos_token_id = None
 
-    def __init__(self, vocab_size: int, stops: Iterable[int]) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         self._vocab_size = int(vocab_size)
-        self._eos = tuple(int(i) for i in stops)
-        if not self._eos or min(self._eos) < 0 or max(self._eos) >= self._vocab_size:
-            raise ValueError(f"stop ids must be non-empty and within [0, {vocab_size}): {self._eos[:8]}")
-        self._stop_set = frozenset(self._eos)
+        self._eos = tuple(int(i) for i in eos_token_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -73,6 +69,19 @@ class TokenIdCodec:
     @property
     def pad_token_id(self) -> int:
         return self._eos[0]
+
+
+class TokenIdCodec(StopIds):
+    """A tokenizer for a model with no vocabulary of text (the learner's `TextCodec` duck type): the stop
+    ids are its EOS ids, `decode` writes ids as decimal numbers (stop ids dropped unless asked for) and
+    `encode` reads them back. It has no chat template (`encode_chat` refuses): a token task's prompts are
+    ids already."""
+
+    def __init__(self, vocab_size: int, stops: Iterable[int]) -> None:
+        super().__init__(vocab_size, stops)
+        if not self._eos or min(self._eos) < 0 or max(self._eos) >= self._vocab_size:
+            raise ValueError(f"stop ids must be non-empty and within [0, {vocab_size}): {self._eos[:8]}")
+        self._stop_set = frozenset(self._eos)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The ids as decimal numbers separated by spaces (stop ids dropped with `skip_special_tokens`)."""

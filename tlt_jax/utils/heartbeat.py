@@ -5,13 +5,13 @@ supplies the words)."""
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
 
 from absl import logging
 
+from tlt_jax.utils.background import BackgroundLoop
 from tlt_jax.utils.tracking import console_print
 
 
@@ -32,7 +32,7 @@ def _print_around_bars(line: str) -> None:
         console_print(line)
 
 
-class Heartbeat:
+class Heartbeat(BackgroundLoop):
     """A daemon thread that says what a long job is doing while it is otherwise silent (compiling, a long
     rollout or update). Every `poll` s it reads `status.key()`; once the same key has lasted `interval` s,
     and then every `interval` s, it prints `status.line(elapsed)`: at most one line per `interval`, on a TTY
@@ -48,8 +48,7 @@ class Heartbeat:
     ):
         self.status, self.interval, self.poll = status, float(interval), float(poll)
         self._print = print_fn or _print_around_bars
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True) if enabled else None
+        super().__init__("heartbeat", enabled)
 
     def _run(self) -> None:
         key, since, last = None, 0.0, 0.0
@@ -63,13 +62,3 @@ class Heartbeat:
                     self._print(self.status.line(now - since))
         except Exception as e:  # the console's heartbeat must never take the job down
             logging.warning("console heartbeat stopped: %s: %s", type(e).__name__, e)
-
-    def __enter__(self) -> Heartbeat:
-        if self._thread is not None:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join()

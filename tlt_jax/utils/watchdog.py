@@ -25,6 +25,8 @@ from typing import Any
 
 import jax
 
+from tlt_jax.utils.background import BackgroundLoop
+
 EXIT_STALLED = 70  # sysexits' EX_SOFTWARE
 KINDS = ("compile", "rollout", "update", "checkpoint", "eval", "other")
 # seconds without progress per kind: generous against a 32K-token rollout chunk (seconds on a GPU node), an
@@ -96,7 +98,7 @@ def compile_tracker() -> CompileTracker:
     return _TRACKER
 
 
-class Watchdog:
+class Watchdog(BackgroundLoop):
     """A daemon thread that ends the process when its phase makes no progress within the phase kind's
     limit (module docstring). A context manager: the thread runs inside the `with` block."""
 
@@ -117,8 +119,7 @@ class Watchdog:
         self.compiles = compiles if compiles is not None else compile_tracker()
         self.step, self.name, self.last = 0, "init", clock()
         self.fired: str | None = None  # the error line, once it fired
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True) if enabled else None
+        super().__init__("watchdog", enabled)
 
     def phase(self, step: int, name: str) -> None:
         """The job entered phase `name` of step `step` (progress)."""
@@ -160,11 +161,4 @@ class Watchdog:
 
     def __enter__(self) -> Watchdog:
         self.last = self.clock()
-        if self._thread is not None:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join()
+        return super().__enter__()
