@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-gpu kernels run warmup test test-experiments lint bench clean gpu-bundle
+.PHONY: setup setup-gpu kernels run warmup test test-extended test-all test-experiments lint bench clean gpu-bundle
 
 # The venv is rebuilt only when setup.py or the CPU pins change (the stamp records the install). JAX and flax
 # at this CPU's tested versions: requirements/jax-cpu.txt (setup.py holds ranges; setup-gpu's pins differ).
@@ -82,20 +82,29 @@ warmup: setup
 # their reasons (-rs) and the 10 slowest (--durations).
 PYTEST_SUMMARY := -rs --durations=10 --durations-min=1
 PYTEST_DIST := --dist loadfile --no-loadscope-reorder
+# `make test` (CI's) leaves out the tests marked `extended`: the long ones that prove no more of the mission
+# than a shorter test it keeps (the same property on SmolLM2 instead of the tiny model, a second parameter of
+# a layout, the paper-size configs' runlocal jobs); `make test-extended` runs them, `make test-all` runs both.
+# Run test-extended before changing what they cover (pyproject.toml's markers; docs/benchmarks.md, make test).
+define run_pytest
+@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_DIST) $(PYTEST_SUMMARY) \
+  -m "$(2)" $(PYTEST_ARGS) tests; rc=$$?; \
+if [ $$rc -eq 5 ]; then echo "make $(1): pytest collected no tests (exit 5); failing."; exit 1; fi; exit $$rc
+endef
 test: setup
-	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_DIST) $(PYTEST_SUMMARY) \
-	  -m "not experiments" $(PYTEST_ARGS) tests; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5); failing."; exit 1; fi; exit $$rc
+	$(call run_pytest,test,not experiments and not extended)
+
+test-extended: setup
+	$(call run_pytest,test-extended,extended and not experiments)
+
+test-all: setup
+	$(call run_pytest,test-all,not experiments)
 
 # The experiment scripts' smoke runs and the quickstart notebook (subprocesses compiling SmolLM2 programs:
 # minutes). They check the scripts, not the system, so CI's `make test` leaves them out; run them before
 # changing a script or the notebook.
 test-experiments: setup
-	@set +e; XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_DIST) $(PYTEST_SUMMARY) \
-	  -m experiments \
-	  $(PYTEST_ARGS) tests; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test-experiments: pytest collected no tests (exit 5); failing."; exit 1; fi; \
-	exit $$rc
+	$(call run_pytest,test-experiments,experiments)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -86,8 +86,6 @@ def phase_rl_step_7b(suite: Suite, timeout: float) -> PhaseResult:
     cmd += ["--deadline-s", f"{max(timeout - 15, 5):.0f}", "--", f"--config={arg}", f"--workdir={wd}"]
     cmd += [f"--config.compilation_cache_dir={cache}"]
     env = {"TLT_JAX_COMPILE_LOG": str(suite.state / "rl_step_compile_log.json")}
-    if suite.dry:
-        env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     proc = suite.run("rl_step_7b", cmd, timeout, env)
     watch = json.loads(js.read_text()) if js.exists() else {}
     steps_logged = read_steps(wd / "metrics.jsonl")

@@ -20,6 +20,7 @@ from gpu import gpu_state
 from gpu.gpu_plan import (
     CALL_BUDGETS,
     DRY_CAP_S,
+    DRY_XLA_FLAGS,
     LIMITS,
     PHASES,
     PLAN_LIMITS,
@@ -115,6 +116,8 @@ class Suite:
         if not self.dry:  # compiled programs survive into later calls of the lease (and resumed phases)
             env["JAX_COMPILATION_CACHE_DIR"] = str(self.state / "jax_cache")
             env["TORCHINDUCTOR_CACHE_DIR"] = str(self.state / "torch_cache")  # HF's compiled decode step
+        else:
+            env["XLA_FLAGS"] = DRY_XLA_FLAGS
         tuned = self.state / "tuned_block_sizes.json"
         if tuned.exists() and any(label.startswith(p) for p in TUNED_FOR):
             env["TLT_TREE_ATTENTION_BLOCK_SIZES"] = str(tuned)

@@ -27,6 +27,7 @@ class Job:
     overrides: tuple[tuple[str, object], ...] = ()  # dotted key -> value, as --config.<key>=<value>
     warmed_drafter: bool = False  # drafter.path points at the smoke warm-up's workdir
     hf_dir: bool = False  # model.path is a tiny HF directory of the config's architecture (real checkpoints)
+    extended: bool = False  # run by `make test-extended`: its sections are another job's here, at smoke size
 
     def load(self) -> mlc.ConfigDict:
         path, _, arg = self.config.partition(":")
@@ -44,19 +45,19 @@ class Job:
 WARMUP = Job("make warmup", "configs/drafter_warmup.py:tlt")
 JOBS = (
     Job("make run", "configs/tlt.py", warmed_drafter=True),
-    Job("tlt drafter=none (plain baseline)", "configs/tlt.py:drafter=none"),
+    Job("tlt drafter=none (plain baseline)", "configs/tlt.py:drafter=none", extended=True),
     Job("tlt eagle arm", "configs/tlt.py:drafter=eagle,spot=off,bandit=off", warmed_drafter=True),
     Job("tlt ngram, quick (e2e arm)", "configs/tlt.py:drafter=ngram,quick"),
     Job("tlt idle-device spot", "configs/tlt.py:spot=idle_devices", (("mesh.data", 2),)),
     Job("default", "configs/default.py"),
     Job("smoke", "configs/smoke.py"),
-    Job("qwen2.5-0.5b runlocal", "configs/qwen2_5_0_5b.py:runlocal"),
-    Job("qwen2.5-7b runlocal", "configs/qwen2_5_7b.py:runlocal"),
-    Job("dapo recipe runlocal", "configs/recipes/dapo_qwen2_5_7b.py:runlocal"),
+    Job("qwen2.5-0.5b runlocal", "configs/qwen2_5_0_5b.py:runlocal", extended=True),
+    Job("qwen2.5-7b runlocal", "configs/qwen2_5_7b.py:runlocal", extended=True),
+    Job("dapo recipe runlocal", "configs/recipes/dapo_qwen2_5_7b.py:runlocal", extended=True),
     # the cluster command's shape: --config.model.path=<HF dir> on the config's tensor-parallel mesh
-    Job("qwen2.5-7b from an HF directory", "configs/qwen2_5_7b.py", hf_dir=True),
-    Job("qwen2.5-32b runlocal", "configs/qwen2_5_32b.py:runlocal"),
-    Job("qwen2.5-7b tpu runlocal", "configs/qwen2_5_7b_tpu.py:runlocal"),
+    Job("qwen2.5-7b from an HF directory", "configs/qwen2_5_7b.py", hf_dir=True, extended=True),
+    Job("qwen2.5-32b runlocal", "configs/qwen2_5_32b.py:runlocal", extended=True),
+    Job("qwen2.5-7b tpu runlocal", "configs/qwen2_5_7b_tpu.py:runlocal", extended=True),
 )
 
 

@@ -46,7 +46,12 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return dj.save_tiny_hf_dir(tmp_path_factory.mktemp("qwen2_hf"))
 
 
-@pytest.mark.parametrize("job", dj.JOBS, ids=[j.name for j in dj.JOBS])
+# make test runs the TLT jobs and the small configs; the paper-size configs' runlocal jobs (their sections at
+# smoke size, as the TLT jobs') and the plain baseline run in `make test-extended`
+JOB_PARAMS = [pytest.param(j, id=j.name, marks=[pytest.mark.extended] if j.extended else []) for j in dj.JOBS]
+
+
+@pytest.mark.parametrize("job", JOB_PARAMS)
 def test_documented_job_runs(
     job: dj.Job, warmup_dir: pathlib.Path, hf_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:

@@ -142,6 +142,7 @@ def test_bad_overrides_fail_with_a_clear_message(env, tmp_path) -> None:
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.extended  # make test's kill loop (test_kill_loop.py) kills a save too
 def test_sigkill_during_a_checkpoint_save_resumes_from_the_last_complete_one(
     env, reference_run, tmp_path
 ) -> None:

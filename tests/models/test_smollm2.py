@@ -41,6 +41,7 @@ def test_greedy_answer_is_paris(smollm, greedy_answer):
     assert "Paris" in text, text
 
 
+@pytest.mark.extended  # the kernels' own tests and the engine's kernel test are make test's
 def test_cpu_kernels_give_the_same_greedy_tokens(smollm, greedy_answer):
     """The real model on the CPU FFI kernels (small-M matmuls, tree attention): the same 40 greedy tokens."""
     loaded, _ = smollm
@@ -52,6 +53,7 @@ def test_cpu_kernels_give_the_same_greedy_tokens(smollm, greedy_answer):
     assert out.response(0) == ref.response(0)
 
 
+@pytest.mark.extended  # make test keeps the GGUF-vs-transformers tensors and the export's logits
 def test_greedy_continuation_equals_transformers(smollm, smollm_gguf_path, greedy_answer):
     """Same GGUF, same prompt ids: our 32 greedy tokens equal HF transformers' generate (torch CPU, fp32)."""
     torch = pytest.importorskip("torch")

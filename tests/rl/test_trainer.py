@@ -160,7 +160,7 @@ def test_per_layer_remat_keeps_the_gradients() -> None:
         _assert_same(_forward_and_grads(batch, attn_impl="blockwise", remat=policy), plain, 1e-6)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.extended)])
 def test_scanned_layers_equal_the_unrolled_stack(arch: str) -> None:
     """The stacked layout's layers as one `lax.scan` over [L]-leading parameters and a stacked cache (prompt
     pass writing the cache the response pass reads) give the unrolled stack's log-probs, entropies, hidden
@@ -194,7 +194,7 @@ def test_scanned_remat_cuts_the_temporaries() -> None:
     assert temp("nothing_saveable") < 0.5 * temp("none")
 
 
-@pytest.mark.parametrize("nb,chunk", [(12, 4), (11, 4)])
+@pytest.mark.parametrize("nb,chunk", [(12, 4), pytest.param(11, 4, marks=pytest.mark.extended)])
 def test_chunked_logits_equal_full_logits_at_any_length(nb: int, chunk: int) -> None:
     """Logits in chunks (the last one zero-padded when Nb is not a multiple) give the same log-probs,
     entropies and gradients as all logits at once (f32, 1e-5); nothing falls back to full logits."""

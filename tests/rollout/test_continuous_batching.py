@@ -63,7 +63,9 @@ def _same(capped, free) -> None:
         np.testing.assert_allclose(capped.features(i), free.features(i), **TOL)
 
 
-@pytest.mark.parametrize("kind", ["ngram", "eagle"])  # plain: the two-shard test below
+@pytest.mark.parametrize(
+    "kind", [pytest.param("ngram", marks=pytest.mark.extended), "eagle"]
+)  # plain: the two-shard test below
 def test_capped_rollout_gives_the_uncapped_tokens(target, drafter, kind):
     free = _rollout(_engine(target, drafter, kind, cap=0))
     eng = _engine(target, drafter, kind, cap=8)
@@ -77,6 +79,7 @@ def test_capped_rollout_gives_the_uncapped_tokens(target, drafter, kind):
         assert any(c.mode != "plain" for c in capped.stats.chunks)
 
 
+@pytest.mark.extended  # one shard's capped rollout is make test's
 def test_capped_rollout_over_two_data_shards(target, drafter):
     """Cap 4 per shard on a 2-device data axis: inserts land in each shard's own free slots."""
     free = _rollout(_engine(target, drafter, "none", cap=0))

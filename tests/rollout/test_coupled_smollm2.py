@@ -83,6 +83,7 @@ class RotateModes(RolloutHooks):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the tiny model's coupled test (test_engine_sd.py) is make test's
 def test_speculative_rollouts_equal_plain_token_for_token(smollm, xla_optimized):
     model, prompts = smollm
     cache = 1 << int(np.ceil(np.log2(max(map(len, prompts)) + NEW + 8)))
