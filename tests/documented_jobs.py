@@ -46,7 +46,12 @@ WARMUP = Job("make warmup", "configs/drafter_warmup.py:tlt")
 JOBS = (
     Job("make run", "configs/tlt.py", warmed_drafter=True),
     Job("tlt drafter=none (plain baseline)", "configs/tlt.py:drafter=none", extended=True),
-    Job("tlt eagle arm", "configs/tlt.py:drafter=eagle,spot=off,bandit=off", warmed_drafter=True),
+    Job(
+        "tlt eagle arm",
+        "configs/tlt.py:drafter=eagle,spot=off,bandit=off",
+        warmed_drafter=True,
+        extended=True,
+    ),
     Job("tlt ngram, quick (e2e arm)", "configs/tlt.py:drafter=ngram,quick"),
     Job("tlt idle-device spot", "configs/tlt.py:spot=idle_devices", (("mesh.data", 2),)),
     Job("default", "configs/default.py"),

@@ -287,6 +287,7 @@ def test_multiprocess_without_launch_variables_is_a_clear_config_error(tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.extended  # make test: idle devices on one process (test_spot_trainer.py), TLT across two here
 def test_idle_devices_train_across_processes_as_on_one() -> None:
     """The spot trainer's `idle_devices` mode on a global 4-device data mesh: a rollout whose rows end at
     different steps, devices whose rows all ended training the drafter while the others decode (one SPMD

@@ -193,7 +193,15 @@ def test_micro_batching_and_fsdp_do_not_change_the_update() -> None:
         assert_same_update(b0, p0, p, g0)  # the summation order differs between micro-batchings
 
 
-@pytest.mark.parametrize("agg", sorted(grpo.LOSS_AGGREGATIONS))
+# make test: DAPO's token_mean and Dr.GRPO's seq_mean_token_sum_norm; GRPO's seq_mean_token_mean normalises
+# per row as the latter does
+@pytest.mark.parametrize(
+    "agg",
+    [
+        pytest.param(a, marks=pytest.mark.extended) if a == "seq_mean_token_mean" else a
+        for a in sorted(grpo.LOSS_AGGREGATIONS)
+    ],
+)
 def test_length_sorted_micro_batches_equal_the_full_width_update(agg: str) -> None:
     """Micro-batches sorted by length, each cut to its own Nb bucket (learner's layout), make the same
     optimizer step as the full-width batch: same loss, gradient norm, parameters and log-probs."""

@@ -153,11 +153,13 @@ def test_flash_attention_forward_equals_the_tree_attention_forward(impl: str) ->
 
 
 def test_per_layer_remat_keeps_the_gradients() -> None:
-    """Rematerialised layers recompute the same numbers: outputs and gradients equal within 1e-6 (f32)."""
+    """Rematerialised layers recompute the same numbers: outputs and gradients equal within 3e-6 (f32; the
+    recomputed forward is fused apart from the backward, so sums may round differently: 1 of 8,192 gradient
+    entries 1.1e-6 apart with XLA:CPU's loop emitters, where a wrong remat would be off by far more)."""
     batch = _batch()
     plain = _forward_and_grads(batch, attn_impl="blockwise")
     for policy in ("nothing_saveable", "dots_saveable"):
-        _assert_same(_forward_and_grads(batch, attn_impl="blockwise", remat=policy), plain, 1e-6)
+        _assert_same(_forward_and_grads(batch, attn_impl="blockwise", remat=policy), plain, 3e-6)
 
 
 @pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.extended)])

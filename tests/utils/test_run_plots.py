@@ -146,6 +146,7 @@ def tiny_tlt_config():
     return c
 
 
+@pytest.mark.extended  # make test: test_plot_run_draws_a_grpo_run_and_a_warmup draws from a run's files
 def test_a_tiny_tlt_run_plots_itself_and_its_time_parts_add_up(tmp_path) -> None:
     learner = Learner(tiny_tlt_config(), str(tmp_path))
     assert learner.train() == "done"
