@@ -48,7 +48,9 @@ def test_plan_dry_run_and_projection_from_its_json(tmp_path: pathlib.Path) -> No
     d, m = rl["details"], rl["metrics"]
     assert d["exit"] == 0 and d["steps"]["1"]["time/step"] > 0 and m["rl_step1_end_s"] > m["rl_step1_s"]
     assert m["rl_step1_compile_s"] > 0 and 0 < m["rl_length_max"] <= 48  # config :tiny's max_new_tokens
-    assert {p["phase"] for p in d["timeline"]} >= {"init", "rollout", "update", "checkpoint", "eval"}
+    # the watcher reads the learner's phase file at 4 Hz (gpu/rl_step_run.py): at tiny shapes a checkpoint or
+    # an eval can begin and end between two reads (seen once on CPU), at 7B they take seconds
+    assert {p["phase"] for p in d["timeline"]} >= {"init", "rollout", "update"}
     res = d["plan"]["resident"]  # a dry run's plan: the resident state (the programs: test_gpu_suite.py)
     assert d["plan"]["backend"] == "cpu" and res["masters"] > 0 and res["optimizer"] >= 2 * res["masters"]
     assert d["top_compiles"] and m["rl_spot_steps"] > 0
