@@ -116,9 +116,6 @@ CALLS["plan"] = tuple(dict.fromkeys(CALLS["1"] + CALLS["2"]))  # `--resume --cal
 CALL_BUDGETS = {**CALL_BUDGET_S, "3": 570.0, "4": 540.0, "plan": 285.0, "all": 570.0}  # default --budget-s
 PLAN_LIMITS = {c: {p[0]: (p[1], p[2]) for p in phases} for c, phases in PLAN.items()}
 DRY_CAP_S = 300.0  # per phase in a dry run: generous, so a slow CI machine is not a failure
-# a dry run's phases on CPU check the plan's plumbing, not its numbers: XLA's CPU backend at its cheapest
-# compile (as tests/conftest.py's suite), since the phases' time is mostly compiling tiny programs
-DRY_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 REPORT_RESERVE_S = 15.0  # kept for plots and the summary at the end of a call
 
 

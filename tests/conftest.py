@@ -2,17 +2,15 @@
 
 import os
 
+from tlt_jax.utils.kill_runs import FAST_COMPILE_FLAGS  # stdlib only: before JAX starts
+
 # XLA's CPU backend at LLVM optimisation level 0: the suite's time is mostly compiling small programs, which
 # this halves (a learner test: 35 -> 20 s), while the programs are the same HLO (no fast-math either way) and
 # large matmuls are library calls that run as fast (a batch-64 SmolLM2 rollout: 55 vs 57 s). Tests that mostly
 # execute elementwise code on tiny models run slower (the chi-square losslessness test: 62 -> 103 s).
 # XLA:CPU's older loop emitters instead of its MLIR fusion emitters: the same HLO, compiled a third faster
 # (3 engine/spot files, cold cache: 163 -> 109 s; docs/benchmarks.md, make test).
-os.environ.setdefault(
-    "XLA_FLAGS",
-    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-    "--xla_cpu_use_fusion_emitters=false",
-)
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import functools  # noqa: E402

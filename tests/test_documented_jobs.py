@@ -47,7 +47,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 # make test runs the TLT jobs and the small configs; the paper-size configs' runlocal jobs (their sections at
-# smoke size, as the TLT jobs') and the plain baseline run in `make test-extended`
+# smoke size, as the TLT jobs'), the plain baseline and the eagle arm run in `make test-extended`
 JOB_PARAMS = [pytest.param(j, id=j.name, marks=[pytest.mark.extended] if j.extended else []) for j in dj.JOBS]
 
 

@@ -23,13 +23,13 @@ from gpu import (  # noqa: E402
     gpu_bundle,
     gpu_measure,
     gpu_parse,
-    gpu_plan,
     gpu_regime,
     gpu_report,
     gpu_rlstep,
     gpu_state,
     gpu_suite,
 )
+from tlt_jax.utils.kill_runs import FAST_COMPILE_FLAGS  # noqa: E402
 
 # every phase but the plan's 7B ones, which tests/experiments/test_gpu_plan.py dry-runs (in `make test`)
 LEGACY = tuple(p for p in gpu_suite.PHASES if p not in ("rl_step_7b", "regime_7b", "update_7b"))
@@ -456,7 +456,7 @@ def test_rl_step_worker_plans_the_programs_of_its_config(tmp_path: pathlib.Path)
     programs with the composed spot tick, each need = arguments + footprint + what lives beside it."""
     js, wd = tmp_path / "rl.json", tmp_path / "w"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = gpu_plan.DRY_XLA_FLAGS
+    env["XLA_FLAGS"] = FAST_COMPILE_FLAGS
     cmd = [sys.executable, "-m", "gpu.rl_step_run", "--json", str(js), "--plan", "update,rollout", "--"]
     cmd += [f"--config={gpu_rlstep.CONFIG}:layers=1,steps=1,tiny", f"--workdir={wd}"]
     cmd += [f"--config.compilation_cache_dir={tmp_path / 'cache'}"]
