@@ -25,7 +25,7 @@ import pytest
 from tlt_jax.utils import distributed as dist
 from tlt_jax.utils.checkpoint import Checkpointer
 from tlt_jax.utils.kill_runs import FAST_COMPILE_FLAGS, TINY_SPOT, leftovers
-from tlt_jax.utils.phase import read_phase
+from tlt_jax.utils.phase import PHASE_FILE, read_phase
 from tlt_jax.utils.tracking import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -437,14 +437,16 @@ def one_process(args: list[str]) -> subprocess.Popen:
     )
 
 
-def killed_then_resumed_on_two(workdir: pathlib.Path, args: list[str]) -> None:
-    """1 process x 4 devices, SIGKILLed after step 1's checkpoint; relaunched as 2 processes x 2 devices."""
+def killed_after_step_one(workdir: pathlib.Path, args: list[str]) -> None:
+    """1 process x 4 devices, SIGKILLed once step 1's checkpoint and metrics line are written. The phase file
+    it leaves may already say step 2's rollout: it is removed, so that the next launch's watcher waits for
+    that launch's own phases."""
     proc = one_process(args)
     wait_for_step(workdir, 1, [proc])
     proc.kill()
     proc.communicate(timeout=60)
     assert not (workdir / "checkpoints" / "2").exists()
-    ok(launch(MAIN + [*args[:-2], MP, *args[-2:]], 2, timeout=600))
+    (workdir / PHASE_FILE).unlink(missing_ok=True)
 
 
 def peer_dies_then_resumed_on_one(workdir: pathlib.Path, args: list[str]) -> None:
@@ -470,7 +472,7 @@ def peer_dies_then_resumed_on_one(workdir: pathlib.Path, args: list[str]) -> Non
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory) -> pathlib.Path:
-    """2 steps of TLT on the smoke config, 1 process x 4 devices, uninterrupted, a checkpoint after each step:
+    """3 steps of TLT on the smoke config, 1 process x 4 devices, uninterrupted, a checkpoint after each step:
     the run the interrupted ones below must equal."""
     workdir = tmp_path_factory.mktemp("one")
     proc = one_process(main_args(workdir, *TLT, "--config.checkpoint_every=1", config=CONFIG))
@@ -479,23 +481,8 @@ def reference_run(tmp_path_factory) -> pathlib.Path:
     return workdir
 
 
-CONFIG = "smoke.py:steps=2,spec=true"
+CONFIG = "smoke.py:steps=3,spec=true"
 EVERY_STEP = "--config.checkpoint_every=1"
-
-
-@pytest.mark.slow
-def test_two_processes_equal_one(tmp_path, reference_run) -> None:
-    """2 steps of TLT on the smoke config (GRPO with n-gram SD rollouts, the spot trainer, the fixed selector)
-    through `python -m tlt_jax.main`, a checkpoint after each step, on the same 4-device mesh: 1 process
-    killed after step 1, resumed as 2 processes x 2 devices; step 2 ran on two processes. Every step's
-    rewards, losses, SD and spot metrics and every checkpoint (policy, optimizer, spot-trained drafter, rng)
-    equal the uninterrupted 1-process run's (`reference_run`; floats to float32 rounding:
-    `assert_same_state`): a checkpoint crosses from 1 process to 2 (the SIGTERM chain below crosses back)."""
-    workdir = tmp_path / "a"
-    killed_then_resumed_on_two(workdir, main_args(workdir, *TLT, EVERY_STEP, config=CONFIG))
-    assert_same_as_reference(reference_run, [workdir])
-    rows = read_metrics(workdir / "metrics.jsonl")
-    assert rows[-1]["spot/drafter_step"] > 0 and rows[-1]["spec/verify_rounds"] > 0
 
 
 @pytest.mark.slow
@@ -510,9 +497,10 @@ def test_a_dead_peer_costs_only_the_steps_since_the_last_checkpoint(tmp_path, re
 
 def assert_same_as_reference(reference: pathlib.Path, runs: Iterable[pathlib.Path]) -> None:
     """Every step's metrics (once each) and checkpoints of `runs` equal the reference run's."""
+    steps = len(read_metrics(reference / "metrics.jsonl"))
     for run in runs:
-        assert_same_metrics(reference, run, 2, DETERMINISTIC + TLT_METRICS)
-    for step in (1, 2):
+        assert_same_metrics(reference, run, steps, DETERMINISTIC + TLT_METRICS)
+    for step in range(1, steps + 1):
         want = restore_on_one_device(reference, step)
         for run in runs:
             assert_same_state(want, restore_on_one_device(run, step, want), f"run {run.name} step {step}")
@@ -522,9 +510,9 @@ def assert_same_as_reference(reference: pathlib.Path, runs: Iterable[pathlib.Pat
 STOP_WITHIN_S = 120  # --config.stop_within of the runs stopped below: each must end within it, cleanly
 # (phase the signal is sent in, step) -> what both processes must agree on: the stop's kind and where
 STOP_TARGETS = (
-    (("rollout", 1), ("abandoned", ("rollout chunk",))),  # mid-rollout: the next chunk boundary
-    (("update", 1), ("abandoned", ("update start", "update part"))),  # mid-update: a part (or its start)
-    (("checkpoint", 1), ("stopped after", ("",))),  # during step 1's save: the point before step 2
+    (("rollout", 2), ("abandoned", ("rollout chunk",))),  # mid-rollout: the next chunk boundary
+    (("update", 2), ("abandoned", ("update start", "update part"))),  # mid-update: a part (or its start)
+    (("checkpoint", 2), ("stopped after", ("",))),  # during step 2's save: the point before step 3
 )
 STOPPED = re.compile(
     r"^W\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*stop agreed by every process"
@@ -581,25 +569,37 @@ def stop_one_of_two(
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_process_stops_both_at_the_same_point(tmp_path, reference_run) -> None:
-    """The stop agreement across processes, one chained run of 2 steps of TLT on the smoke config (as the
-    reference), relaunched after each stop with the same command: 2 processes, SIGTERM to process 1 alone in
-    step 1's rollout (both abandon the step at the next chunk boundary, nothing saved), then in step 1's
-    update (abandoned at an update part boundary), then during step 1's checkpoint (both stop before step 2,
-    step 1 saved); each time both exit 0 within `stop_within` at the same point. Then 1 process x 4 devices
-    runs to the end: every step logged once, metrics and checkpoints equal the uninterrupted run's (the
-    abandoned steps were redone bit-identically). Process 1 compiles every program at each launch (JAX
-    writes the persistent cache from process 0 only, and on CPU the keys differ per process)."""
+def test_two_processes_equal_one_through_a_kill_and_three_stops(tmp_path, reference_run) -> None:
+    """One chained run of 3 steps of TLT on the smoke config (GRPO with n-gram SD rollouts, the spot trainer,
+    the fixed selector) through `python -m tlt_jax.main`, on the reference's 4-device mesh, relaunched after
+    each interruption with the same command:
+
+    1. 1 process x 4 devices, SIGKILLed after step 1's checkpoint;
+    2. 2 processes x 2 devices from that checkpoint (it crosses from 1 process to 2), SIGTERM to process 1
+       alone in step 2's rollout (both abandon the step at the next chunk boundary, nothing saved), then in
+       step 2's update (abandoned at an update part boundary), then during step 2's checkpoint (both stop
+       before step 3, step 2 saved: a step run on two processes); each time both exit 0 within
+       `stop_within` at the same point;
+    3. 1 process x 4 devices runs step 3 (the 2-process checkpoint crosses back).
+
+    Every step logged once; rewards, losses, SD and spot metrics and every checkpoint (policy, optimizer,
+    spot-trained drafter, rng) equal the uninterrupted run's (`reference_run`; floats to float32 rounding:
+    `assert_same_state`): the abandoned steps were redone bit-identically. Process 1 compiles every program
+    at each launch (JAX writes the persistent cache from process 0 only, and on CPU the keys differ per
+    process): one chain instead of a 1 -> 2 -> 1 run beside a stop chain saves a 2-process launch."""
     workdir = tmp_path / "chain"
-    args = main_args(workdir, *TLT, "--config.checkpoint_every=1", config=CONFIG)
+    args = main_args(workdir, *TLT, EVERY_STEP, config=CONFIG)
+    killed_after_step_one(workdir, args)
     latency, cpu0 = {}, children_cpu_s()
     for (phase, step), expect in STOP_TARGETS:
         latency[phase] = stop_one_of_two(workdir, args, phase, step, expect)
-        saved = [1] if phase == "checkpoint" else []
-        logged = read_metrics(workdir / "metrics.jsonl") if (workdir / "metrics.jsonl").exists() else []
+        saved = [1, 2] if phase == "checkpoint" else [1]
+        logged = read_metrics(workdir / "metrics.jsonl")
         assert [m["step"] for m in logged] == saved and leftovers(workdir) == [], phase
         with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
             assert ckpt.all_steps() == saved, phase
+    two = read_metrics(workdir / "metrics.jsonl")[-1]  # step 2, run on two processes
+    assert two["spot/drafter_step"] > 0 and two["spec/verify_rounds"] > 0
     proc = one_process(args)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-6000:]

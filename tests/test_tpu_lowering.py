@@ -169,6 +169,7 @@ def test_rl_step_programs_lower_for_tpu(lower: TpuLowering) -> None:
 
 
 @pytest.mark.devices(4)
+@pytest.mark.extended  # make test: the RL step's programs (jnp attention) and the Mosaic kernel in the tick
 def test_rollout_programs_with_the_mosaic_kernel_lower_for_tpu(as_on_tpu: Any, lower: TpuLowering) -> None:
     """The prefill and chunks of the 2 x 2 mesh with the Mosaic tree-attention kernel behind its
     partitioning rule (each device: its rows and heads)."""
@@ -200,6 +201,7 @@ def spot_tick(s: dict[str, Any], lower: TpuLowering, mode: str) -> None:
 
 
 @pytest.mark.devices(4)
+@pytest.mark.extended  # make test: the tick with the Mosaic kernel (below) and the RL step's jnp programs
 def test_spot_tick_lowers_for_tpu(lower: TpuLowering) -> None:
     """Plain and EAGLE-chain ticks over data = 4 (the tick needs no model axis), jnp attention."""
     s = smoke("reference", 4, 1)

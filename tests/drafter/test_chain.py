@@ -133,10 +133,12 @@ def test_training_time_test_loss(setup):
     assert all(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(g))
 
     # the chain losses equal a direct computation at the chosen positions (selection is per row, valid only)
-    e = packing.eagle_inputs(batch)
-    ctx = ChainContext(drafter, emb, e.next_tokens, e.hidden_in, e.positions, e.mask)
-    steps = chain_step_losses(ctx, e, head, 2, 8, jax.random.key(3))
-    valid = e.valid & shift_left(e.valid, False)
+    def direct(d):  # one program, not one per operation
+        e = packing.eagle_inputs(batch)
+        ctx = ChainContext(d, emb, e.next_tokens, e.hidden_in, e.positions, e.mask)
+        return chain_step_losses(ctx, e, head, 2, 8, jax.random.key(3)), e.valid & shift_left(e.valid, False)
+
+    steps, valid = jax.jit(direct)(drafter)
     for c in steps:
         assert c["valid"].shape == (2, 8)
         assert int(c["valid"].sum()) > 0

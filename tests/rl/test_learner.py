@@ -153,14 +153,23 @@ def test_shared_prompt_logprobs_match_a_full_forward(chunk: int) -> None:
     out = response_logprobs(model, batch, temperature=0.7, logits_chunk=chunk, return_hidden=True)
     g, n, nb = batch.response.shape
     assert out.logp.shape == (g * n, nb) and out.hidden.shape == (g * n, nb, CFG.hidden_size)
+    # the reference: each row's prompt + response as one sequence through the plain causal forward, all rows
+    # in one call, right-padded to one width (causal: the padding changes no position before it)
+    seqs, prompt_lens = [], []
     for row in range(g * n):
         gi, length = row // n, int(batch.response_mask[row // n, row % n].sum())
         prompt = np.asarray(batch.prompt[gi, : int(batch.prompt_len[gi])])
-        seq = np.concatenate([prompt, np.asarray(batch.response[gi, row % n, :length])])
-        logits = model(jnp.asarray(seq)[None], jnp.arange(len(seq))[None]).logits[0] / 0.7
-        ref = jax.nn.log_softmax(logits, -1)[len(prompt) - 1 : -1]
-        want = np.take_along_axis(np.asarray(ref), seq[len(prompt) :, None], -1)[:, 0]
-        np.testing.assert_allclose(out.logp[row, :length], want, atol=2e-5, rtol=1e-5)
+        seqs.append(np.concatenate([prompt, np.asarray(batch.response[gi, row % n, :length])]))
+        prompt_lens.append(len(prompt))
+    width = max(len(seq) for seq in seqs)
+    padded = np.stack([np.pad(seq, (0, width - len(seq))) for seq in seqs])
+    positions = np.broadcast_to(np.arange(width), padded.shape)
+    logits = model(jnp.asarray(padded), jnp.asarray(positions)).logits / 0.7
+    logp_all = np.asarray(jax.nn.log_softmax(logits, -1))
+    for row, (seq, plen) in enumerate(zip(seqs, prompt_lens, strict=True)):
+        ref = logp_all[row, plen - 1 : len(seq) - 1]
+        want = np.take_along_axis(ref, seq[plen:, None], -1)[:, 0]
+        np.testing.assert_allclose(out.logp[row, : len(seq) - plen], want, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

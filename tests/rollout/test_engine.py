@@ -49,19 +49,19 @@ def test_greedy_matches_full_forward_reference(model):
     eng = _engine(model)
     out = eng.generate(PROMPTS, n=1, key=jax.random.key(0), sampling=SamplingParams(temperature=0.0))
     width = 40  # one compiled full causal forward; padding after position t cannot change t's logits
-    full = jax.jit(lambda toks: model(toks, jnp.arange(width)[None]).logits[0])
+    full = jax.jit(lambda toks: jax.nn.log_softmax(model(toks, jnp.arange(width)[None]).logits[0], -1))
 
-    def full_logits(seq: list[int]) -> jax.Array:
-        return full(jnp.asarray([seq + [0] * (width - len(seq))]))[: len(seq)]
+    def full_logp(seq: list[int]) -> np.ndarray:  # sliced on the host: no program per length
+        return np.asarray(full(jnp.asarray([seq + [0] * (width - len(seq))])))[: len(seq)]
 
     for i, p in enumerate(PROMPTS):
         seq = list(p)
         for _ in range(24):
-            seq.append(int(jnp.argmax(full_logits(seq)[-1])))
+            seq.append(int(np.argmax(full_logp(seq)[-1])))
             if seq[-1] == EOS:
                 break
         assert out.response(i) == seq[len(p) :]
-        ref_lp = jax.nn.log_softmax(full_logits(seq), -1)
+        ref_lp = full_logp(seq)
         want = np.asarray([ref_lp[len(p) - 1 + j, seq[len(p) + j]] for j in range(len(seq) - len(p))])
         np.testing.assert_allclose(out.logprobs[i, : out.lengths[i]], want, atol=1e-4)
         assert out.finish_reason[i] == ("eos" if seq[-1] == EOS else "length")
