@@ -54,6 +54,8 @@ def test_gguf_config(smol_loaded):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~25 s, 20 of them transformers' own GGUF import; make test: test_smollm2.py's greedy
+# "Paris" through this loader (a wrong q/k un-permute or dequantization garbles it) and the tokenizer parity
 def test_gguf_tensors_equal_transformers(smol_loaded, smol_hf_state, smollm_gguf_path):
     """Every dequantized tensor equals transformers' state dict, q/k included (proves the un-permute)."""
     ours = smol_loaded.tensors
