@@ -475,7 +475,7 @@ def reference_run(tmp_path_factory) -> pathlib.Path:
     """3 steps of TLT on the smoke config, 1 process x 4 devices, uninterrupted, a checkpoint after each step:
     the run the interrupted ones below must equal."""
     workdir = tmp_path_factory.mktemp("one")
-    proc = one_process(main_args(workdir, *TLT, "--config.checkpoint_every=1", config=CONFIG))
+    proc = one_process(main_args(workdir, *TLT, EVERY_STEP, config=CONFIG))
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-6000:]
     return workdir
@@ -639,7 +639,7 @@ def test_stop_latency_after_compilation(tmp_path) -> None:
     agreement point costs on CPU (gloo), from process 0's `stop/check_s` / `stop/checks` of every step after
     a launch's first."""
     workdir = tmp_path / "steady"
-    args = main_args(workdir, *TLT, "--config.checkpoint_every=1", config="smoke.py:steps=6,spec=true")
+    args = main_args(workdir, *TLT, EVERY_STEP, config="smoke.py:steps=6,spec=true")
     latency = {}
     for (phase, step), expect in STEADY_TARGETS:
         latency[f"{phase}@{step}"] = stop_one_of_two(workdir, args, phase, step, expect)

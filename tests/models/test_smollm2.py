@@ -53,7 +53,7 @@ def test_cpu_kernels_give_the_same_greedy_tokens(smollm, greedy_answer):
     assert out.response(0) == ref.response(0)
 
 
-@pytest.mark.extended  # make test keeps the GGUF-vs-transformers tensors and the export's logits
+@pytest.mark.extended  # make test: "Paris" above, the tokenizer's parity, the export's logits vs transformers
 def test_greedy_continuation_equals_transformers(smollm, smollm_gguf_path, greedy_answer):
     """Same GGUF, same prompt ids: our 32 greedy tokens equal HF transformers' generate (torch CPU, fp32)."""
     torch = pytest.importorskip("torch")
