@@ -21,6 +21,7 @@ $(STAMP): setup.py requirements/jax-cpu.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 	PYTHONWARNINGS=ignore::UserWarning $(PIP) install -q -e ".[dev,parity]" -c requirements/jax-cpu.txt 2>&1 | grep -v "is ignored" || true
+	$(PIP) install -q --no-deps "$$(sed -n 's/^VERL_ORACLE = "\(.*\)"/\1/p' setup.py)" 2>&1 | grep -v "is ignored" || true
 	$(PY) -c "import jax, flax, optax, orbax.checkpoint, chex, ml_collections, gguf, tokenizers, torch, transformers"
 	@touch $@
 

@@ -33,6 +33,10 @@ CORE = [
     "antlr4-python3-runtime==4.13.2",
     "sympy==1.14.0",
 ]
+# VeRL's own code, the tests' oracle (tests/verl_oracle): its pure-Python wheel WITHOUT its dependencies (ray,
+# vLLM, tensordict, ...), which `make setup` installs with `pip install --no-deps` (the Makefile reads this pin);
+# `pip install .[verl-oracle]` would pull them all.
+VERL_ORACLE = "verl==0.9.1"
 
 setup(
     name="tlt_jax",
@@ -60,5 +64,7 @@ setup(
         "cuda13": [f"jax[cuda13]{JAX_RANGE}"],
         # Parity tests against HF transformers. torch is pinned: an unpinned torch pulls GBs of CUDA wheels.
         "parity": ["torch==2.13.0", "transformers==5.23.0", "accelerate>=1.0"],
+        # the VeRL oracle of the reward, loss, advantage, KL and eval-metric tests (install it --no-deps)
+        "verl-oracle": [VERL_ORACLE],
     },
 )
