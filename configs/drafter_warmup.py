@@ -6,7 +6,7 @@ Args (`--config configs/drafter_warmup.py:PRESET,key=value,...`). Presets: none 
 GGUF under the repository's .cache/models, fetched by `make setup`) on CPU in < 30 min;
 "long" = the same target with 6x the data and 9x the training steps (768 prompts x 4 = 3072 sequences, 3600
 steps; ~2 h on the 2-core CPU): the drafter behind the >= 2x batch-1 speedup in docs/benchmarks.md;
-"gpu" = the :long data and steps in engine batches of 64 prompts (gpu/gpu_suite.py);
+"gpu" = the :long data and steps in engine batches of 64 prompts (gpu/suite.py);
 "tiny" / "runlocal" = a tiny random target with a byte tokenizer and the counting task (seconds; tests).
 The presets that SERVE a GRPO config take its task section (every task key: kind, path, layout, prompt preset,
 think, ...), its sampling (temperature, top_p) and its response cap, so the drafter learns the text that
@@ -28,7 +28,7 @@ run's rollouts produce:
              writes longer). The engine records the target's hidden states of whole responses and each
              sequence keeps one window of `forward.seq_len` tokens (2,048 for the qwen presets) at a random
              depth of its response (`warmup_data.cut_sample`).
-What a 32K response costs (qwen7b; `rollout_memory_plan.warmup_memory`, docs/benchmarks.md "Drafter warm-up
+What a 32K response costs (qwen7b; `rollout_memory_plan.warmup_memory`, journal 2026-11 "Drafter warm-up
 on the user's data"): per running row on the GPU 1.86 GiB of KV at the 34,816-token cache plus 0.22 GiB of
 recorded hidden states (the cap counts both), so `generation.kv_budget_gib=34` runs 16 of an engine call's
 128 rows at once (continuous batching, the rest queued): 33.3 GiB beside 14.2 GiB of weights. Generation: up
@@ -205,7 +205,7 @@ def preset_config(arg: str) -> ml_collections.ConfigDict:
         c.generation.num_prompts = 768
         c.train.steps = 3600
     elif arg == "gpu":
-        # one H100/H200 in minutes (gpu/gpu_suite.py): the :long data and steps, engine batches of 256
+        # one H100/H200 in minutes (gpu/suite.py): the :long data and steps, engine batches of 256
         # rows (64 prompts x 4: on a GPU the data costs compiles more than decode steps), float32 like
         # bench_sd's target; a checkpoint every 200 steps, so a run cut by the suite's time budget is
         # finalised at a recent one (rerun with --config.train.steps=<that step>)

@@ -32,7 +32,7 @@ def get_config(arg: str | None = None):
     config_lib.paper_tlt(c, arg.drafter, arg.drafter_path, arg.spot, arg.bandit)
     c.mesh.data, c.mesh.model = -1, 4
     # KV budget per 80 GB GPU (the memory plans' target: 72 GiB per device) on the 2 x 4 mesh, from the
-    # rollout memory plan (docs/benchmarks.md, "Rollout memory plan (issue 36)"). KV per row per device at
+    # rollout memory plan (docs/journal/2026-11.md, "Rollout memory plan"). KV per row per device at
     # the top cache bucket 35,328: (28 + 1 drafter layer) x K,V x 1 of 4 KV heads x 128 x bf16 x 35,328 =
     # 0.49 GiB. 72 - 17.6 resident (bf16 weights 3.6 + drafter 0.2, float32 masters 3.6, AdamW 7.1,
     # reference 1.8, the spot trainer's drafter state 1.5) - up to 14.1 GiB of temporaries, prompt cache and
@@ -45,7 +45,7 @@ def get_config(arg: str | None = None):
     # at a per-row random depth of the response (hidden_span random: [s, s + 8,192), s uniform in [0, 24,576]
     # from the row's key, or the last 8,192 of a response that ends before; so the depths past 8,192 the long
     # tail drafts at are trained on), as one spot.window = 512-token window per sequence at a random depth of
-    # that span; on the host they stream to the spot trainer (rollout memory plan: docs/benchmarks.md,
+    # that span; on the host they stream to the spot trainer (rollout memory plan: docs/journal/2026-11.md,
     # "Drafter warm-up on the user's data")
     c.rollout.hidden_window = 8192
     c.rollout.hidden_span = "random"

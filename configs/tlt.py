@@ -10,8 +10,8 @@ with a 384-token cap (experiments/paper/task_lengths.py): p50 60, p90 337 tokens
 ~0 reward for this model, so nothing to learn in 10 steps. Reward: the verifier's score of the `Answer:` value
 (or the last number) plus 0.5 when the response ENDS with its `Answer:` line (R1-style format reward). What 10
 steps can teach a 135M model is the format; correctness does not move measurably in 10 x 32 samples. Measured
-at lr 1e-4 (docs/benchmarks.md, "A reward that rises"): with a 0.2 bonus for an `Answer:` line anywhere, the
-policy dropped its reasoning (mean length 108 -> 11 tokens, format 17% -> 2%: a bare "a + b = c" scores as
+at lr 1e-4 (docs/journal/2026-11.md, "A reward that rises"): with a 0.2 bonus for an `Answer:` line anywhere,
+the policy dropped its reasoning (mean length 108 -> 11 tokens, format 17% -> 2%: a bare "a + b = c" scores as
 often as a derivation), removing the long tail TLT exists for; with 0.5 for a line anywhere it wrote the
 marker early and rambled to the cap (held-out format 17% -> 91%, 69% of answers at the cap, accuracy 3% ->
 0%). Hence the bonus only for an answer on the last line, as the instruction asks. 32 sequences per step (8
