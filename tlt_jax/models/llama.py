@@ -189,6 +189,18 @@ class ModelOutput:
     logits: jax.Array | None  # [B, T or K, V] float32
     hidden: jax.Array  # [B, T, H]: final normed hidden states
     cache: KVCache | StackedKVCache | None
+    aux_hidden: jax.Array | None = (
+        None  # [B, T, K * H]: the `Transformer.aux_layers` states (EAGLE-3), or None
+    )
+
+    @property
+    def drafter_states(self) -> jax.Array:
+        """What the drafter (and its recorded training data) reads per token: the final normed hidden state
+        [B, T, H] (EAGLE-1), or with aux layers [aux ; final] [B, T, (K + 1) * H]: EAGLE-3 drafts from the K
+        layers' states and its loss's target distribution is the final state's (`tlt_jax.models.eagle3`)."""
+        if self.aux_hidden is None:
+            return self.hidden
+        return jnp.concatenate([self.aux_hidden, self.hidden.astype(self.aux_hidden.dtype)], axis=-1)
 
 
 def causal_mask(batch: int, t: int) -> jax.Array:
@@ -199,9 +211,12 @@ def causal_mask(batch: int, t: int) -> jax.Array:
 class Transformer(nnx.Module):
     """Llama/Qwen2 decoder: (tokens, positions, cache, mask) -> (logits, final hidden, cache)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stacked: bool = False):
+    def __init__(
+        self, cfg: ModelConfig, rngs: nnx.Rngs, stacked: bool = False, aux_layers: tuple[int, ...] = ()
+    ):
         dt = _dtype(cfg)
         self.cfg = cfg
+        self.aux_layers = check_aux_layers(cfg, aux_layers)
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dt)
         if stacked:  # one DecoderLayer with a leading [L] axis on every weight (see the module docstring)
             self.layers = _stacked_layers(cfg, rngs)
@@ -271,16 +286,20 @@ class Transformer(nnx.Module):
         lengths = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
         cos, sin = rope_cos_sin(positions_bt, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed_tokens(tokens_bt)
+        captured: dict[int, jax.Array] = {}
         if self.stacked:
-            x, new_cache = _scan_layers(
+            x, new_cache, captured = _scan_layers(
                 self.layers,
                 remat,
                 (x, cos, sin, cache, lengths, mask_btt),
                 (attn_impl, causal_impl, mlp_chunk),
+                self.aux_layers,
             )
         else:
             new_k, new_v = [], []
             for i, layer in enumerate(self.layers):
+                if i in self.aux_layers:
+                    captured[i] = x
                 kc = cache.k[i] if cache is not None else None
                 vc = cache.v[i] if cache is not None else None
                 x, kc, vc = _run_layer(
@@ -289,15 +308,40 @@ class Transformer(nnx.Module):
                 new_k.append(kc)
                 new_v.append(vc)
             new_cache = None if cache is None else cache.replace(k=tuple(new_k), v=tuple(new_v))
+        captured[self.cfg.num_layers] = x
+        aux = jnp.concatenate([captured[i] for i in self.aux_layers], axis=-1) if self.aux_layers else None
         hidden = self.norm(x)
         if not compute_logits:
-            return ModelOutput(None, hidden, new_cache)
+            return ModelOutput(None, hidden, new_cache, aux)
         h = (
             hidden
             if logits_index_bk is None
             else jnp.take_along_axis(hidden, logits_index_bk[..., None], axis=1)
         )
-        return ModelOutput(self.logits(h), hidden, new_cache)
+        return ModelOutput(self.logits(h), hidden, new_cache, aux)
+
+
+def check_aux_layers(cfg: ModelConfig, aux_layers: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """Validate EAGLE-3 capture points: i in [0, num_layers] is the residual stream ENTERING layer i (i = L:
+    the last layer's output before the final norm), as SGLang's `layers_to_capture` / vLLM's
+    `aux_hidden_state_layers`; a checkpoint's `eagle_aux_hidden_state_layer_ids` (layer outputs) are these
+    minus one."""
+    layers = tuple(int(i) for i in aux_layers)
+    bad = [i for i in layers if not 0 <= i <= cfg.num_layers]
+    if bad:
+        raise ValueError(
+            f"aux layers {layers}: {bad} outside [0, {cfg.num_layers}] for a {cfg.num_layers}-layer target "
+            "(set drafter.aux_layers to capture points in that range)"
+        )
+    return layers
+
+
+def with_aux_layers(model: Transformer, aux_layers: tuple[int, ...]) -> Transformer:
+    """The target `model` made to also return the states of `aux_layers` (`ModelOutput.aux_hidden`), in
+    place: the capture points are static (part of the graph definition), so a target without them compiles
+    exactly the programs it did before."""
+    model.aux_layers = check_aux_layers(model.cfg, aux_layers)
+    return model
 
 
 def _run_layer(
@@ -322,26 +366,39 @@ def _run_layer(
 
 
 def _scan_layers(
-    layers: DecoderLayer, remat: str, arrays: tuple, impl: tuple[str, str | None, int]
-) -> tuple[jax.Array, StackedKVCache | None]:
+    layers: DecoderLayer,
+    remat: str,
+    arrays: tuple,
+    impl: tuple[str, str | None, int],
+    aux_layers: tuple[int, ...] = (),
+) -> tuple[jax.Array, StackedKVCache | None, dict[int, jax.Array]]:
     """The stacked decoder stack as one `lax.scan` over its [L]-leading parameters and the cache's [L] axis
     (nothing is stacked here: the program's operations do not grow with depth); the body under
     `jax.checkpoint` with the named policy unless remat == "none". `arrays`: (x, cos, sin, cache, lengths,
-    mask); `impl`: (attn_impl, causal_impl, mlp_chunk). Returns (x, the updated cache or None)."""
+    mask); `impl`: (attn_impl, causal_impl, mlp_chunk). aux_layers: capture the stream entering these layers
+    (a [K, B, T, H] carry; none without them). Returns (x, the updated cache or None, {layer: captured x})."""
     x, cos, sin, cache, lengths, mask = arrays
     graphdef, stacked = nnx.split(layers)
     kv = None if cache is None else (cache.k, cache.v)
+    inner = tuple(i for i in aux_layers if i < jax.tree.leaves(stacked)[0].shape[0])
+    ids = jnp.asarray(inner, jnp.int32)
 
-    def body(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple | None]:
-        state, kv_l = xs
+    def body(carry: tuple, xs: tuple) -> tuple[tuple, tuple | None]:
+        x, acc = carry
+        state, kv_l, i = xs
+        if acc is not None:
+            acc = jnp.where((ids == i)[:, None, None, None], x[None], acc)
         kc, vc = (None, None) if kv_l is None else kv_l
         x, kc, vc = nnx.merge(graphdef, state)(x, cos, sin, kc, vc, lengths, mask, *impl)
-        return x, None if kv_l is None else (kc, vc)
+        return (x, acc), None if kv_l is None else (kc, vc)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, remat), prevent_cse=False)
-    x, kv = jax.lax.scan(body, x, (stacked, kv))
-    return x, None if kv is None else cache.replace(k=kv[0], v=kv[1])
+    acc0 = jnp.zeros((len(inner),) + x.shape, x.dtype) if inner else None
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    (x, acc), kv = jax.lax.scan(body, (x, acc0), (stacked, kv, jnp.arange(n, dtype=jnp.int32)))
+    captured = {i: acc[k] for k, i in enumerate(inner)}
+    return x, None if kv is None else cache.replace(k=kv[0], v=kv[1]), captured
 
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
