@@ -12,6 +12,8 @@ The presets that SERVE a GRPO config take its task section (every task key: kind
 think, ...), its sampling (temperature, top_p) and its response cap, so the drafter learns the text that
 run's rollouts produce:
   "tlt"    = the drafter for configs/tlt.py (SmolLM2 on this CPU, < 30 min; `make warmup`);
+  "dapo7b" = the drafter for configs/recipes/dapo_qwen2_5_7b.py (DAPO's prompt, temperature 1.0, its
+             20,480-token response cap), otherwise as qwen7b: `dapo7b,policy=DIR,data=PATH`;
   "qwen7b" = the drafter for configs/qwen2_5_7b.py: `policy=DIR` (an HF directory, its shapes checked as the
              GRPO config checks them) in bfloat16 on one GPU (the warm-up's engine runs on one device), the
              :gpu data and steps; `policy=DIR` alone means this preset. (No 32B preset: its 61 GiB of bf16
@@ -55,7 +57,10 @@ DEFAULT_MODEL = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gg
 SERVED = {
     "tlt": ("configs/tlt.py", ""),
     "qwen7b": ("configs/qwen2_5_7b.py", "qwen2_5_7b"),
+    "dapo7b": ("configs/recipes/dapo_qwen2_5_7b.py", "qwen2_5_7b"),
 }
+# the presets whose target is an HF directory (policy=DIR)
+POLICY_PRESETS = ("qwen7b", "dapo7b")
 # qwen presets: tokens per warm-up sample (a window of a long response; the training rows' length)
 SAMPLE_TOKENS = 2048
 # tokens of prompt room beside the response for file data on presets that serve no GRPO config
@@ -67,9 +72,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     spec = f"preset={first.strip()}{comma}{rest}" if first.strip() and "=" not in first else arg
     args = config_lib.parse_arg(spec, preset="", policy="", data="", dataset="", response_tokens=0)
     preset = args.preset or ("qwen7b" if args.policy else "")
-    if args.policy and preset != "qwen7b":
-        raise ValueError(f"config arg {arg!r}: policy=DIR is the target of the qwen7b preset, not {preset!r}")
-    if preset == "qwen7b" and not args.policy:
+    if args.policy and preset not in POLICY_PRESETS:
+        raise ValueError(
+            f"config arg {arg!r}: policy=DIR is the target of the {' and '.join(POLICY_PRESETS)} presets, "
+            f"not {preset!r}"
+        )
+    if preset in POLICY_PRESETS and not args.policy:
         raise ValueError(f"config arg {arg!r}: the {preset} preset needs policy=<the HF model directory>")
     if args.response_tokens < 0:
         raise ValueError(f"config arg response_tokens={args.response_tokens}: must be >= 1 (0: the default)")

@@ -60,6 +60,26 @@ def test_warmup_takes_the_grpo_configs_data_keys_and_response_cap() -> None:
     )
 
 
+def test_dapo7b_warmup_serves_the_dapo_recipe() -> None:
+    """dapo7b,policy=DIR,data=PATH warms a drafter for configs/recipes/dapo_qwen2_5_7b.py: the recipe's task
+    section on that file, its temperature 1.0 and 20,480-token response cap, the 7B target's shapes."""
+    c = warmup_config("dapo7b,policy=/m/Qwen2.5-7B,data=/d/train.parquet")
+    recipe = config_lib.load_config_file(CONFIGS / "recipes" / "dapo_qwen2_5_7b.py", "dataset=parquet")
+    recipe.task.path = "/d/train.parquet"
+    assert c.task.to_dict() == recipe.task.to_dict()
+    assert (
+        (c.generation.max_new_tokens, c.generation.temperature)
+        == (20480, 1.0)
+        == (
+            recipe.rollout.max_new_tokens,
+            recipe.rollout.temperature,
+        )
+    )
+    assert (c.model.path, c.model.arch) == ("/m/Qwen2.5-7B", "qwen2_5_7b")
+    with pytest.raises(ValueError, match="needs policy="):
+        warmup_config("dapo7b,data=/d/train.parquet")
+
+
 def test_warmup_refuses_data_and_lengths_that_do_not_fit() -> None:
     with pytest.raises(ValueError, match="rollout.max_new_tokens=32768"):
         warmup_config("qwen7b,policy=/m,response_tokens=40000")
