@@ -26,7 +26,7 @@ TABLE = [
     ("\\frac{1}{2}", "Answer: 1/2", 1, 1, 0),
     ("\\frac{1}{2}", "Answer: 0.5", 1, 1, 0),
     # answer: the last-number fallback reads the denominator '2' (issue #37); dapo: no `Answer:` line
-    ("\\frac{1}{2}", "so it is \\boxed{\\frac{1}{2}}", 0, 1, 0),
+    ("\\frac{1}{2}", "so it is \\boxed{\\frac{1}{2}}", 0, 1, 1),
     # dapo: \\dfrac is not rewritten to \\frac
     ("\\frac{1}{2}", "Answer: \\boxed{\\dfrac{1}{2}}", 1, 1, 0),
     ("\\frac{1}{2}", "Answer: 2/4", 1, 1, 0),
@@ -50,7 +50,7 @@ TABLE = [
     # math_verify: a decimal rounded to 6 places equals the radical
     ("\\sqrt{2}", "Answer: 1.41421356", 0, 1, 0),
     ("\\sqrt{3}", "\\boxed{\\sqrt{2}}", 0, 0, 0),
-    ("2\\pi", "\\boxed{2\\pi}", 0, 1, 0),
+    ("2\\pi", "\\boxed{2\\pi}", 0, 1, 1),
     # math_verify: numeric equality to 6 places, so 2*pi written as a decimal passes
     ("2\\pi", "\\boxed{6.283185307}", 0, 1, 0),
     ("\\pi", "\\boxed{3.14}", 0, 0, 0),
@@ -88,7 +88,7 @@ TABLE = [
     # every checker reads the LAST answer (boxed 41), not the first number
     ("42", "First 42, then I get \\boxed{41}.", 0, 0, 0),
     # answer: no `Answer:` line, the last number is the denominator
-    ("\\frac{1}{2}", "\\boxed{\\frac{1}{2}}", 0, 1, 0),
+    ("\\frac{1}{2}", "\\boxed{\\frac{1}{2}}", 0, 1, 1),
     ("-3", "Answer: -3", 1, 1, 1),
     ("-3", "Answer: 3", 0, 0, 0),
     # symbolic equivalence: only math_verify
@@ -124,7 +124,10 @@ def test_think_block() -> None:
     assert scorer("I guess \\boxed{5}... wait </think> so \\boxed{3}", "3").correct
     assert not scorer("<think> \\boxed{3} is wrong </think> \\boxed{4}", "3").correct  # the answer after it
     open_block = scorer("\\boxed{3} and I keep thinking", "3")
-    assert open_block == RewardResult(0.0, False, False, None, think_unterminated=True)
+    assert open_block == RewardResult(0.0, False, False, None, think_unterminated=True, score=0.0)
+    # think off: the whole response is read, as VeRL 0.9.1's scorers read it (tests/tasks/test_verl_oracle.py)
+    assert ReferenceScorer("dapo")("Answer: 34\n</think> more text", "34").correct
+    assert not ReferenceScorer("dapo", think=True)("Answer: 34\n</think> more text", "34").correct
     counts = reward_counts([open_block, scorer("</think> \\boxed{3}", "3")])
     assert counts == {"reward/verify_failed": 0.0, "reward/think_unterminated": 1.0}
 

@@ -162,8 +162,8 @@ def test_reasoning_gym_last_number_and_format_reward() -> None:
     p = task.problem(0)
     truth = _true_value(p.question)
     assert task.score(p, f"the result is {truth}") == RewardResult(1.0, True, False, str(truth))
-    assert task.score(p, f"Answer: {truth}") == RewardResult(1.1, True, True, str(truth))
-    assert task.score(p, f"Answer: {truth + 2}") == RewardResult(0.1, False, True, str(truth + 2))
+    assert task.score(p, f"Answer: {truth}") == RewardResult(1.1, True, True, str(truth), score=1.0)
+    assert task.score(p, f"Answer: {truth + 2}") == RewardResult(0.1, False, True, str(truth + 2), score=0.0)
     # the format bonus needs the Answer line LAST (as the instruction asks): not for rambling on after it
     late = task.score(p, f"Answer: {truth}\nThen I add it again and again")
     assert late == RewardResult(1.0, True, False, str(truth))
@@ -226,16 +226,16 @@ def test_jsonl_loads_gsm8k_answers(tmp_path) -> None:
     assert [task.problem(i).answer for i in range(3)] == ["42", "\\frac{1}{2}", "1,000"]
     assert [task.problem(i).uid for i in range(3)] == ["gsm.jsonl:1", "gsm.jsonl:2", "big"]
     p0, p1, p2 = (task.problem(i) for i in range(3))
-    assert task.score(p0, "3 + 39 = 42\nAnswer: 42") == RewardResult(1.5, True, True, "42")
-    assert task.score(p0, "Answer: 41") == RewardResult(0.5, False, True, "41")
-    assert task.score(p0, "it is 42") == RewardResult(0.0, False, False, None)
+    assert task.score(p0, "3 + 39 = 42\nAnswer: 42") == RewardResult(1.5, True, True, "42", score=1.0)
+    assert task.score(p0, "Answer: 41") == RewardResult(0.5, False, True, "41", score=0.0)
+    assert task.score(p0, "it is 42") == RewardResult(0.0, False, False, None, score=0.0)
     assert task.score(p1, "Answer: 0.5").correct
     assert task.score(p2, "Answer: **1000**.").correct
 
 
 def test_jsonl_last_number_mode(tmp_path) -> None:
     task = JsonlTask(_write(tmp_path, [json.dumps(GSM_LINES[0])]), answer_mode="answer_or_last_number")
-    assert task.score(task.problem(0), "3 + 39 = 42") == RewardResult(1.0, True, False, "42")
+    assert task.score(task.problem(0), "3 + 39 = 42") == RewardResult(1.0, True, False, "42", score=1.0)
 
 
 @pytest.mark.parametrize(

@@ -113,7 +113,9 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, root: pathlib.Path) -> None:
         self.root, self.loading = root, False
 
-    def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, name: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
         stand_in = any(name == s or name.startswith(s + ".") for s in STAND_INS)
         if stand_in and self.loading:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
@@ -176,7 +178,8 @@ def verl_function(module: str, name: str) -> object:
 def verl_line(module: str, text: str) -> str:
     """'path/in/verl.py:LINE' of the first line of `module`'s file holding `text` (tests name what they
     follow; an error if 0.9.1 has no such line)."""
-    file = verl_root() / pathlib.Path(*module.split(".")[1:]).with_suffix(".py")
+    file = verl_root() / pathlib.Path(*module.split(".")[1:])
+    file = file / "__init__.py" if file.is_dir() else file.with_suffix(".py")
     for i, line in enumerate(file.read_text().splitlines(), 1):
         if text in line:
             return f"verl/{file.relative_to(verl_root()).as_posix()}:{i}"

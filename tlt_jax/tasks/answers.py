@@ -53,17 +53,18 @@ THINK_CLOSE = "</think>"
 
 
 def split_think(text: str, required: bool) -> tuple[str | None, bool]:
-    """(the part of a response after its reasoning, whether the think block was left open).
+    """(the part of a response a checker reads, whether the think block was left open).
 
-    R1-style models reason inside `<think>...</think>` (the opening tag is often the chat template's, not the
-    response's) and answer after it: the answer part is the text after the LAST `</think>`. `required` (the
-    prompt opened a think block): a response without `</think>` never finished reasoning, (None, True), and
-    scores 0. Not required: a response without `</think>` is all answer.
+    `required` (config.task.think, or a prompt preset that opens `<think>`): R1-style models reason inside
+    `<think>...</think>` (the opening tag is often the chat template's) and answer after it, so the answer
+    part is the text after the LAST `</think>`; a response without one never finished reasoning, (None, True),
+    and scores low. Not required: the whole response, `</think>` or not, as VeRL's scorers read it (VeRL 0.9.1
+    strips no think block: "Answer: 34\n</think>..." is scored on its `Answer:` line).
     """
+    if not required:
+        return text, False
     _, sep, tail = text.rpartition(THINK_CLOSE)
-    if sep:
-        return tail, False
-    return (None, True) if required else (text, False)
+    return (tail, False) if sep else (None, True)
 
 
 def _strip_math_delimiters(s: str) -> str:

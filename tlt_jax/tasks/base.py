@@ -91,6 +91,10 @@ class RewardResult:
     verify_failed / think_unterminated: why a response scored low without a verdict (`rewards.reward_counts`).
     source: the row's data_source (file tasks), for per-source accuracy when a step mixes sources.
     extra: a custom reward function's other numeric entries (logged as step means, `reward/<key>`).
+    score: the scorer's own value, before a format bonus and overlong shaping (VeRL's reward_extra_info
+        "score", what `filter_metric="score"` compares); None: `reward`.
+    acc: VeRL's "acc" where it is not the verdict: a custom function's number itself (partial credit), or its
+        dict's "acc" (what `filter_metric="acc"` and mean@k read, `acc_value`); None: `correct`.
     """
 
     reward: float
@@ -101,6 +105,18 @@ class RewardResult:
     think_unterminated: bool = False  # the think block never closed: scored low, counted
     source: str | None = None
     extra: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    score: float | None = None
+    acc: float | None = None
+
+    @property
+    def score_value(self) -> float:
+        """The scorer's value (VeRL's "score"): `score`, else the reward."""
+        return self.reward if self.score is None else self.score
+
+    @property
+    def acc_value(self) -> float:
+        """VeRL's "acc" as a number: `acc`, else the verdict (1.0 / 0.0)."""
+        return float(self.correct) if self.acc is None else self.acc
 
 
 def build_messages(

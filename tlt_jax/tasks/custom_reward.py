@@ -2,13 +2,18 @@
 verl/trainer/ppo/reward.py `get_custom_reward_fn`): `config.task.reward="module:function"` (an importable
 module) or `"path/to/file.py:function"`.
 
-It is called as VeRL's reward managers call it, with keywords: `fn(data_source=, solution_str=,
-ground_truth=, extra_info=)` (the whole decoded response, the row's reference, its `extra_info` dict or
-None), and returns a number or a dict with a numeric "score" (VeRL's contract): the score is the reward as it
-is, no scale applied. A dict's "acc" (when present) is the verdict, else full credit (score >= 1) is; its
-other numeric entries are logged as `reward/<key>` step means (VeRL's reward_extra_info). The module is
-imported and the signature checked when the config is validated; a bad return value is an error naming the
-value at the first call. An exception the function raises stops the run, as in VeRL.
+It is called as VeRL 0.9.1's reward managers call it, with keywords: `fn(data_source=, solution_str=,
+ground_truth=, extra_info=, **reward_kwargs)` (the whole decoded response, the row's reference as stored, its
+`extra_info` dict with the keys VeRL's naive manager adds, `config.task.reward_kwargs` as VeRL's
+custom_reward_function.reward_kwargs: verl/trainer/ppo/reward.py get_custom_reward_fn), and returns a number
+or a dict with a numeric "score" (VeRL's contract): the score is the reward as it is, no scale applied.
+VeRL's "acc" (what filter_metric="acc" and mean@k read): a dict's "acc", or a number's score itself
+(verl/experimental/reward_loop/reward_manager/naive.py: `reward_extra_info["acc"] = score`), partial credit
+included (`custom_acc="score"`); `custom_acc="full_credit"` (tlt_jax's variant) counts a number as correct
+only at full credit (score >= 1). A dict's other numeric entries are logged as `reward/<key>` step means
+(VeRL's reward_extra_info). The module is imported and the signature checked when the config is validated;
+a bad return value is an error naming the value at the first call. An exception the function raises stops
+the run, as in VeRL.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import pathlib
 from collections.abc import Callable, Mapping
 
 ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+CUSTOM_ACC = ("score", "full_credit")  # VeRL's acc of a number (the score itself) | tlt_jax's (score >= 1)
 EXPECTED = "a number or a dict with a numeric 'score' (VeRL's custom_reward_function contract)"
 
 
@@ -35,11 +41,12 @@ def is_custom(reward: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class CustomScore:
-    """What one call returned: the score, the verdict and the other numeric entries of a dict result."""
+    """What one call returned: the score, the verdict, VeRL's acc, a dict result's other numeric entries."""
 
     score: float
     correct: bool
     extra: Mapping[str, float]
+    acc: float = 0.0
 
 
 def _module(target: str, spec: str) -> object:
@@ -101,23 +108,54 @@ def _number(value: object) -> float | None:
     return None
 
 
-def custom_score(spec: str, value: object) -> CustomScore:
-    """A call's return `value` read as VeRL reads it; a ValueError naming the value and what is expected."""
+def custom_score(spec: str, value: object, acc_mode: str = "score") -> CustomScore:
+    """A call's return `value` read as VeRL reads it; a ValueError naming the value and what is expected.
+    `acc_mode` (CUSTOM_ACC): a number's acc is the score itself ("score", VeRL's) or full credit
+    ("full_credit"); `correct` (full credit, the accuracy tlt_jax logs) is acc >= 1 either way."""
+    if acc_mode not in CUSTOM_ACC:
+        raise ValueError(f"config.task.custom_acc={acc_mode!r}: use one of {CUSTOM_ACC}")
     score = _number(value.get("score") if isinstance(value, Mapping) else value)
     if score is None:
         raise ValueError(f"config.task.reward={spec!r} returned {value!r}; expected {EXPECTED}, finite")
     if not isinstance(value, Mapping):
-        return CustomScore(score, score >= 1.0, {})
+        acc = score if acc_mode == "score" else float(score >= 1.0)
+        return CustomScore(score, score >= 1.0, {}, acc)
     numbers_ = ((str(k), _number(v)) for k, v in value.items() if k != "score")
     extra = {k: v for k, v in numbers_ if v is not None}
-    correct = bool(value["acc"]) if "acc" in value else score >= 1.0
-    return CustomScore(score, correct, extra)
+    if "acc" in value:
+        acc = _number(float(value["acc"]) if isinstance(value["acc"], bool) else value["acc"])
+        acc = float(bool(value["acc"])) if acc is None else acc
+    else:  # VeRL's reward_extra_info then has no "acc"; the score stands in for it
+        acc = score if acc_mode == "score" else float(score >= 1.0)
+    return CustomScore(score, acc >= 1.0, extra, acc)
+
+
+def verl_extra_info(extra_info: Mapping | None) -> dict:
+    """The `extra_info` VeRL's naive reward manager passes: the row's dict (or {}) with `num_turns` (None for
+    a single-turn rollout) and `rollout_reward_scores` ({}) added (verl/experimental/reward_loop/
+    reward_manager/naive.py run_single)."""
+    out = dict(extra_info or {})
+    out["num_turns"] = None
+    out["rollout_reward_scores"] = {}
+    return out
 
 
 def call_reward_fn(
-    spec: str, data_source: str | None, response: str, reference: str, extra_info: Mapping | None
+    spec: str,
+    data_source: str | None,
+    response: str,
+    reference: str,
+    extra_info: Mapping | None,
+    reward_kwargs: Mapping[str, object] | None = None,
+    acc_mode: str = "score",
 ) -> CustomScore:
     """Score one response with the function `spec` names, called as VeRL calls it."""
     fn = load_reward_fn(spec)
-    value = fn(data_source=data_source, solution_str=response, ground_truth=reference, extra_info=extra_info)
-    return custom_score(spec, value)
+    value = fn(
+        data_source=data_source,
+        solution_str=response,
+        ground_truth=reference,
+        extra_info=verl_extra_info(extra_info),
+        **dict(reward_kwargs or {}),
+    )
+    return custom_score(spec, value, acc_mode)

@@ -1,10 +1,12 @@
-"""DAPO's answer check as VeRL runs it for math_dapo / math / aime* rows: a port of
-verl/utils/reward_score/math_dapo.py (`compute_score` with its defaults: Minerva's check, no strict box).
+"""DAPO's answer check as VeRL 0.9.1 runs it for math_dapo / math / aime* rows: a port of
+verl/utils/reward_score/math_dapo.py (`compute_score` with its defaults, strict_box_verify False).
 
 The response's last 300 characters are searched for `Answer: <value>` lines (case-insensitive); the last
 one's value and the reference are normalised the Minerva way (the right-hand side of `=`, words and units out,
 `$`, `\\text{}`, `\\boxed{}` unwrapped, `\\frac12` braced, thousands separators of integers removed) and
-compared as strings (DAPO-Math-17k's answers are integers). VeRL scores it -1 / +1 (`task.reward_scale`).
+compared as strings (DAPO-Math-17k's answers are integers). Without an `Answer:` line (0.9.1's `verify`,
+math_dapo.py:224), the last `\\boxed{...}` in the last 100 of those characters is the answer, compared with
+the reference as it is (no normalisation). VeRL scores it -1 / +1 (`task.reward_scale`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from tlt_jax.tasks.math_verify_reward import CheckVerdict
 
 _DAPO_ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 _TAIL_CHARS = 300  # "The longest answer in MATH-500 has 159 characters"
+_BOX_TAIL_CHARS = 100  # is_correct_strict_box: pred[-100:]
+_INVALID = "[INVALID]"  # is_correct_minerva's answer when no `Answer:` line matched
 _SUBSTITUTIONS = (
     ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
     (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
@@ -47,11 +51,30 @@ def dapo_normalize(answer: str) -> str:
     return s.strip()
 
 
+def _last_boxed_content(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` with balanced braces (VeRL's last_boxed_only_string +
+    remove_boxed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start, len(text)):
+        depth += (text[i] == "{") - (text[i] == "}")
+        if text[i] == "}" and depth == 0:
+            return text[start + len("\\boxed{") : i]
+    return None
+
+
 def dapo_check(response: str, reference: str) -> CheckVerdict:
-    """DAPO's verdict (VeRL's `is_correct_minerva`, gt_need_extract False): the last `Answer:` value in the
-    response's tail equals the reference, both normalised."""
-    matches = _DAPO_ANSWER_RE.findall(response[-_TAIL_CHARS:])
-    if not matches:
-        return CheckVerdict(False, None)
-    pred = dapo_normalize(matches[-1])
-    return CheckVerdict(pred == dapo_normalize(reference), pred)
+    """DAPO's verdict (VeRL 0.9.1's math_dapo `verify`): the last `Answer:` value in the response's tail
+    equals the reference, both normalised (`is_correct_minerva`); with no `Answer:` line, the last boxed
+    answer of the tail's last 100 characters equals the reference (`is_correct_strict_box`)."""
+    tail = response[-_TAIL_CHARS:]
+    matches = _DAPO_ANSWER_RE.findall(tail)
+    pred = dapo_normalize(matches[-1] if matches else _INVALID)
+    if pred != _INVALID:
+        return CheckVerdict(pred == dapo_normalize(reference), pred)
+    boxed = _last_boxed_content(tail[-_BOX_TAIL_CHARS:])
+    if boxed is not None:
+        return CheckVerdict(boxed == reference, boxed)
+    return CheckVerdict(False, None)

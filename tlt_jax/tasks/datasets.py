@@ -167,7 +167,11 @@ class ReasoningGymTask(Task):
                 verifier_score = max(verifier_score, self._verify(canonical, problem))
         reward = verifier_score + (self.format_reward if format_ok else 0.0)
         return RewardResult(
-            reward=reward, correct=verifier_score >= 1.0, format_ok=format_ok, extracted=extracted
+            reward=reward,
+            correct=verifier_score >= 1.0,
+            format_ok=format_ok,
+            extracted=extracted,
+            score=verifier_score if reward != verifier_score else None,  # the verifier's, before the bonus
         )
 
 

@@ -27,6 +27,8 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from absl import logging
+
 from tlt_jax.tasks.answers import last_boxed
 from tlt_jax.tasks.base import ChatTokenizer, Problem, PromptLimit, PromptTokenizer, RewardResult, Task
 from tlt_jax.tasks.prompts import NONE, encode_prompt, prompt_messages, prompt_text, resolve_prompt
@@ -109,7 +111,9 @@ def _answer(row: dict, key: str, answer_from: str) -> str:
         text = text.rsplit("####", 1)[1]
     if not text.strip():
         raise RowError(f"field {key!r} is empty (after the '####' marker or \\boxed{{}}, if any)")
-    return text.strip()
+    # a stored value is the ground truth as it is (VeRL 0.9.1 compares it unstripped: "72 " is not "72" in
+    # its GSM8K scorer); what a '####' marker or \boxed{} encloses is the answer without the layout's spaces
+    return text if answer_from == "value" else text.strip()
 
 
 def _prompt(row: dict, key: str) -> tuple[str, tuple[dict[str, str], ...] | None]:
@@ -180,6 +184,7 @@ def _parquet_rows(path: pathlib.Path, layout: Layout) -> Iterator[tuple[int, dic
                 f"from {sorted(LAYOUTS)} or map the fields with config.task.prompt_key / answer_key"
             )
     wanted = {k.split(".")[0] for k in (layout.prompt, layout.answer, layout.id, layout.source) if k}
+    wanted.add("extra_info")  # VeRL passes a row's extra_info dict to a custom reward function
     row = 0
     for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=[n for n in names if n in wanted]):
         for record in batch.to_pylist():
@@ -222,7 +227,27 @@ def _load(
     if not problems:
         names = ", ".join(f for f, _ in files)
         raise ValueError(f"task file {names} contains no problems (it is empty or only blank lines)")
+    if note := repeats_note(problems):
+        logging.warning("%s: %s", ", ".join(f for f, _ in files), note)
     return _unique_uids(problems)
+
+
+def repeats_note(problems: Sequence[Problem]) -> str:
+    """What to know when rows repeat (the same prompt and answer), or "": DAPO's AIME-2024 file holds each of
+    its 30 problems 32 times, so that one sample per row (VeRL's val_kwargs.n=1) is 32 samples per problem;
+    n samples per row then generate n x 32."""
+    counts = Counter(
+        (p.question, tuple(tuple(m.items()) for m in p.messages or ()), p.answer) for p in problems
+    )
+    if len(counts) == len(problems):
+        return ""
+    copies = sorted(Counter(counts.values()).items())
+    shape = ", ".join(f"{k} problems x {c}" for c, k in copies)
+    return (
+        f"{len(problems)} rows hold {len(counts)} distinct problems ({shape} copies): every row is sampled, "
+        "so n samples per row are n x the copies per problem (DAPO's AIME file repeats each problem 32 times "
+        "and VeRL evaluates it with val_kwargs.n=1); set the eval set's n=1 or deduplicate the file"
+    )
 
 
 def _unique_uids(problems: list[Problem]) -> tuple[Problem, ...]:
@@ -309,6 +334,8 @@ class FileTask(Task):
         math_verify_mode: str = "verl",
         filter_overlong_prompts: bool = True,
         truncation: str = "error",
+        reward_kwargs: dict | None = None,
+        custom_acc: str = "score",
     ) -> None:
         super().__init__(seed, shuffle)
         if max_rows < 0:
@@ -333,6 +360,8 @@ class FileTask(Task):
             verify_timeout,
             reward_scale,
             math_verify_mode,
+            reward_kwargs,
+            custom_acc,
         )
         if reward == "verl":
             check_sources(Counter(p.entry["data_source"] for p in self.problems))

@@ -22,7 +22,11 @@ unterminated-think response gets the checker's low value.
 
 Think handling (`think` on, or a prompt preset that opens `<think>`): the answer is read after the last
 `</think>`; a response that never closes its think block scores low and is counted
-(`reward/think_unterminated`). A custom function gets the whole response, as in VeRL.
+(`reward/think_unterminated`). `think` off: the whole response, as VeRL's scorers read it. A custom function
+gets the whole response, as in VeRL, with `reward_kwargs` and VeRL's acc (`custom_acc`, custom_reward).
+
+Each result carries the scorer's own value (`RewardResult.score`: high or low, before the format bonus and
+overlong shaping, VeRL's reward_extra_info "score") beside the reward.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from tlt_jax.tasks.answers import (
     split_think,
 )
 from tlt_jax.tasks.base import RewardResult
-from tlt_jax.tasks.custom_reward import call_reward_fn, is_custom, load_reward_fn
+from tlt_jax.tasks.custom_reward import CUSTOM_ACC, call_reward_fn, is_custom, load_reward_fn
 from tlt_jax.tasks.dapo_reward import dapo_check, dapo_normalize
 from tlt_jax.tasks.gsm8k_reward import gsm8k_check
 from tlt_jax.tasks.math_reward import math_reward_check
@@ -63,9 +67,13 @@ def check_reward_kind(reward: str) -> None:
         )
 
 
-def reward_problems(reward: str, reward_scale: str, math_verify_mode: str, verify_timeout: int) -> list[str]:
+def reward_problems(
+    reward: str, reward_scale: str, math_verify_mode: str, verify_timeout: int, custom_acc: str = "score"
+) -> list[str]:
     """What is wrong with the reward keys (a custom function is imported and its signature checked)."""
     out = []
+    if custom_acc not in CUSTOM_ACC:
+        out.append(f"config.task.custom_acc={custom_acc!r}: use one of {list(CUSTOM_ACC)}")
     try:
         check_reward_kind(reward)
         if is_custom(reward):
@@ -100,14 +108,19 @@ class ReferenceScorer:
         verify_timeout: int = 5,
         reward_scale: str = "verl",
         math_verify_mode: str = "verl",
+        reward_kwargs: Mapping[str, object] | None = None,
+        custom_acc: str = "score",
     ) -> None:
         check_answer_mode(answer_mode)
-        problems = reward_problems(reward, reward_scale, math_verify_mode, verify_timeout)
+        problems = reward_problems(reward, reward_scale, math_verify_mode, verify_timeout, custom_acc)
+        if reward_kwargs is not None and not isinstance(reward_kwargs, Mapping):
+            problems.append(f"config.task.reward_kwargs={reward_kwargs!r}: must be a dict of keywords")
         if problems:
             raise ValueError("; ".join(problems))
         self.reward, self.answer_mode, self.reward_scale = reward, answer_mode, reward_scale
         self.format_reward, self.think = float(format_reward), bool(think)
         self.verify_timeout, self.math_verify_mode = verify_timeout, math_verify_mode
+        self.reward_kwargs, self.custom_acc = dict(reward_kwargs or {}), custom_acc
 
     def checker(self, data_source: str | None) -> str:
         """The checker of a row from `data_source` (its route when reward is "verl")."""
@@ -145,17 +158,24 @@ class ReferenceScorer:
         extra_info: Mapping | None = None,
     ) -> RewardResult:
         if is_custom(self.reward):
-            s = call_reward_fn(self.reward, data_source, response, reference, extra_info)
-            return RewardResult(s.score, s.correct, False, None, source=data_source, extra=s.extra)
+            s = call_reward_fn(
+                self.reward, data_source, response, reference, extra_info, self.reward_kwargs, self.custom_acc
+            )
+            return RewardResult(
+                s.score, s.correct, False, None, source=data_source, extra=s.extra, score=s.score, acc=s.acc
+            )
         checker = self.checker(data_source)
         low, high = self.values(checker)
         answer_text, unterminated = split_think(response, self.think)
         if answer_text is None:
-            return RewardResult(low, False, False, None, think_unterminated=unterminated, source=data_source)
+            return RewardResult(
+                low, False, False, None, think_unterminated=unterminated, source=data_source, score=low
+            )
         v, format_ok = self.verdict(checker, answer_text, reference)
-        reward = (high if v.correct else low) + (self.format_reward if format_ok else 0.0)
+        score = high if v.correct else low
+        reward = score + (self.format_reward if format_ok else 0.0)
         return RewardResult(
-            reward, v.correct, format_ok, v.extracted, verify_failed=v.failed, source=data_source
+            reward, v.correct, format_ok, v.extracted, verify_failed=v.failed, source=data_source, score=score
         )
 
 
