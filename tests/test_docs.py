@@ -42,7 +42,7 @@ def test_headline_rows_are_dated_sourced_and_point_to_a_section() -> None:
         assert re.search(r"20\d\d-\d\d-\d\d", row["when"]), (rid, row["when"])
         assert "`" in row["command"], (rid, "the command that measured it, as code")
         m = re.fullmatch(r'(journal/[\w.-]+\.md) "(.+)"', row["section"])
-        assert m, (rid, "the section as journal/<file>.md \"<heading>\"", row["section"])
+        assert m, (rid, 'the section as journal/<file>.md "<heading>"', row["section"])
         lines = (BENCHMARKS.parent / m.group(1)).read_text(encoding="utf-8").splitlines()
         headings = {line.lstrip("#").strip() for line in lines if line.startswith("##")}
         assert m.group(2) in headings, (rid, m.group(1), m.group(2))
@@ -109,3 +109,20 @@ def test_the_command_check_fails_on_what_does_not_resolve() -> None:
         ("tlt_jx.main", "neither this repository's nor known"),
     ]:
         assert any(cited in line and why in line.split("->", 1)[1] for line in bad), (cited, bad)
+
+
+def test_readme_is_the_short_path() -> None:
+    """README.md is the path a researcher takes (issue #54): under 300 lines, the first command within 40
+    lines, DAPO on one node and on SLURM within 150, each headline figure cited once (the rest of the detail
+    lives in docs/)."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) < 300, f"README.md has {len(lines)} lines: move detail to docs/usage.md"
+
+    def first(pattern: str) -> int:
+        return next(i for i, line in enumerate(lines, 1) if re.search(pattern, line))
+
+    assert first(r"^make run\b") <= 40
+    assert first(r"-m tlt_jax\.main --config configs/recipes/dapo_qwen2_5_7b\.py") <= 150
+    assert first(r"sbatch .*configs/cluster/slurm_grpo\.sh") <= 150
+    cites = re.findall(r"\[(H\d+)\]", "\n".join(lines))
+    assert len(cites) == len(set(cites)), f"a figure cited twice: {sorted(cites)}"
