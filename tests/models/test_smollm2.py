@@ -1,4 +1,9 @@
-"""The real SmolLM2-135M-Instruct GGUF: it answers "Paris"; its greedy continuation equals transformers'."""
+"""The real SmolLM2-135M-Instruct GGUF: its 40 greedy tokens equal transformers' (recorded once in
+tests/recorded/smollm2_greedy.json by tests/recorded/record_smollm2_greedy.py; make test imports no
+transformers)."""
+
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +17,9 @@ from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# transformers' prompt ids and greedy continuation of the same GGUF (fp32, 40 tokens, no EOS stop)
+RECORDED = json.loads((pathlib.Path(__file__).parents[1] / "recorded" / "smollm2_greedy.json").read_text())
+QUESTION = RECORDED["messages"]
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +39,19 @@ def greedy_answer(smollm):
     return prompt, out
 
 
-def test_greedy_answer_is_paris(smollm, greedy_answer):
+def test_greedy_tokens_equal_transformers_recorded(smollm, greedy_answer):
+    """Our chat prompt ids and 40 greedy tokens equal transformers' recorded ones, token for token: loaded
+    tensors 3% off (scaled by 1.03, 3% noise, the MLP by 0.9) still answer "Paris" but match 0/40, 20/40 and
+    7/40 of them (issue 53)."""
     loaded, _ = smollm
-    _, out = greedy_answer
+    prompt, out = greedy_answer
+    assert prompt == RECORDED["prompt_ids"]
     ids = out.response(0)
+    assert len(ids) == len(RECORDED["greedy_ids"]) == 40
+    same = sum(a == b for a, b in zip(ids, RECORDED["greedy_ids"], strict=True))
+    assert ids == RECORDED["greedy_ids"], f"{same}/40 equal: {loaded.tokenizer.decode(ids)!r}"
     eos = [i for i, t in enumerate(ids) if t in loaded.tokenizer.eos_token_ids]
-    text = loaded.tokenizer.decode(ids[: eos[0]] if eos else ids)
-    assert "Paris" in text, text
+    assert "Paris" in loaded.tokenizer.decode(ids[: eos[0]] if eos else ids)
 
 
 @pytest.mark.extended  # the kernels' own tests and the engine's kernel test are make test's
@@ -53,9 +66,10 @@ def test_cpu_kernels_give_the_same_greedy_tokens(smollm, greedy_answer):
     assert out.response(0) == ref.response(0)
 
 
-@pytest.mark.extended  # make test: "Paris" above, the tokenizer's parity, the export's logits vs transformers
+@pytest.mark.extended  # make test: the recorded tokens above, the tokenizer's parity, the export's logits
 def test_greedy_continuation_equals_transformers(smollm, smollm_gguf_path, greedy_answer):
-    """Same GGUF, same prompt ids: our 32 greedy tokens equal HF transformers' generate (torch CPU, fp32)."""
+    """Same GGUF, same prompt ids: our 40 greedy tokens equal HF transformers' generate (torch CPU, fp32),
+    live, and so does the recording make test compares with (tests/recorded/smollm2_greedy.json)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     prompt, ours = greedy_answer
@@ -75,6 +89,7 @@ def test_greedy_continuation_equals_transformers(smollm, smollm_gguf_path, greed
     n = int(ours.lengths[0])
     assert n == 40 and len(ids) == 40
     assert ours.response(0) == ids, (ours.response(0), ids)
+    assert ids == RECORDED["greedy_ids"], "rerun tests/recorded/record_smollm2_greedy.py"
     # and the last-position logits agree closely
     _, model = smollm
     seq = prompt + ids[:n]
