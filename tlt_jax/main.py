@@ -4,6 +4,10 @@ Resolves and validates the config, writes it to `DIR/config.json`, initialises J
 `config.multiprocess` is true (the same code path runs on one host), and dispatches on `config.job`:
 "grpo" -> `tlt_jax.rl.learner.run_grpo`, "drafter_warmup" -> `tlt_jax.drafter.warmup.run_warmup`.
 Rerunning the same command with the same workdir resumes from the latest checkpoint.
+
+Exit status (`exit_status`): 0 the run finished; 75 it stopped on SIGTERM/SIGINT at an agreed point with its
+checkpoints consistent (requeue to resume); 70 the watchdog ended a stalled process; 2 a config error;
+anything else a failure.
 """
 
 from __future__ import annotations
@@ -272,6 +276,22 @@ def main(argv: list[str]) -> None:
         logging.info("%s", run_summary(_CONFIG.value, _WORKDIR.value, status))
     else:
         logging.info("job %s: %s", _CONFIG.value.job, status)
+    code = exit_status(status)
+    if code:
+        sys.exit(code)
+
+
+def exit_status(status: str) -> int:
+    """The process's exit status for a job's end: 0 "done" (every step run); EXIT_STOPPED (75, sysexits'
+    EX_TEMPFAIL) "preempted" (stopped on a request at a point every process agreed on, checkpoints
+    consistent: requeue or rerun to resume; every process of the run returns it). The other statuses: 2 a
+    config error, EXIT_STALLED (70) the watchdog, anything else a failure (tlt_jax.utils.watchdog)."""
+    from tlt_jax.utils.watchdog import EXIT_STOPPED
+
+    codes = {"done": 0, "preempted": EXIT_STOPPED}
+    if status not in codes:
+        raise ValueError(f"unknown job status {status!r}: expected one of {sorted(codes)}")
+    return codes[status]
 
 
 def _file_config(argv: list[str]) -> mlc.ConfigDict | None:

@@ -31,7 +31,7 @@ time with `FixedMode("plain")` and the same keys: the measured speed-up and that
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -95,12 +95,13 @@ class EvalDecoding:
     selector: AdaptivePolicy | None = None
     plain_baseline: bool = False
 
-    def begin(self) -> EvalRun:
+    def begin(self, watchers: Sequence[RolloutHooks] = ()) -> EvalRun:
         """One evaluation: the weights read now, a fresh snapshot of the selector (it learned since the
-        last one), a new speed tally."""
+        last one), a new speed tally. `watchers`: hooks of every pass that choose nothing (the learner's
+        stop agreement: an agreement point after every chunk, tlt_jax.rl.stopping)."""
         params, dparams = self.weights()
         hooks: list[RolloutHooks] = [] if self.selector is None else [FrozenSelector(self.selector.policy)]
-        return EvalRun(self, params, dparams, hooks, SpeedTally())
+        return EvalRun(self, params, dparams, hooks + list(watchers), SpeedTally(), list(watchers))
 
 
 @dataclasses.dataclass
@@ -113,6 +114,7 @@ class EvalRun:
     dparams: Any
     hooks: list[RolloutHooks]
     tally: SpeedTally
+    watchers: list[RolloutHooks] = dataclasses.field(default_factory=list)
 
     def generate(
         self,
@@ -133,5 +135,6 @@ class EvalRun:
             )  # fmt: skip
 
         rollout = run(self.hooks)
-        self.tally.add(rollout, run([FixedMode("plain")]) if self.decoding.plain_baseline else None)
+        plain = run([FixedMode("plain"), *self.watchers]) if self.decoding.plain_baseline else None
+        self.tally.add(rollout, plain)
         return rollout

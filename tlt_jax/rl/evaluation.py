@@ -21,7 +21,9 @@ the training step's rows (`prompts_per_step x samples_per_prompt` / its samples 
 buckets are the step's and, at the rollout's sampling and token budget, its compiled programs too.
 
 Both run before training (`config.eval.before_train`), every `every` steps and after the last, decoded by the
-training rollouts' engine with speculation as configured and nothing taught (tlt_jax.rl.eval_decoding).
+training rollouts' engine with speculation as configured and nothing taught (tlt_jax.rl.eval_decoding). Each
+rollout chunk is a stop agreement point (the learner's `watchers`), and each row is scored by one process of
+a multi-process run, the verdicts shared (rl/reward.py's `score_texts`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import dataclasses
 import functools
 import pathlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -43,9 +45,11 @@ from tlt_jax.models.build import TextCodec
 from tlt_jax.rl.eval_decoding import EvalDecoding
 from tlt_jax.rl.eval_metrics import sample_metrics, vote_key
 from tlt_jax.rl.prompt_budget import fit_to_rollout
+from tlt_jax.rl.reward import score_texts
 from tlt_jax.rl.rollout import PromptEncoder
 from tlt_jax.rollout.adaptive import AdaptivePolicy
 from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.hooks import RolloutHooks
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, RewardResult, Task, make_task
@@ -75,11 +79,9 @@ def eval_sampling(cfg: EvalConfig, rollout: SamplingParams, own: Mapping[str, ob
 
 
 def _score(task: Task, problems: list[Problem], rollout: Rollout, tokenizer: TextCodec) -> list[RewardResult]:
-    rows = len(rollout.lengths)
-    return [
-        task.score(problems[int(g)], tokenizer.decode(rollout.response(i)))
-        for i, g in zip(range(rows), rollout.prompt_index, strict=True)
-    ]
+    """Every row's verdict, each row scored by one process and shared (rl/reward.py's `score_texts`)."""
+    texts = [tokenizer.decode(rollout.response(i)) for i in range(len(rollout.lengths))]
+    return score_texts(task, problems, texts, rollout.prompt_index)
 
 
 def _prefixed(prefix: str, metrics: Mapping[str, float]) -> dict[str, float]:
@@ -105,8 +107,8 @@ class HeldOutEval:
         self.problems = [split.base.problem(int(i)) for i in split.held_out_indices]
         self.prompts = [encode(p) for p in self.problems]
 
-    def run(self) -> dict[str, float]:
-        t0, run = time.perf_counter(), self.decoding.begin()
+    def run(self, watchers: Sequence[RolloutHooks] = ()) -> dict[str, float]:
+        t0, run = time.perf_counter(), self.decoding.begin(watchers)
         rollout = run.generate(
             self.prompts, n=self.cfg.samples, key=self.key, sampling=self.sampling, max_new=None
         )
@@ -200,8 +202,8 @@ class SetEval:
         """Prompts per rollout of set `index`: the step's rows over its samples (at least one prompt)."""
         return max(self.rows // self.sets[index].samples, 1)
 
-    def run_set(self, index: int) -> dict[str, float]:
-        s, t0, run = self.sets[index], time.perf_counter(), self.decoding.begin()
+    def run_set(self, index: int, watchers: Sequence[RolloutHooks] = ()) -> dict[str, float]:
+        s, t0, run = self.sets[index], time.perf_counter(), self.decoding.begin(watchers)
         correct, rewards, votes, lengths, truncated = [], [], [], [], []
         step = self.batch_prompts(index)
         for start in range(0, len(s.problems), step):
@@ -235,10 +237,10 @@ class SetEval:
         _log_set(s, metrics)
         return _prefixed(f"eval/{s.name}/", metrics)
 
-    def run(self) -> dict[str, float]:
+    def run(self, watchers: Sequence[RolloutHooks] = ()) -> dict[str, float]:
         out: dict[str, float] = {}
         for i in range(len(self.sets)):
-            out.update(self.run_set(i))
+            out.update(self.run_set(i, watchers))
         return out
 
 
@@ -265,10 +267,12 @@ class Evaluator:
     def __init__(self, cfg: EvalConfig, train_task: Task, held_out: HeldOutEval | None, sets: SetEval | None):
         self.cfg, self.train_task, self.held_out, self.sets = cfg, train_task, held_out, sets
 
-    def run(self) -> dict[str, float]:
-        out = self.held_out.run() if self.held_out is not None else {}
+    def run(self, watchers: Sequence[RolloutHooks] = ()) -> dict[str, float]:
+        """Every evaluation's metrics; `watchers` ride along in each rollout (EvalDecoding.begin): the
+        learner's stop check, which may raise to end the evaluation at a chunk boundary."""
+        out = self.held_out.run(watchers) if self.held_out is not None else {}
         if self.sets is not None:
-            out.update(self.sets.run())
+            out.update(self.sets.run(watchers))
         return out
 
 

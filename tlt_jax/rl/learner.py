@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -73,7 +74,7 @@ from tlt_jax.rl.spot import (
     save_buffer,
     spot_metrics,
 )
-from tlt_jax.rl.stopping import LoopGuards, PhaseTee
+from tlt_jax.rl.stopping import LoopGuards, PhaseTee, StepStart
 from tlt_jax.rl.update import old_logprobs, update_policy
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, make_task
@@ -183,21 +184,27 @@ class Learner:
         restore_drafter(self.engine, self.spot, state["drafter"])
         logging.info("restored step %d from %s", self.step, self.ckpt.directory)
 
-    def save(self) -> None:
-        """Checkpoint the state after `self.step` completed steps (async; waited for at exit). The spot
-        trainer's data buffer is written first (synchronously): every complete checkpoint has its buffer."""
-        if self.spot is not None and self.is_main:
-            self.phases.set(self.step, "buffer_save")
-            save_buffer(self.spot, self.workdir, self.step)
-        self.phases.set(self.step, "checkpoint")
-        meta = {
+    def _meta(self) -> dict[str, Any]:
+        return {
             "step": self.step,
             "data_position": self.data_position,
             "reward_kl_coef": self.reward_kl_coef,  # the adaptive KL-in-reward controller's state
             "num_steps": self.job.run.num_steps,
         }
-        info = self.ckpt.save(self.step, self._state(), meta)
-        logging.info("checkpoint step %d queued (blocked %.0f ms)", self.step, info.blocking_ms)
+
+    def save(self, start: StepStart | None = None) -> None:
+        """Checkpoint the state after `self.step` completed steps, or `start` (the state an abandoned step
+        started from) (async; waited for at exit). The spot trainer's data buffer is written first
+        (synchronously): every complete checkpoint has its buffer."""
+        step = self.step if start is None else start.step
+        if self.spot is not None and self.is_main:
+            self.phases.set(step, "buffer_save")
+            save_buffer(self.spot, self.workdir, step)
+        self.phases.set(step, "checkpoint")
+        state, meta = (self._state(), self._meta()) if start is None else (start.state, start.meta)
+        info = self.ckpt.save(step, state, meta)
+        self._saved_step = step
+        logging.info("checkpoint step %d queued (blocked %.0f ms)", step, info.blocking_ms)
 
     # ---- one step -----------------------------------------------------------------------------------------
     def _rollout(self, problems: list[Problem], key: jax.Array, params: Any) -> Rollout:
@@ -320,9 +327,9 @@ class Learner:
         try:
             with guards, heartbeat:
                 if self.step == 0 and self.evaluator is not None and self.evaluator.cfg.due(0, num_steps):
-                    self.phases.set(0, "eval")
-                    with compile_stats.scope("eval"):
-                        before = self.evaluator.run()  # the policy before any update
+                    before = self._evaluate(guards)  # the policy before any update
+                    if before is None:
+                        return "preempted"  # (finally: closed) nothing to save: step 0 is the seed's
                     if self.trackers is not None:
                         self.trackers.log(0, before)
                 status = self._steps(guards, plots)
@@ -341,34 +348,80 @@ class Learner:
         processes agree whether to stop (then the last step is saved unless it is); inside a step they abandon
         it unsaved (`StopRequested`) or agree to finish and save it (README "Several processes / hosts")."""
         every, num_steps = self.job.run.checkpoint_every, self.job.run.num_steps
+        save = lambda start=None: guards.timed_save(  # noqa: E731
+            lambda: self.save(start), self.ckpt.background_seconds
+        )
         while self.step < num_steps:
             if guards.between_steps(self.step):
                 if self._saved_step != self.step:
-                    guards.timed_save(self.save)
-                    self._saved_step = self.step
+                    save()
                 logging.warning("stop agreed by every process: stopped after step %d (saved)", self.step)
                 return "preempted"
-            guards.begin_step(saved=self._saved_step == self.step)
+            saved = self._saved_step == self.step
+            guards.begin_step(saved=saved)
+            start = None if saved else StepStart(self.step, self._state(), self._meta())  # references
             try:
                 metrics = self.train_step()
             except StopRequested as e:
-                guards.abandoned(e, self._saved_step)
+                self._abandon(guards, e, start, save)
                 return "preempted"
+            del start
             finishing = guards.end_step()  # agreed mid-step: save this step, skip its eval
             if not finishing and self.evaluator is not None and self.evaluator.cfg.due(self.step, num_steps):
-                self.phases.set(self.step, "eval")
-                with compile_stats.scope("eval"):
-                    metrics.update(self.evaluator.run())
+                evaluated = self._evaluate(guards)
+                finishing = evaluated is None  # a stop agreed during the evaluation: save the step, stop
+                metrics.update(evaluated or {})
             metrics.update(guards.metrics())
             self._log_compiles(metrics)
             if self.trackers is not None:
                 self.trackers.log(self.step, metrics)
             if finishing or self.step == num_steps or (every and self.step % every == 0):
-                guards.timed_save(self.save)
-                self._saved_step = self.step
+                save()
             export_after_step(self, stopping=finishing)  # W/exports/step_N every config.export_every steps
             plots.after_step()  # after the save: a preempted run saves first
         return "done"
+
+    def _evaluate(self, guards: LoopGuards) -> dict[str, float] | None:
+        """The evaluations after step `self.step` (its state final), each rollout chunk an agreement point:
+        their metrics, or None when the processes agreed there to stop (the evaluation is dropped; the
+        caller saves the step before it stops)."""
+        self.phases.set(self.step, "eval")
+        try:
+            with compile_stats.scope("eval"), guards.evaluating(self.step):
+                return self.evaluator.run(watchers=[guards.rollout_hook])
+        except StopRequested as e:
+            logging.warning(
+                "stop agreed by every process at %s of step %d's evaluation: evaluation dropped; step %d "
+                "is saved before stopping",
+                e.where,
+                self.step,
+                self.step,
+            )
+            return None
+
+    def _abandon(
+        self, guards: LoopGuards, e: StopRequested, start: StepStart | None, save: Callable[..., None]
+    ) -> None:
+        """Step `e.step` abandoned by every process: save the state it started from when no checkpoint holds
+        it and the step has not changed it in place (`StepStart`; the decision agreed by every process: the
+        save is a collective), else say why not and which steps are lost."""
+        if start is None:  # its start is saved: only the partial step is lost
+            guards.abandoned(e, self._saved_step)
+            return
+        why = [f"the step changed its {part} in place (donated)" for part in start.changed()]
+        if self.spot is not None and e.step in self.spot.buffer.steps():
+            why.append("the spot trainer's data buffer took the step's samples")
+        if guards.all_agree(not why):
+            save(start)
+            guards.abandoned(e, self._saved_step, f"step {start.step}, the state it started from, saved")
+            return
+        lost = (
+            f"steps {self._saved_step + 1}-{start.step}"
+            if start.step > self._saved_step + 1
+            else (f"step {start.step}")
+        )
+        reason = "; ".join(why) or "another process could not save it"
+        guards.abandoned(e, self._saved_step, f"the state at its start is not saved ({reason}): {lost} lost")
 
     def _log_compiles(self, metrics: dict[str, float]) -> None:
         """compile/*: what compiled since the last step, per kind (step 1: since the learner was built)."""

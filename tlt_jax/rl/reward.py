@@ -4,18 +4,28 @@ DAPO's overlong-response shaping when it is on (config.rl.overlong_buffer > 0).
 The two compose as verl/workers/reward_manager/dapo.py's DAPORewardManager composes them: reward = the
 checker's score on its scale (`config.task.reward_scale`: VeRL's by default, DAPO's check -1 / +1) + the
 shaping term, no clipping of the sum; its `overlong_buffer.log` entries are `reward/overlong_mean` (the mean
-of its overlong_reward) and `reward/overlong_frac` (of its `overlong`, the share with a penalty)."""
+of its overlong_reward) and `reward/overlong_frac` (of its `overlong`, the share with a penalty).
+
+Several processes: each row is scored once, by one process (process p scores rows p, p + P, ...), and the
+verdicts are shared (`score_texts`: an all-gather, tlt_jax.utils.distributed.allgather_json), so every
+process holds the same results. A checker with a wall-clock limit (math-verify's timeout) could otherwise
+pass a row in one process and fail it in another; the processes would then filter different groups (dynamic
+sampling), run different numbers of generation batches and wait in different collectives. It also divides
+the scoring work by P."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import chex
+import jax
 import numpy as np
 
 from tlt_jax.models.build import TextCodec
 from tlt_jax.rollout.types import Rollout
 from tlt_jax.tasks import Problem, RewardResult, Task
+from tlt_jax.utils.distributed import allgather_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +108,30 @@ def score_rollout(
     """Decode the `rows` responses of `rollout` and score each against its prompt's problem, with the
     overlong shaping term added when it is on."""
     texts = [tokenizer.decode(rollout.response(i)) for i in range(rows)]
-    results = [task.score(problems[int(g)], t) for g, t in zip(rollout.prompt_index, texts, strict=True)]
+    results = score_texts(task, problems, texts, rollout.prompt_index)
     rewards = np.asarray([r.reward for r in results], np.float32)
     chex.assert_shape([rewards, rollout.lengths], [(rows,), (rows,)])
     if not overlong.enabled:
         return Scores(texts, results, rewards)
     shaping = overlong.rewards(rollout.lengths)
     return Scores(texts, results, rewards + shaping, shaping)
+
+
+def score_texts(
+    task: Task, problems: Sequence[Problem], texts: Sequence[str], prompt_index: Sequence[int]
+) -> list[RewardResult]:
+    """`task.score` of every response `texts[i]` against `problems[prompt_index[i]]`, each row scored by one
+    process (rows p::P) and the results shared, so that every process returns the same list (module
+    docstring). Every process must call it at the same point with the same rows."""
+    rows, count, me = len(texts), jax.process_count(), jax.process_index()
+    chex.assert_equal(len(prompt_index), rows)
+    mine = [task.score(problems[int(prompt_index[i])], texts[i]) for i in range(me, rows, count)]
+    if count == 1:
+        return mine
+    shared = allgather_json([dataclasses.asdict(r) for r in mine])
+    results: list[RewardResult | None] = [None] * rows
+    for p, scored in enumerate(shared):
+        for i, fields in zip(range(p, rows, count), scored, strict=True):
+            results[i] = RewardResult(**fields)
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]

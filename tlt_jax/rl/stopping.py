@@ -5,13 +5,23 @@ the stop agreement of every process (tlt_jax.utils.preemption), and the watchdog
 reaches the watchdog, and inside a step the phases of `MID_STEP_PHASES` are agreement points; the rollout
 gets `StopCheck` (a hook: an agreement point after every chunk) and the trainer `update_part` (after every
 update part, once its gradient is computed). Every process reaches these points in the same order: the
-rollout's chunks and the update's parts are SPMD programs over all of them.
+rollout's chunks and the update's parts are SPMD programs over all of them. An evaluation (between a step
+and its save) is stoppable too: its rollouts get the same hook (`evaluating`), and a stop agreed there ends
+the evaluation at once; the step, final before it, is then saved.
+
+A step abandoned mid-way whose start is not in a checkpoint (checkpoint_every > 1) does not lose the steps
+since the last one: the state at its start (`StepStart`, held by reference: nothing copied) is saved instead,
+unless the step has changed some of it in place (a donated buffer: the update applied, the spot trainer
+trained; or the drafter's data buffer took the step's samples). Then the log says which part and the steps
+lost (the learner's `_abandon`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -19,8 +29,9 @@ from absl import logging
 
 from tlt_jax.config_sections import RunSection
 from tlt_jax.rollout.hooks import ChunkView, RolloutHooks
+from tlt_jax.utils.checkpoint import path_str
 from tlt_jax.utils.phase import PhaseFile
-from tlt_jax.utils.preemption import PreemptionGuard, StopAgreement, StopRequested
+from tlt_jax.utils.preemption import PreemptionGuard, StopAgreement, StopRequested, Vote
 from tlt_jax.utils.watchdog import Watchdog
 
 # the learner's phases inside a step where abandoning it is safe (nothing of the step is written yet)
@@ -75,6 +86,7 @@ class LoopGuards:
 
     def __init__(self, run: RunSection, watchdog: bool = True):
         self.step, self.phase, self.in_step, self._phases = 0, "init", False, 0
+        self.in_eval = False
         self.guard = PreemptionGuard(within_s=run.stop_within, describe=self.where)
         self.agreement = StopAgreement(self.guard)
         self.watchdog = Watchdog(run.watchdog, PHASE_KINDS, enabled=watchdog)
@@ -93,11 +105,24 @@ class LoopGuards:
                 self.agreement.mid_step(step, f"{phase} start")
 
     def point(self, where: str) -> None:
-        """A mid-step agreement point (progress too)."""
+        """A mid-step (or mid-evaluation) agreement point (progress too)."""
         self.watchdog.beat()
         if self.in_step:
             self.agreement.mid_step(self.step, where)
+        elif self.in_eval:
+            self.agreement.mid_step(self.step, "eval chunk")
         self.watchdog.beat()
+
+    @contextlib.contextmanager
+    def evaluating(self, step: int) -> Iterator[None]:
+        """An evaluation after step `step` (its state final): its rollout chunks are agreement points where a
+        stop abandons the evaluation (`StopRequested`; nothing of the step is lost: save it, then stop)."""
+        self.in_eval, self.step = True, step
+        self.agreement.begin_step(saved=True)  # abandoning loses only the evaluation
+        try:
+            yield
+        finally:
+            self.in_eval = False
 
     def update_part(self, acc: Any) -> None:
         """The trainer's callback after each update part: waits for its gradient, then agrees."""
@@ -121,11 +146,17 @@ class LoopGuards:
         self.watchdog.beat()
         return self.agreement.between_steps(step)
 
-    def timed_save(self, save: Callable[[], None]) -> None:
-        """Run `save()` and record how long it blocked (what a finishing step's estimate adds)."""
+    def timed_save(self, save: Callable[[], None], background_s: Callable[[], float] | None = None) -> None:
+        """Run `save()` and record its time, what a finishing step's estimate adds: how long it blocked, plus
+        its background write (`background_s()`: the checkpointer's, measured once written, the time so far
+        while in flight; a stopping process waits for it before it exits)."""
         t0 = time.monotonic()
         save()
-        self.agreement.saved(time.monotonic() - t0)
+        self.agreement.saved(time.monotonic() - t0, background_s)
+
+    def all_agree(self, ok: bool) -> bool:
+        """Whether `ok` holds in every process (an agreement point every process reaches: a collective)."""
+        return self.agreement.agree(int(Vote.GO_ON if ok else Vote.ABANDON)) == Vote.GO_ON
 
     def metrics(self) -> dict[str, float]:
         """stop/checks and stop/check_s since the last call (the agreement points and their cost)."""
@@ -133,17 +164,19 @@ class LoopGuards:
         self._checks = (a.checks, a.check_seconds)
         return {"stop/checks": float(a.checks - n), "stop/check_s": a.check_seconds - s}
 
-    def abandoned(self, e: StopRequested, saved_step: int) -> None:
-        """Log the agreed abandonment of step `e.step` (both processes write the same line)."""
+    def abandoned(self, e: StopRequested, saved_step: int, why: str = "") -> None:
+        """Log the agreed abandonment of step `e.step` (every process writes the same line); `saved_step`:
+        the newest checkpoint, what a rerun resumes from; `why`: what the stop saved or lost besides."""
         self.in_step = False
         resume = f"step {saved_step}'s checkpoint" if saved_step else "the start (no checkpoint yet)"
         logging.warning(
             "stop agreed by every process at %s of step %d: step %d abandoned (not saved); a rerun "
-            "resumes from %s",
+            "resumes from %s%s",
             e.where,
             e.step,
             e.step,
             resume,
+            f"; {why}" if why else "",
         )
 
     def __enter__(self) -> LoopGuards:
@@ -159,3 +192,20 @@ class LoopGuards:
         """The loop and its checkpoint writes are over: the watchdog stops and the stop deadline is off."""
         self.watchdog.__exit__()
         self.guard.disarm()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStart:
+    """The learner's state at the start of step `step + 1` (`state`: the checkpoint tree, its arrays by
+    reference; `meta`: its JSON meta), kept while that step runs so that a stop abandoning the step can save
+    it when no checkpoint holds it (module docstring)."""
+
+    step: int
+    state: dict[str, Any]
+    meta: dict[str, Any]
+
+    def changed(self) -> list[str]:
+        """The top-level parts of `state` whose buffers the step has donated since (gone: not saveable)."""
+        flat, _ = jax.tree_util.tree_flatten_with_path(self.state)
+        gone = {path_str(p).split("/")[0] for p, x in flat if isinstance(x, jax.Array) and x.is_deleted()}
+        return sorted(gone)

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -273,6 +274,7 @@ class Checkpointer:
 
     Async by default: `save` blocks only for the device->host copy (so the caller may then donate or mutate
     its arrays) and the write finishes in a background thread; `wait()` joins it, `close()` waits and frees.
+    `background_seconds()` is how long that write took after `save` returned (what a stop waits for).
     """
 
     def __init__(
@@ -297,6 +299,32 @@ class Checkpointer:
             create=True,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
+        self._writes = threading.Lock()
+        self._writing_since: float | None = None  # monotonic time the in-flight save returned
+        self._background_s = 0.0  # the last complete save's write after its `save` returned
+
+    def _write_done(self, since: float) -> None:
+        """The save that returned at `since` is written: note its background time (once)."""
+        with self._writes:
+            if self._writing_since == since:
+                self._background_s, self._writing_since = time.monotonic() - since, None
+
+    def _watch_write(self, since: float) -> None:
+        """A daemon thread per async save: polls orbax until the write is done, then `_write_done`."""
+        try:
+            while self._mngr.is_saving_in_progress():
+                time.sleep(0.01)
+        except Exception:  # noqa: BLE001 - closed meanwhile: `close` waited for the write
+            pass
+        self._write_done(since)
+
+    def background_seconds(self) -> float:
+        """The background write time of the last save: measured once complete; while it is in flight, the
+        time since its `save` returned (a lower bound). 0 for synchronous saves."""
+        with self._writes:
+            if self._writing_since is not None:
+                return max(self._background_s, time.monotonic() - self._writing_since)
+            return self._background_s
 
     def save(
         self, step: int, state: PyTree, meta: dict[str, Any] | None = None, force: bool = False
@@ -319,6 +347,11 @@ class Checkpointer:
             force=force,
         )
         blocking_ms = (time.perf_counter() - t0) * 1e3
+        if saved and self._mngr.is_saving_in_progress():
+            since = time.monotonic()
+            with self._writes:
+                self._writing_since = since
+            threading.Thread(target=self._watch_write, args=(since,), name="ckpt-write", daemon=True).start()
         if jax.process_index() == 0:  # the steps the previous save retired (that save is complete now)
             shutil.rmtree(os.path.join(self.directory, TRASH), ignore_errors=True)
         if not saved:
@@ -393,12 +426,18 @@ class Checkpointer:
         """Block until pending async saves are written; returns the seconds waited."""
         t0 = time.perf_counter()
         self._mngr.wait_until_finished()
+        since = self._writing_since
+        if since is not None:
+            self._write_done(since)
         return time.perf_counter() - t0
 
     def close(self) -> None:
         """Wait for pending saves, release orbax's resources, and remove the followers' per-step folders
         whose checkpoint retention has deleted."""
         self._mngr.close()
+        since = self._writing_since
+        if since is not None:
+            self._write_done(since)
         _remove_half_written_steps(self.directory)  # and the steps retention retired
         for root in self.followers:
             prune_steps(self.directory, root)

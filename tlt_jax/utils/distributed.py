@@ -27,12 +27,15 @@ cross-process collectives are gloo's.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
 import re
 import socket
 import sys
 import time
 from collections.abc import Mapping
+from typing import Any
 
 COORDINATOR = "TLT_JAX_COORDINATOR"
 NUM_PROCESSES = "TLT_JAX_NUM_PROCESSES"
@@ -311,3 +314,56 @@ def peer_failure_message(error: BaseException, process_id: int, num_processes: i
         f"Relaunch all {num_processes} processes with the same command: the run resumes from its last "
         "complete checkpoint."
     )
+
+
+# ---- host values shared across processes -------------------------------------------------------------------
+@functools.cache
+def _gather_program() -> tuple[Any, Any]:
+    """(the [devices, ...] sharding over every global device, the jitted all-gather to a replicated copy)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.asarray(jax.devices()), ("all",))
+    return NamedSharding(mesh, P("all")), jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+
+
+def _gather_rows(row: Any) -> list[Any]:
+    """Every process's `row` (a numpy array of one shape and dtype in all of them), in process order: each
+    device holds its process's row, gathered by one jitted program over every global device (gloo on CPU,
+    NCCL on GPU), as `tlt_jax.utils.preemption.process_max` reduces."""
+    import jax
+    import numpy as np
+
+    sharding, gather = _gather_program()
+    x = jax.make_array_from_callback((jax.device_count(), *row.shape), sharding, lambda idx: row[None])
+    rows = np.asarray(gather(x).addressable_data(0))
+    first = {}
+    for d, device in enumerate(jax.devices()):
+        first.setdefault(device.process_index, d)
+    return [rows[first[p]] for p in range(jax.process_count())]
+
+
+def allgather_json(value: Any) -> list[Any]:
+    """Every process's `value` (JSON: numbers, strings, lists, dicts, None), in process order; every process
+    must call it at the same point (two collectives). One process: [value], nothing run. Floats round-trip
+    exactly (JSON writes their repr); the bytes are padded to a power of two so few programs compile."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return [value]
+    data = json.dumps(value, default=_json_number).encode()
+    lengths = [int(n[0]) for n in _gather_rows(np.asarray([len(data)], np.int32))]
+    padded = np.zeros((1 << max(max(lengths) - 1, 0).bit_length(),), np.uint8)
+    padded[: len(data)] = np.frombuffer(data, np.uint8)
+    rows = _gather_rows(padded)
+    return [json.loads(bytes(r[:n]).decode()) for r, n in zip(rows, lengths, strict=True)]
+
+
+def _json_number(x: Any) -> Any:
+    """numpy scalars (a reward function's np.float32) as Python numbers."""
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON serialisable")

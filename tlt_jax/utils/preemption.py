@@ -16,9 +16,11 @@ The rule (README "Several processes / hosts"): between steps, a stop saves the c
 saved) and exits. Mid-step, the step is abandoned at the next boundary (no save; the last committed
 checkpoint is the resume point, and the redone step is bit-identical: its key is fold_in(seed, step) and the
 data position is in the checkpoint) when that loses nothing but the partial step (the state at the step's
-start is saved) or when finishing it would not fit the bound; otherwise (completed steps not yet saved) the
-step is finished and saved: it is expected to end, with its save, within `within_s` of the request
-(from the last step's and the last save's measured durations in this launch).
+start is saved) or when finishing it would not fit the bound (the learner then saves the state at the step's
+start where the step has not changed it in place: tlt_jax.rl.stopping); otherwise (completed steps not yet
+saved) the step is finished and saved: it is expected to end, with its save, within `within_s` of the request
+(from the last step's and the last save's measured durations in this launch; a save's duration is its
+blocking part plus its asynchronous write, which the stopping process waits for before it exits).
 
 JAX's own preemption sync (`multihost_utils.reached_preemption_sync_point`) is not used: its notifier is a
 C++ SIGTERM handler that the guard's Python handler replaces, it is called once per step, and it agrees
@@ -40,9 +42,11 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from tlt_jax.utils.watchdog import dump_stacks
+from tlt_jax.utils.watchdog import EXIT_STOPPED, dump_stacks
 
-EXIT_STOP_LATE = 75  # sysexits' EX_TEMPFAIL: stopped by the deadline; rerun the same command to resume
+# the deadline's exit: a stop that did not complete in time is still a stop (the last complete checkpoint is
+# the resume point), so the scheduler requeues it as any other (tlt_jax.utils.watchdog.EXIT_STOPPED)
+EXIT_STOP_LATE = EXIT_STOPPED
 
 
 class PreemptionGuard:
@@ -216,6 +220,7 @@ class StopAgreement:
         self.start_saved = True  # the state at the current step's start is in a checkpoint
         self.last_step_s: float | None = None  # the last complete step in this launch
         self.last_save_s = 0.0
+        self.background_s: Callable[[], float] | None = None  # the last save's write after it returned
         self.finishing = False
         self.decided: tuple[int, str] | None = None  # (step, where) of the agreed stop
 
@@ -226,9 +231,14 @@ class StopAgreement:
         if self.step_t0 is not None:
             self.last_step_s = self.clock() - self.step_t0
 
-    def saved(self, seconds: float) -> None:
-        """A checkpoint save took `seconds` (its blocking part and the wait for its write, if measured)."""
-        self.last_save_s = seconds
+    def saved(self, seconds: float, background_s: Callable[[], float] | None = None) -> None:
+        """A checkpoint save blocked for `seconds`; `background_s()` is its asynchronous write's time after
+        that (measured once written, the time so far while in flight), which a stop waits for too."""
+        self.last_save_s, self.background_s = seconds, background_s
+
+    def save_estimate(self) -> float:
+        """The full time of a save, as the last one took: its blocking part plus its background write."""
+        return self.last_save_s + (self.background_s() if self.background_s is not None else 0.0)
 
     def _agreed(self, vote: Vote) -> Vote:
         t0 = time.perf_counter()
@@ -247,7 +257,7 @@ class StopAgreement:
         if self.start_saved or self.last_step_s is None or self.step_t0 is None or g.within_s is None:
             return Vote.ABANDON
         now = self.clock()
-        end = now + max(self.last_step_s - (now - self.step_t0), 0.0) + self.last_save_s
+        end = now + max(self.last_step_s - (now - self.step_t0), 0.0) + self.save_estimate()
         return Vote.FINISH_STEP if end - g.requested_at <= g.within_s else Vote.ABANDON
 
     def between_steps(self, step: int) -> bool:

@@ -27,6 +27,12 @@ import jax
 
 from tlt_jax.utils.background import BackgroundLoop
 
+# The exit statuses of `python -m tlt_jax.main` a scheduler acts on (configs/cluster/slurm_grpo.sh requeues on
+# EXIT_STOPPED only): 0 the run finished; EXIT_STOPPED it stopped on a request (SIGTERM/SIGINT: a preemption,
+# a time limit) with its checkpoints consistent, every process with this status: rerun the same command (or
+# requeue) to resume; EXIT_STALLED the watchdog ended a process that made no progress; 2 a config error;
+# anything else failed.
+EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL
 EXIT_STALLED = 70  # sysexits' EX_SOFTWARE
 KINDS = ("compile", "rollout", "update", "checkpoint", "eval", "other")
 # seconds without progress per kind: generous against a 32K-token rollout chunk (seconds on a GPU node), an
