@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import AnyDrafter
 from tlt_jax.models.llama import Attention, DecoderLayer, apply_rope, rope_cos_sin
 
 
@@ -46,11 +46,20 @@ def take_rows(x: jax.Array, idx_rp: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=1)
 
 
-def fuse_inputs(drafter: Drafter, embed_w: jax.Array, tokens: jax.Array, feats: jax.Array) -> jax.Array:
-    """The drafter's input projection fc(concat(embed(tokens), feats)) [..., H]."""
-    emb = jnp.take(embed_w, tokens, axis=0)
-    x = jnp.concatenate([emb, feats.astype(emb.dtype)], axis=-1)
-    return jnp.einsum("...i,hi->...h", x, drafter.fc[...])
+def fuse_inputs(
+    drafter: AnyDrafter, embed_w: jax.Array, tokens: jax.Array, feats: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The drafter layer's (attention input, residual) for these tokens and features: EAGLE-1's
+    fc(concat(embed(tokens), feats)) twice, EAGLE-3's [input_norm(embed) ; hidden_norm(f)] and f."""
+    return drafter.layer_inputs(jnp.take(embed_w, tokens, axis=0), feats)
+
+
+def draft_logits(drafter: AnyDrafter, h: jax.Array, head_w: jax.Array) -> jax.Array:
+    """float32 draft logits of the drafter's outputs: EAGLE-1 through the target's head `head_w` [V, H],
+    EAGLE-3 through its own final norm and head (over its draft vocabulary; head_w unused)."""
+    if drafter.arch == "eagle3":
+        return drafter.logits(h)
+    return jnp.einsum("...h,vh->...v", h, head_w, preferred_element_type=jnp.float32)
 
 
 def project_qkv(attn: Attention, x_bnh: jax.Array, positions_bn: jax.Array) -> tuple[jax.Array, ...]:
@@ -98,7 +107,7 @@ def attend_with_chain(
 
 
 def finish_layer(layer: DecoderLayer, x_bth: jax.Array, attn_btkgd: jax.Array) -> jax.Array:
-    """Output projection, residual and MLP of the drafter's decoder layer (no input norm)."""
+    """Output projection, residual (x_bth: the layer's residual input) and MLP of the drafter's layer."""
     b, t = attn_btkgd.shape[:2]
     w = layer.attn.o_proj[...]
     a = jnp.einsum("bti,hi->bth", attn_btkgd.reshape(b, t, -1).astype(x_bth.dtype), w.reshape(w.shape[0], -1))
@@ -115,7 +124,7 @@ class ChainContext:
 
     def __init__(
         self,
-        drafter: Drafter,
+        drafter: AnyDrafter,
         embed_w: jax.Array,
         next_tokens: jax.Array,
         hidden_in: jax.Array,
@@ -125,9 +134,9 @@ class ChainContext:
         layer = drafter.layer
         self.drafter, self.embed_w = drafter, embed_w
         self.positions, self.mask = positions, mask
-        self.x = fuse_inputs(drafter, embed_w, next_tokens, hidden_in)
-        q, self.k, self.v = project_qkv(layer.attn, self.x, positions)
-        self.h = finish_layer(layer, self.x, attend_with_chain(q, self.k, self.v, mask, None, None))
+        x, resid = fuse_inputs(drafter, embed_w, next_tokens, hidden_in)
+        q, self.k, self.v = project_qkv(layer.attn, x, positions)
+        self.h = finish_layer(layer, resid, attend_with_chain(q, self.k, self.v, mask, None, None))
 
     def steps(
         self, idx_rp: jax.Array, depth: int, next_token: Callable[[int, jax.Array], jax.Array]
@@ -142,12 +151,12 @@ class ChainContext:
         pos, mask = take_rows(self.positions, idx_rp), take_rows(self.mask, idx_rp)
         feats, k_ch, v_ch = [h], [], []
         for j in range(2, depth + 1):
-            x = fuse_inputs(self.drafter, self.embed_w, next_token(j - 1, h), h)
+            x, resid = fuse_inputs(self.drafter, self.embed_w, next_token(j - 1, h), h)
             q, k, v = project_qkv(layer.attn, x, pos + (j - 1))
             k_ch.append(k)
             v_ch.append(v)
             out = attend_with_chain(q, self.k, self.v, mask, jnp.stack(k_ch, axis=2), jnp.stack(v_ch, axis=2))
-            h = finish_layer(layer, x, out)
+            h = finish_layer(layer, resid, out)
             feats.append(h)
         return feats
 

@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from tlt_jax.drafter.chain import ChainContext, shift_by, shift_left, take_rows
+from tlt_jax.drafter.chain import ChainContext, draft_logits, shift_by, shift_left, take_rows
 from tlt_jax.drafter.packing import EagleInputs, PackedBatch, eagle_inputs
-from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import AnyDrafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ def head_logits(hidden: jax.Array, head_w: jax.Array) -> jax.Array:
 
 
 def per_pair_losses(
-    drafter: Drafter,
+    drafter: AnyDrafter,
     batch: PackedBatch,
     embed_w: jax.Array,
     head_w: jax.Array,
@@ -102,8 +102,19 @@ def per_pair_losses(
     the CE's importance weight; 1 without subsampling). embed_w [V, H] and head_w [V, H] are the target's
     embedding and LM head; they are stop-gradient here. With `ttt_steps`, also `chain` (a list, one dict
     per chain step 2..ttt_steps + 1, from `chain_step_losses`).
+
+    EAGLE-3 (`drafter.arch == "eagle3"`): the batch's states are [aux ; final] per token; the drafter reads
+    the aux part, the target distribution is head_w's over the final part, and head_w must be the target
+    head's rows of the drafter's draft vocabulary ([Vd, H]: the target's distribution renormalised over the
+    tokens the drafter can propose, as EAGLE-3 trains). No feature regression: `feat` is 0.
     """
     chex.assert_rank([embed_w, head_w], 2)
+    if drafter.arch == "eagle3" and head_w.shape[0] != drafter.draft_vocab_size:
+        raise ValueError(
+            f"EAGLE-3 loss: head_w has {head_w.shape[0]} rows, the drafter's head "
+            f"{drafter.draft_vocab_size}: "
+            "pass the target head's rows of the draft vocabulary (target.head_weight()[draft_vocab])"
+        )
     embed_w = jax.lax.stop_gradient(embed_w)
     head_w = jax.lax.stop_gradient(head_w)
     e = eagle_inputs(batch)
@@ -114,7 +125,7 @@ def per_pair_losses(
         h_in = h_in + feature_noise * (jax.random.uniform(key_noise, h_in.shape, h_in.dtype) - 0.5)
     ctx = ChainContext(drafter, embed_w, e.next_tokens, h_in, e.positions, e.mask)
     h_draft = ctx.h.astype(jnp.float32)
-    target, valid = e.hidden_target, e.valid
+    target, valid = final_state(e.hidden_target, drafter), e.valid
     dropped = jnp.zeros((), jnp.int32)
     if max_loss_tokens is not None:
         flat = valid.reshape(-1)
@@ -124,7 +135,7 @@ def per_pair_losses(
         target = target.reshape(-1, target.shape[-1])[idx]
         valid = jnp.arange(max_loss_tokens) < n_valid
         dropped = jnp.maximum(n_valid - max_loss_tokens, 0)
-    feat = _feature_loss(h_draft, target, beta)
+    feat = _feature_loss(drafter, h_draft, target, beta)
     h_ce, t_ce, ce_valid = h_draft, target, valid
     ce_weight = jnp.ones((), jnp.float32)
     if ce_tokens is not None:
@@ -136,7 +147,7 @@ def per_pair_losses(
         h_ce, t_ce, ce_valid = h_flat[pick], t_flat[pick], v_flat[pick]
         n_drawn = jnp.sum(ce_valid.astype(jnp.float32))
         ce_weight = jnp.sum(v_flat.astype(jnp.float32)) / jnp.maximum(n_drawn, 1.0)
-    ce, top1 = _soft_ce(h_ce, t_ce, head_w)
+    ce, top1 = _soft_ce(drafter, h_ce, t_ce, head_w)
     out = {
         "feat": feat,
         "valid": valid,
@@ -151,15 +162,25 @@ def per_pair_losses(
     return out
 
 
-def _feature_loss(h_draft: jax.Array, target: jax.Array, beta: float) -> jax.Array:
-    """SmoothL1 per position, averaged over the hidden axis (EAGLE)."""
+def final_state(states: jax.Array, drafter: AnyDrafter) -> jax.Array:
+    """The target's final normed state, the last H of a token's recorded states (all of them for EAGLE-1)."""
+    return states[..., -drafter.cfg.hidden_size :]
+
+
+def _feature_loss(drafter: AnyDrafter, h_draft: jax.Array, target: jax.Array, beta: float) -> jax.Array:
+    """SmoothL1 per position, averaged over the hidden axis (EAGLE); zeros for EAGLE-3 (no regression: its
+    output is not in the target's feature space)."""
+    if drafter.arch == "eagle3":
+        return jnp.zeros(h_draft.shape[:-1], jnp.float32)
     return jnp.mean(optax.huber_loss(h_draft.astype(jnp.float32), target, delta=beta) / beta, axis=-1)
 
 
-def _soft_ce(h_draft: jax.Array, target: jax.Array, head_w: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _soft_ce(
+    drafter: AnyDrafter, h_draft: jax.Array, target: jax.Array, head_w: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Soft cross-entropy of the drafter's distribution against the target's, and top-1 agreement."""
     t_logits = jax.lax.stop_gradient(head_logits(target, head_w))
-    d_logits = head_logits(h_draft.astype(jnp.float32), head_w)
+    d_logits = draft_logits(drafter, h_draft.astype(jnp.float32), head_w)
     p = jax.nn.softmax(t_logits, axis=-1)
     ce = -jnp.sum(p * jax.nn.log_softmax(d_logits, axis=-1), axis=-1)
     return ce, jnp.argmax(d_logits, axis=-1) == jnp.argmax(t_logits, axis=-1)
@@ -197,10 +218,10 @@ def chain_step_losses(
     feats = ctx.teacher_forced(e.next_tokens, idx, steps + 1)[1:]
     out = []
     for j, h in enumerate(feats, start=2):
-        target = take_rows(shift_by(e.hidden_target, j - 1, 0.0), idx)
+        target = take_rows(shift_by(final_state(e.hidden_target, ctx.drafter), j - 1, 0.0), idx)
         valid = sel & take_rows(shift_by(e.valid, j - 1, False), idx)
-        ce, top1 = _soft_ce(h, target, head_w)
-        feat = _feature_loss(h, target, beta)
+        ce, top1 = _soft_ce(ctx.drafter, h, target, head_w)
+        feat = _feature_loss(ctx.drafter, h, target, beta)
         out.append({"feat": feat, "ce": ce, "top1": top1, "valid": valid, "weight": weight})
     return out
 

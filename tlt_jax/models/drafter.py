@@ -31,11 +31,27 @@ def drafter_config(target: ModelConfig) -> ModelConfig:
 class Drafter(nnx.Module):
     """EAGLE-1 drafter head (see module docstring)."""
 
+    arch = "eagle"
+    aux_layers: tuple[int, ...] = ()  # reads the target's final state only (EAGLE-3 reads several layers')
+
     def __init__(self, target_cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = drafter_config(target_cfg)
         h = self.cfg.hidden_size
         self.fc = _normal(rngs, (h, 2 * h), jnp.dtype(self.cfg.dtype))
         self.layer = DecoderLayer(self.cfg, rngs, input_norm=False)
+
+    def layer_inputs(
+        self, embeds: jax.Array, feats: jax.Array, impl: str | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """(attention input, residual) of the decoder layer: both x = fc(concat(embed, feature)) (the layer
+        has no input norm). impl: the projection's `linear` implementation (None: an einsum, for training)."""
+        x = jnp.concatenate([embeds, feats.astype(embeds.dtype)], axis=-1)
+        x = jnp.einsum("...i,hi->...h", x, self.fc[...]) if impl is None else linear(x, self.fc[...], impl)
+        return x, x
+
+    def head_hidden(self, h: jax.Array) -> jax.Array:
+        """What the (target's) head reads: the output itself (EAGLE-1 has no final norm)."""
+        return h
 
     def init_cache(self, batch: int, seq_len: int) -> KVCache:
         return KVCache.init(self.cfg, batch, seq_len)
