@@ -19,9 +19,11 @@ import time
 import numpy as np
 import pytest
 
+from tlt_jax.main import exit_status
 from tlt_jax.utils.checkpoint import Checkpointer
 from tlt_jax.utils.kill_runs import job_env, leftovers
 from tlt_jax.utils.tracking import read_metrics
+from tlt_jax.utils.watchdog import EXIT_STALLED, EXIT_STOPPED
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LR = "0.004"  # a nested override every run uses (it must reach config.json)
@@ -185,7 +187,7 @@ def test_sigterm_saves_and_exits_cleanly(env, tmp_path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == EXIT_STOPPED, stderr[-3000:]  # stopped, to be requeued: not "done" (0)
     assert "received SIGTERM" in stderr and "job grpo: preempted" in stderr
     last = metrics(tmp_path)[-1]["step"]
     with Checkpointer(tmp_path / "checkpoints") as ckpt:
@@ -247,3 +249,14 @@ def test_run_summary_names_an_offline_wandb_run_and_how_to_upload_it(tmp_path) -
     assert "  wandb        off (config.wandb.mode or WANDB_MODE is disabled)" in run_summary(
         config, str(tmp_path), "done"
     )
+
+
+def test_exit_status_tells_done_stopped_stalled_and_failed_apart() -> None:
+    """What a scheduler decides from (configs/cluster/slurm_grpo.sh requeues on EXIT_STOPPED only): a run that
+    finished exits 0, one stopped on a request 75 (EX_TEMPFAIL), a stalled one 70, a config error 2, a crash
+    1 (Python's). The runs: test_cli_runs_end_to_end... (0), test_sigterm_saves_and_exits_cleanly (75),
+    test_bad_overrides_fail_with_a_clear_message (2), tests/utils/test_watchdog.py (70)."""
+    assert (exit_status("done"), exit_status("preempted")) == (0, EXIT_STOPPED) == (0, 75)
+    assert len({0, EXIT_STOPPED, EXIT_STALLED, 2, 1}) == 5
+    with pytest.raises(ValueError, match="unknown job status 'stalled'"):
+        exit_status("stalled")

@@ -27,6 +27,7 @@ from tlt_jax.utils.checkpoint import Checkpointer
 from tlt_jax.utils.kill_runs import FAST_COMPILE_FLAGS, TINY_SPOT, leftovers
 from tlt_jax.utils.phase import PHASE_FILE, read_phase
 from tlt_jax.utils.tracking import read_metrics
+from tlt_jax.utils.watchdog import EXIT_STOPPED
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "multiprocess_driver.py"
@@ -536,9 +537,9 @@ def stop_one_of_two(
     workdir: pathlib.Path, args: list[str], phase: str, step: int, expect: tuple[str, tuple[str, ...]]
 ) -> dict[str, float | str]:
     """2 processes; SIGTERM to process 1 alone once process 0's phase file says `step phase`. Both must
-    exit 0 within STOP_WITHIN_S at the same agreed point, of kind `expect[0]` at one of `expect[1]`;
-    returns the seconds from the signal to the agreement (process 1's log) and to both processes' exit, and
-    the CPU seconds of the two processes."""
+    exit with EXIT_STOPPED (75) within STOP_WITHIN_S at the same agreed point, of kind `expect[0]` at one of
+    `expect[1]`; returns the seconds from the signal to the agreement (process 1's log) and to both
+    processes' exit, and the CPU seconds of the two processes."""
     cmd = MAIN + [*args[:-2], MP, f"--config.stop_within={STOP_WITHIN_S}", *args[-2:]]
     procs = start(cmd, 2)
     deadline = time.monotonic() + 600
@@ -554,7 +555,8 @@ def stop_one_of_two(
     procs[1].send_signal(signal.SIGTERM)
     outs = wait_all(procs, STOP_WITHIN_S + 60, f"the stop at {phase} of step {step}")
     exited = time.monotonic() - t0
-    ok(outs)  # status 0 for both: a clean, agreed stop (the deadline's exit is status 75)
+    for i, p in enumerate(outs):  # EXIT_STOPPED (75) for both: a clean, agreed stop, to be requeued
+        assert p.returncode == EXIT_STOPPED, f"process {i}: exit {p.returncode}\n{p.stderr[-6000:]}"
     assert exited < STOP_WITHIN_S, f"the stop took {exited:.1f} s"
     assert "received SIGTERM" in outs[1].stderr and "received SIGTERM" not in outs[0].stderr
     assert "another process received a stop request" in outs[0].stderr
@@ -578,7 +580,7 @@ def test_two_processes_equal_one_through_a_kill_and_three_stops(tmp_path, refere
     2. 2 processes x 2 devices from that checkpoint (it crosses from 1 process to 2), SIGTERM to process 1
        alone in step 2's rollout (both abandon the step at the next chunk boundary, nothing saved), then in
        step 2's update (abandoned at an update part boundary), then during step 2's checkpoint (both stop
-       before step 3, step 2 saved: a step run on two processes); each time both exit 0 within
+       before step 3, step 2 saved: a step run on two processes); each time both exit 75 (stopped) within
        `stop_within` at the same point;
     3. 1 process x 4 devices runs step 3 (the 2-process checkpoint crosses back).
 

@@ -133,3 +133,31 @@ def test_process_max_on_one_process_is_the_value() -> None:
     assert (
         process_max(2) == 2 and process_max(0) == 0
     )  # no collective (the 2-process path: test_multiprocess)
+
+
+def test_the_stop_estimate_counts_the_async_saves_whole_write(tmp_path) -> None:
+    """A finishing step's estimate adds the last save's full time: its blocking part and its background
+    write, which a stopping process waits for before it exits (issue #52 item 4; the blocking part alone
+    was counted). A real asynchronous orbax save of 32 MiB."""
+    import jax.numpy as jnp
+
+    from tlt_jax.utils.checkpoint import Checkpointer
+
+    a, guard, _, _ = agreement()
+    state = {"w": jnp.asarray(np.random.default_rng(0).random(8 << 20, np.float32))}
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        t0 = time.monotonic()
+        ckpt.save(1, state)
+        blocked = time.monotonic() - t0
+        a.saved(blocked, ckpt.background_seconds)
+        ckpt.wait()
+        written = time.monotonic() - t0
+        assert written > blocked + 0.02, (blocked, written)  # the premise: the write went on after save
+        assert written - 0.02 <= a.save_estimate() <= written + 0.02, (blocked, a.save_estimate(), written)
+        # nobody waits (a loop going on to the next step): the checkpointer's watcher notes the write's end
+        ckpt.save(2, state)
+        time.sleep(2.0)
+        first = ckpt.background_seconds()
+        time.sleep(0.1)
+        assert 0 < ckpt.background_seconds() == first < 2.0  # measured once written, then fixed
+    guard.disarm()
