@@ -50,6 +50,40 @@ def bandit_arms(speeds: tuple[tuple[float, float], ...]) -> tuple[list[str], lis
     return played, [float(r) for r in rewards[~np.isnan(rewards)]]
 
 
+def disputed_reward(data_source, solution_str, ground_truth, extra_info=None) -> dict:
+    """A custom reward (VeRL's contract) whose verdict depends on the process that runs it, as a checker's
+    wall-clock timeout can (math-verify's 5 s: a borderline row passes in one process, times out in
+    another): process 1 fails every row. `scored_by` records which process scored the row."""
+    import jax
+
+    del data_source, extra_info
+    right = jax.process_index() == 0 and solution_str.strip() == str(ground_truth)
+    return {"score": float(right), "acc": right, "scored_by": float(jax.process_index())}
+
+
+def shared_rewards() -> list[list[float]]:
+    """7 responses to 3 problems scored by `rl.reward.score_texts` with `disputed_reward`: each row scored
+    by one process (rows p::2) and the verdicts shared, so both processes report the same [reward,
+    correct, scored_by] rows (each process scoring every row, they would disagree)."""
+    import pathlib
+    import tempfile
+
+    from tlt_jax.rl.reward import score_texts
+    from tlt_jax.tasks.files import FileTask
+
+    folder = pathlib.Path(tempfile.mkdtemp())
+    rows = [{"question": f"{a} + {a}?", "answer": str(2 * a)} for a in (1, 2, 3)]
+    (folder / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = FileTask(
+        str(folder / "qa.jsonl"), layout="qa", shuffle=False, reward=f"{__file__}:disputed_reward"
+    )
+    problems = [task.problem(i) for i in range(3)]
+    index = [0, 0, 1, 1, 2, 2, 0]
+    texts = ["2", "3", "4", "4", "6", "5", "2"]
+    results = score_texts(task, problems, texts, index)
+    return [[r.reward, float(r.correct), r.extra["scored_by"]] for r in results]
+
+
 def collectives() -> None:
     spec = distributed.initialize()
     import jax
@@ -93,6 +127,7 @@ def collectives() -> None:
         },
         "bandit_played": played,
         "bandit_rewards": rewards,
+        "rewards": shared_rewards(),
     }
     print("RESULT " + json.dumps(report), flush=True)
 

@@ -241,6 +241,13 @@ def test_two_processes_see_four_devices_and_agree_on_a_psum() -> None:
     assert reports[0]["bandit_played"] == reports[1]["bandit_played"]
     assert reports[0]["bandit_rewards"] == reports[1]["bandit_rewards"]
     assert set(reports[0]["bandit_rewards"]) == {80.0, 100.0} and reports[0]["bandit_played"][-1] == "3_1_4"
+    # rewards whose checker passes a row in process 0 and fails it in process 1 (a wall-clock timeout on one
+    # side, #52 item 5): each row scored once, by process row % 2, both processes holding the same verdicts
+    rewards = [r["rewards"] for r in reports]
+    assert rewards[0] == rewards[1], rewards
+    assert [row[2] for row in rewards[0]] == [i % 2 for i in range(7)]
+    right = [True, False, True, True, True, False, True]  # texts vs 2, 4, 6 (multiprocess_driver.py)
+    assert [row[:2] for row in rewards[0]] == [[float(r and i % 2 == 0)] * 2 for i, r in enumerate(right)]
 
 
 @pytest.mark.parametrize("process_id", [1, pytest.param(0, marks=pytest.mark.extended)])
