@@ -23,7 +23,7 @@ from tlt_jax.models.layouts import layout_graphdef, stack_layers, unstack_layers
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rl import config as rl_config
 from tlt_jax.rl.advantages import Advantages, train_batch
-from tlt_jax.rl.batch import TrainBatch, build_train_batch
+from tlt_jax.rl.batch import TrainBatch, build_train_batch, micro_weights
 from tlt_jax.rl.config import trainer_options
 from tlt_jax.rl.forward import ForwardOut, response_logprobs
 from tlt_jax.rl.optimizer import OptimConfig
@@ -371,33 +371,62 @@ def test_ppo_epochs_regroup_and_refuse_fused_old_logprobs() -> None:
     np.testing.assert_array_equal(tis.rollout_logp, np.where(tis.response_mask > 0, -0.5, 0.0))
 
 
+def _seq_mean_token_mean(x: np.ndarray, mask: np.ndarray) -> float:
+    """NumPy's GRPO aggregation: each row's token mean, averaged over the rows with a token."""
+    rows = mask.sum(1) > 0
+    return float(np.mean((x * mask).sum(1)[rows] / mask.sum(1)[rows]))
+
+
 def test_one_update_with_every_loss_option() -> None:
-    """A tiny trainer's update with dual-clip, entropy bonus, k1 KL loss and token-level truncated IS: its
-    metrics equal the terms recomputed in NumPy from the log-probs its forward returned (token_mean; fused
-    old log-probs, so every ratio is 1 and each token's loss is -A x min(pi_old / pi_rollout, 2))."""
-    batch = jax.tree_util.tree_map(np.asarray, _batch())
-    rows = batch.response_mask.reshape(6, -1)
-    rollout_logp = np.where(np.arange(6)[:, None] % 2 == 0, -7.0, -5.5) * rows  # weights above / below 2
-    batch = batch.replace(
-        rollout_logp=rollout_logp.reshape(batch.response_mask.shape).astype(np.float32),
-        ref_logp=np.full(batch.response_mask.shape, -5.0, np.float32),
-    )
-    lc = PolicyLossConfig(aggregation="token_mean", kl_coef=0.1, kl_loss_type="k1", entropy_coeff=0.01)
-    lc = dataclasses.replace(lc, clip_ratio_c=3.0, rollout_is="token", rollout_is_threshold=2.0)
+    """A tiny trainer's update over 3 micro-batches with the default aggregation (seq_mean_token_mean),
+    given old log-probs (not fused: ratios 0.37..6), dual-clip binding (A < 0 tokens with ratio > 3 capped at
+    -3A), clip-higher, entropy bonus, k1 KL loss and token-level truncated IS: its metrics equal the terms
+    recomputed in NumPy from the log-probs and entropies of the same parameters' forward (VeRL's
+    compute_policy_loss_vanilla with rollout_is_weights, agg_loss's seq-mean-token-mean)."""
+    rng = np.random.default_rng(3)
+    batch = jax.tree_util.tree_map(np.asarray, _batch())  # rows of 12, 3, 1, 10, 5, 12 tokens
+    mask = batch.response_mask.reshape(6, -1)
+    adv = np.asarray([[-1.0, 1.0], [0.8, -0.5], [0.3, -1.5]], np.float32)  # A < 0 on the long rows
+    lc = PolicyLossConfig(clip_high=0.28, fuse_old_logprobs=False, kl_coef=0.1, kl_loss_type="k1")
+    lc = dataclasses.replace(lc, entropy_coeff=0.01, clip_ratio_c=3.0, rollout_is="token")
+    assert lc.aggregation == "seq_mean_token_mean" == config_schema.base_config().rl.loss_agg  # defaults
     mesh = shd.make_mesh(1, 1, jax.devices()[:1])
-    opts = TrainerOptions(micro_batch_size=6, attn_impl="reference", with_reference=True)
+    opts = TrainerOptions(micro_batch_size=2, attn_impl="reference", with_reference=True)
     t = PolicyTrainer(Transformer(tiny_config(num_layers=1), nnx.Rngs(0)), mesh, lc, OptimConfig(), opts)
+    fwd = t.logprobs(t.put_micro(batch))  # these parameters' log-probs and entropies, [3 micro, 2, Nb]
+    logp, ent = (np.asarray(x, np.float64).reshape(6, -1) for x in (fwd.logp, fwd.entropy))
+    old = (logp - rng.uniform(-1.0, 1.8, logp.shape)) * mask
+    rollout = (old - rng.uniform(-1.0, 1.0, logp.shape)) * mask  # IS weights e^-1..e^1, some above 2
+    shape = batch.response_mask.shape
+    batch = batch.replace(
+        advantages=adv,
+        old_logp=old.reshape(shape).astype(np.float32),
+        rollout_logp=rollout.reshape(shape).astype(np.float32),
+        ref_logp=np.full(shape, -5.0, np.float32),
+    )
+    w = micro_weights(batch.response_mask.reshape(3, 1, 2, -1), lc.aggregation)
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(t.params)]
-    m, (logp,) = t.update([t.put_micro(batch)], [np.ones((1,), np.float32)])
-    logp, mask = np.asarray(logp).reshape(6, -1), rows > 0
-    w = np.exp(logp - rollout_logp)[mask]
-    adv = np.repeat(batch.advantages.reshape(6), mask.sum(1))
-    assert m["loss/pg"] == pytest.approx(np.mean(-adv * np.minimum(w, 2.0)), rel=1e-4)
-    assert m["loss/kl"] == pytest.approx(np.mean(logp[mask] + 5.0), rel=1e-4)
-    assert m["loss/entropy"] == pytest.approx(m["policy/entropy"], rel=1e-5)  # both token means here
-    assert m["policy/clip_frac_lower"] == 0.0
-    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(w.mean(), rel=1e-4)
-    assert m["rollout_corr/rollout_is_max"] == pytest.approx(w.max(), rel=1e-4) and w.max() > 2 > w.min()
+    m, (got,) = t.update([t.put_micro(batch)], [w])
+    np.testing.assert_allclose(np.asarray(got).reshape(6, -1) * mask, logp * mask, atol=1e-5)
+    # NumPy's token terms
+    a, on = adv.reshape(6, 1), mask > 0
+    ratio = np.exp(logp - old)
+    ppo = np.maximum(-a * ratio, -a * np.clip(ratio, 0.8, 1.28))
+    dual = (a < 0) & (ppo > -a * 3.0) & on
+    is_w = np.exp(old - rollout)
+    token_loss = np.where(a < 0, np.minimum(ppo, -a * 3.0), ppo) * np.minimum(is_w, 2.0)
+    assert dual.sum() >= 3 and ((a > 0) & (ratio > 1.28) & on).sum() >= 3  # both clips bind somewhere
+    assert m["loss/pg"] == pytest.approx(_seq_mean_token_mean(token_loss, mask), rel=1e-4)
+    assert m["loss/kl"] == pytest.approx(_seq_mean_token_mean(logp + 5.0, mask), rel=1e-4)
+    assert m["loss/entropy"] == pytest.approx(_seq_mean_token_mean(ent, mask), rel=1e-4)
+    assert m["policy/entropy"] == pytest.approx(ent[on].mean(), rel=1e-4)  # a token mean
+    assert m["policy/clip_frac_lower"] == pytest.approx(dual.sum() / on.sum(), abs=1e-6)
+    clipped = (-a * np.clip(ratio, 0.8, 1.28) > -a * ratio) & on
+    assert m["policy/clip_frac"] == pytest.approx(clipped.sum() / on.sum(), abs=1e-6)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(is_w[on].mean(), rel=1e-4)
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(is_w[on].max(), rel=1e-4)
+    # the token mean would differ: the rows' lengths (12, 3, 1, 10, 5, 12) weigh it
+    assert abs(m["loss/pg"] - token_loss[on].mean()) > 1e-2
     moved = [
         float(np.abs(a - np.asarray(b)).max())
         for a, b in zip(before, jax.tree_util.tree_leaves(t.params), strict=True)
