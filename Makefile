@@ -120,4 +120,4 @@ clean:
 # What a lent GPU machine (no network) needs beyond its image: wheels (ml-collections, gguf, reasoning-gym and
 # their missing dependencies) and the SmolLM2 GGUF split in two parts, one per device call (docs/gpu.md).
 gpu-bundle: $(GGUF)
-	$(PY) -m gpu.gpu_bundle build
+	$(PY) -m gpu.bundle build

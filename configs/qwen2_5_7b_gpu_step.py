@@ -1,6 +1,6 @@
 """The whole RL step of configs/qwen2_5_7b.py on ONE GPU, as a user launches it, with random weights of
 Qwen2.5-7B's layer shapes (no model file) and a task on token ids (no tokenizer): what the GPU suite's
-`rl_step_7b` phase runs (gpu/gpu_rlstep.py, docs/gpu.md) to time the step and its compiles and to compare
+`rl_step_7b` phase runs (gpu/rl_step_phases.py, docs/gpu.md) to time the step and its compiles and to compare
 its peak memory with the memory plans.
 
   python -m tlt_jax.main --config configs/qwen2_5_7b_gpu_step.py:layers=4,steps=3 --workdir /tmp/w

@@ -1,4 +1,5 @@
-"""`python -m tlt_jax.main` run in this process, watched: the GPU suite's `rl_step_7b` worker (gpu_rlstep.py).
+"""`python -m tlt_jax.main` run in this process, watched: the GPU suite's `rl_step_7b` worker
+(rl_step_phases.py).
 
     python -m gpu.rl_step_run --json OUT.json [--plan update,rollout] [--deadline-s S] -- \\
         --config=configs/qwen2_5_7b_gpu_step.py:layers=4 --workdir=W [--config.x=y ...]

@@ -18,7 +18,7 @@ import pytest
 
 from experiments.models import measured_costs as mc
 from experiments.models import project_sd as ps
-from gpu import gpu_measure, gpu_plan, gpu_regime, gpu_rlstep, gpu_suite, regime_7b, regime_common
+from gpu import call_plan, measure, regime_7b, regime_common, regime_phases, rl_step_phases, suite
 from gpu.regime_common import PRIOR_COMPILE_S, SHARES, Recorder
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -34,13 +34,13 @@ def test_plan_dry_run_and_projection_from_its_json(tmp_path: pathlib.Path) -> No
     simulate_rl read the call's JSON."""
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cmd = [sys.executable, "-m", "gpu.gpu_suite", "--dry-run", "--phases", "rl_step_7b,regime_7b,update_7b"]
+    cmd = [sys.executable, "-m", "gpu.suite", "--dry-run", "--phases", "rl_step_7b,regime_7b,update_7b"]
     cmd += ["--regime-parts", "decode,round,drafter", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    minutes = f"{gpu_plan.DEVICE_PLAN_S / 60:.0f}"
+    minutes = f"{call_plan.DEVICE_PLAN_S / 60:.0f}"
     total = re.findall(rf"#  total (\d+)s = [\d.]+ min <= {minutes} min", proc.stdout)
-    assert len(total) == 2 and int(total[0]) <= gpu_plan.DEVICE_PLAN_S  # printed at the start and the end
+    assert len(total) == 2 and int(total[0]) <= call_plan.DEVICE_PLAN_S  # printed at the start and the end
     assert re.search(r"rl_step_7b .*this run \d+s", proc.stdout)  # the dry run's own seconds beside the plan
     summary = json.loads((out / "summary.json").read_text())
     rl = summary["phases"]["rl_step_7b"]
@@ -96,18 +96,18 @@ def test_plan_dry_run_and_projection_from_its_json(tmp_path: pathlib.Path) -> No
 
 def test_plan_budget_and_calls() -> None:
     """Two calls, each phase's cap and least time from the plan, the total within 13 of the 15 minutes."""
-    assert gpu_plan.plan_total_s() <= gpu_plan.DEVICE_PLAN_S <= 15 * 60
-    for call, phases in gpu_plan.PLAN.items():
-        assert gpu_suite.CALLS[call] == tuple(p[0] for p in phases)
-        assert gpu_suite.CALL_BUDGETS[call] == gpu_plan.CALL_BUDGET_S[call]
-        assert sum(p[2] for p in phases) <= gpu_plan.CALL_BUDGET_S[call] - gpu_suite.REPORT_RESERVE_S
-        assert all(p[0] in gpu_suite.PHASES for p in phases)
+    assert call_plan.plan_total_s() <= call_plan.DEVICE_PLAN_S <= 15 * 60
+    for call, phases in call_plan.PLAN.items():
+        assert suite.CALLS[call] == tuple(p[0] for p in phases)
+        assert suite.CALL_BUDGETS[call] == call_plan.CALL_BUDGET_S[call]
+        assert sum(p[2] for p in phases) <= call_plan.CALL_BUDGET_S[call] - suite.REPORT_RESERVE_S
+        assert all(p[0] in suite.PHASES for p in phases)
     # call 1 needs part a's wheels only (the 7B phases: no model), call 2 brings the model's second part
-    assert gpu_suite.CALLS["1"] == ("env", "rl_step_7b", "regime_7b")
-    assert gpu_suite.CALLS["2"] == ("env", "model", "gpu_tests", "identity", "update_7b", "compile")
-    assert all("2026-11-2" in p[3] for phases in gpu_plan.PLAN.values() for p in phases)
-    assert gpu_suite.CALLS["plan"] == tuple(dict.fromkeys(gpu_suite.CALLS["1"] + gpu_suite.CALLS["2"]))
-    assert set(gpu_suite.PHASES) == set(gpu_suite.ph.PHASE_FUNCS)
+    assert suite.CALLS["1"] == ("env", "rl_step_7b", "regime_7b")
+    assert suite.CALLS["2"] == ("env", "model", "gpu_tests", "identity", "update_7b", "compile")
+    assert all("2026-11-2" in p[3] for phases in call_plan.PLAN.values() for p in phases)
+    assert suite.CALLS["plan"] == tuple(dict.fromkeys(suite.CALLS["1"] + suite.CALLS["2"]))
+    assert set(suite.PHASES) == set(suite.phases.PHASE_FUNCS)
 
 
 def test_regime_metrics_targets_and_status() -> None:
@@ -125,19 +125,19 @@ def test_regime_metrics_targets_and_status() -> None:
         "compile": [{"program": "a", "seconds": 3.0}, {"program": "b", "seconds": 5.0}],
         "skipped": [{"what": "decode b128 c32768", "why": "memory: ...", "kind": "memory"}],
     }
-    m = gpu_regime.regime_metrics(data)
+    m = regime_phases.regime_metrics(data)
     assert m["decode_tok_s_b1_c4096"] == 170.0 and m["round_steps_b1_tv16_c4096"] == 1.2
     assert m["compile_max_s"] == 5.0 and m["compile_total_s"] == 8.0 and m["skipped"] == 1
     results = {"regime_7b": {"metrics": m}, "compile": {"metrics": {"compile_first_s": 70.0}}}
-    tgt = gpu_regime.regime_targets(results)
+    tgt = regime_phases.regime_targets(results)
     assert tgt == {"decode_7b": "pass", "round_7b": "pass", "compile": "fail"}  # 4K judged, not 32K
 
     class Proc:
         timed_out, rc, output = False, 0, ""
 
-    assert gpu_regime._status(Proc(), data, 2) == ("ok", "")
+    assert regime_phases._status(Proc(), data, 2) == ("ok", "")
     data["skipped"].append({"what": "round b32 tv64", "why": "time budget", "kind": "budget"})
-    assert gpu_regime._status(Proc(), data, 2)[0] == "partial"
+    assert regime_phases._status(Proc(), data, 2)[0] == "partial"
 
 
 def test_rl_step_numbers_from_its_steps_timeline_and_plan(tmp_path: pathlib.Path) -> None:
@@ -166,23 +166,25 @@ def test_rl_step_numbers_from_its_steps_timeline_and_plan(tmp_path: pathlib.Path
     watch |= {"phases": timeline, "memory": {"peak_bytes_in_use": 44 * gib}, "run_s": 160.0}
     watch["plan"] = {"backend": "gpu", "need_max": 40 * gib, "programs": [
         {"kind": "update", "program": "update_accum 1024", "need": 40 * gib, "compile_s": 14.0}]}  # fmt: skip
-    d = gpu_rlstep.rl_step_details(watch, gpu_rlstep.read_steps(metrics), 4, 3, tmp_path / "no_log.json")
-    m = gpu_rlstep.rl_step_metrics(d)
+    d = rl_step_phases.rl_step_details(
+        watch, rl_step_phases.read_steps(metrics), 4, 3, tmp_path / "no_log.json"
+    )
+    m = rl_step_phases.rl_step_metrics(d)
     assert m["rl_step1_end_s"] == 121.5 and m["rl_step1_s"] == 100.0 and m["rl_step1_compile_s"] == 90.0
     assert m["rl_time_step_s"] == 11.0 and m["rl_time_compile_s"] == 1.0 and m["rl_steps"] == 3
     assert m["rl_length_max"] == 903.0 and m["rl_peak_gib"] == 44.0 and m["rl_peak_over_plan"] == 1.1
-    assert gpu_rlstep._peaks(d) == {
+    assert rl_step_phases._peaks(d) == {
         "init": 30 * gib,
         "rollout": 44 * gib,
         "update": 44 * gib,
         "all": 44 * gib,
     }
     result = {"rl_step_7b": {"details": d, "metrics": m}}
-    assert gpu_rlstep.rl_step_targets(result) == {"rl_step": "pass"}
-    assert gpu_rlstep.rl_step_targets({"rl_step_7b": {"details": {**d, "exit": 1}, "metrics": m}}) == {
+    assert rl_step_phases.rl_step_targets(result) == {"rl_step": "pass"}
+    assert rl_step_phases.rl_step_targets({"rl_step_7b": {"details": {**d, "exit": 1}, "metrics": m}}) == {
         "rl_step": "fail"
     }
-    md = "\n".join(gpu_rlstep.rl_step_md({"details": d, "metrics": m}))
+    md = "\n".join(rl_step_phases.rl_step_md({"details": d, "metrics": m}))
     assert "step 1 ended 122 s after the start" in md and "update_accum 1024" in md
 
 
@@ -242,14 +244,14 @@ def test_resume_of_the_plan_runs_only_its_unfinished_phases(tmp_path: pathlib.Pa
     timeout, update_7b skipped), not the suite's other phases that this lease never ran."""
     paths = {k: str(tmp_path / k) for k in ("out", "state_dir", "bundle", "site")}
     ns = dict(dry_run=False, allow_cpu=False, extend_drafter=False, drafter_config="", budget_s=60, limits="")
-    suite = gpu_suite.Suite(argparse.Namespace(call="plan", **ns, **paths))
+    call_suite = suite.Suite(argparse.Namespace(call="plan", **ns, **paths))
     done = {"env": "ok", "rl_step_7b": "ok", "regime_7b": "timeout", "tree_attention": "ok", "model": "ok"}
     done |= {"identity": "ok", "gpu_tests": "ok", "compile": "failed", "update_7b": "skipped"}
     for name, status in done.items():
         (tmp_path / "state_dir" / "results" / f"{name}.json").write_text(json.dumps({"status": status}))
     args = argparse.Namespace(phases="", resume=True, call="plan")
-    assert gpu_suite.select_phases(args, suite) == ("env", "regime_7b", "update_7b")
-    suite.log.close()
+    assert suite.select_phases(args, call_suite) == ("env", "regime_7b", "update_7b")
+    call_suite.log.close()
 
 
 def test_regime_estimate_excludes_the_init_and_parts_pass_on_their_time(
@@ -298,14 +300,14 @@ def test_identity_and_compile_keep_what_a_cut_run_printed() -> None:
     compile seconds so far (each phase's last figure, summed: the H200's 80 s of 2026-11-26), which over
     60 s fails the compile goal."""
     out = "plain: 35.2s\n   chain  eagle_3_1_4  0.984  1  57  1.23 12  first divergences [57]\n"
-    rows = gpu_measure.identity_rows(out)
+    rows = measure.identity_rows(out)
     assert rows["chain"]["identical_frac"] == 0.984 and rows["results"]["plain_s"] == 35.2 and rows["cut"]
-    assert gpu_measure.identity_rows("killed before anything") == {}
+    assert measure.identity_rows("killed before anything") == {}
     log = "".join(
         f"step 1/1 rollout 0:{t} | 16 rows | compiled {n} programs ({s} s) in this phase\n"
         for t, n, s in ((40, 4, 36), (81, 13, 80))
     )
     log += "step 1/1 update 0:05 | compiled 1 program (9 s) in this phase\n"
-    assert gpu_measure.compile_so_far_s(log) == 89
+    assert measure.compile_so_far_s(log) == 89
     results = {"compile": {"metrics": {"compile_first_s_at_least": 80.0}}}
-    assert gpu_regime.regime_targets(results)["compile"] == "fail"
+    assert regime_phases.regime_targets(results)["compile"] == "fail"

@@ -2,7 +2,7 @@
 
 On CPU the kernel runs in Pallas interpret mode (inside jax.jit); on a GPU the same tests compile it with
 Triton (and check that the program holds the Triton custom call). `TLT_PALLAS_INTERPRET=0|1` forces the mode
-(gpu/gpu_suite.py sets 0 on the GPU, so a JAX that silently fell back to the CPU fails loudly instead
+(gpu/suite.py sets 0 on the GPU, so a JAX that silently fell back to the CPU fails loudly instead
 of passing interpreted). Tolerances are per dtype (`ATOL`). The kernel cases are a hand-picked cover of the
 shape grid (T in {1, 8, 16, 48}, S in {64, 256}, Hq/Hkv in {4/4, 6/2, 8/2}, D in {32, 64}, plus
 block/split/padding variants) rather than the full product: each distinct shape is one XLA compile of the

@@ -8,7 +8,7 @@ carry it. The bundle splits it byte-exactly in two, each part going with one cal
     .gpu_bundle/b/  MANIFEST.json, model.part2 (the rest)
 
 Each device call runs in a fresh copy of the repository, so a carried part is gone at the next call: the GPU
-suite copies each part into its state folder outside the repository as it arrives (gpu/gpu_state.py),
+suite copies each part into its state folder outside the repository as it arrives (gpu/state.py),
 and once both are there `assemble_model` concatenates them (into the state folder; the repository's
 `.cache/models/<gguf>`, where the scripts look, is linked to it in every call), checks the whole file's sha256
 against the manifest, and refuses with a clear message when a part is missing or corrupt. The sizes balance
@@ -21,9 +21,9 @@ of them ship no wheels: cellpylib and zss (pure Python) are built here, and pyco
 imported by reasoning-gym at import time) is built with a local CPython 3.12 (`$PY312`, `python3.12` on the
 PATH, or pyenv's).
 
-    python -m gpu.gpu_bundle build     # `make gpu-bundle`: idempotent
-    python -m gpu.gpu_bundle check     # sizes against the 64 MiB limit, parts' hashes
-    python -m gpu.gpu_bundle assemble  # on the GPU machine (gpu_suite.py does this itself)
+    python -m gpu.bundle build     # `make gpu-bundle`: idempotent
+    python -m gpu.bundle check     # sizes against the 64 MiB limit, parts' hashes
+    python -m gpu.bundle assemble  # on the GPU machine (suite.py does this itself)
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def assemble_model(bundle: pathlib.Path = BUNDLE, dest: pathlib.Path = MODEL_PAT
     absent = [p["file"] for p in info["parts"] if not (bundle / p["file"]).is_file()]
     if absent:
         raise BundleError(
-            f"model incomplete: {absent} not on this machine. Parts travel one per call and gpu_suite keeps "
+            f"model incomplete: {absent} not on this machine. Parts travel one per call and the suite keeps "
             "each in its state folder: carry .gpu_bundle/a in one call and .gpu_bundle/b in another, on the "
             "same machine (held between the calls)."
         )
@@ -306,7 +306,7 @@ def main() -> None:
         else:
             out = assemble_model(args.bundle, args.gguf)
     except BundleError as e:
-        sys.exit(f"gpu_bundle: {e}")
+        sys.exit(f"gpu.bundle: {e}")
     print(json.dumps(out, indent=2))
 
 

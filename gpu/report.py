@@ -1,4 +1,5 @@
-"""What a gpu_suite call leaves under --out: summary.json, report.md, PNG plots (and per-phase JSON files).
+"""What a GPU suite call (suite.py) leaves under --out: summary.json, report.md, PNG plots (and per-phase
+JSON files).
 
 The device tool brings back at most 8 files per call, so the folder holds summary.json (every phase of this
 call with its full details, plus the lease's cumulative results and the issue's targets), suite.log (all
@@ -18,9 +19,9 @@ import time
 from typing import Any
 
 from experiments.lib.harness import pyplot
-from gpu import gpu_regime, gpu_rlstep
-from gpu.gpu_md import cell, div, table, verdict
-from gpu.gpu_plan import PHASES
+from gpu import regime_phases, rl_step_phases
+from gpu.call_plan import PHASES
+from gpu.markdown_tables import cell, div, table, verdict
 
 MAX_FILES = 8
 
@@ -33,7 +34,7 @@ SD_TARGET, DECODE_TARGET, IDENTITY_TARGET = 2.0, 1.0, 0.99
 
 
 def load_results(state: pathlib.Path) -> dict[str, dict[str, Any]]:
-    """Every phase's latest result in this lease (written by gpu_suite into state/results), in phase order."""
+    """Every phase's latest result in this lease (written by suite.py into state/results), in phase order."""
     out = {}
     for path in (state / "results").glob("*.json"):
         try:
@@ -62,8 +63,8 @@ def targets(results: dict[str, dict[str, Any]]) -> dict[str, str]:
         "decode_fast": verdict(ratio_fast, isinstance(ratio_fast, float) and ratio_fast > DECODE_TARGET),
         "sd": verdict(sd, isinstance(sd, float) and sd >= SD_TARGET),
         "identity": verdict(same, isinstance(same, float) and same >= IDENTITY_TARGET),
-        **gpu_regime.regime_targets(results),
-        **gpu_rlstep.rl_step_targets(results),
+        **regime_phases.regime_targets(results),
+        **rl_step_phases.rl_step_targets(results),
     }
 
 
@@ -301,7 +302,7 @@ def report_md(results: dict[str, dict[str, Any]], tgt: dict[str, str], device: s
     lines = [
         f"## GPU suite ({day}, {device}){dry}",
         "",
-        "`python3 -m gpu.gpu_suite --call N` (docs/gpu.md).",
+        "`python3 -m gpu.suite --call N` (docs/gpu.md).",
         "",
     ]
     rows = []
@@ -310,9 +311,9 @@ def report_md(results: dict[str, dict[str, Any]], tgt: dict[str, str], device: s
         rows.append([name, r.get("call"), r.get("status"), f"{r.get('seconds', 0):.0f}", nums])
     lines += table(["phase", "call", "status", "seconds", "numbers"], rows)
     lines += ["", "Targets (docs/gpu.md): " + ", ".join(f"{k} **{v}**" for k, v in tgt.items()), ""]
-    lines += gpu_rlstep.rl_step_md(results.get("rl_step_7b", {}))
-    lines += gpu_regime.regime_md(results)
-    lines += gpu_rlstep.gpu_tests_md(results.get("gpu_tests", {}))
+    lines += rl_step_phases.rl_step_md(results.get("rl_step_7b", {}))
+    lines += regime_phases.regime_md(results)
+    lines += rl_step_phases.gpu_tests_md(results.get("gpu_tests", {}))
     lines += identity_md(results.get("identity", {}))
     lines += tree_attention_md(results.get("tree_attention", {}).get("details", {}))
     lines += compile_md(results.get("compile", {}))

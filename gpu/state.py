@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import uuid
 
-from gpu import gpu_bundle
+from gpu import bundle
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STATE_ENV = "TLT_GPU_STATE"
@@ -66,7 +66,7 @@ def choose_state_dir(explicit: str, dry: bool, out: pathlib.Path) -> tuple[pathl
 
 
 def _manifest(part: pathlib.Path) -> str:
-    path = part / gpu_bundle.MANIFEST
+    path = part / bundle.MANIFEST
     return path.read_text() if path.is_file() else ""
 
 
@@ -120,7 +120,7 @@ def link_model(model: pathlib.Path, repo_path: pathlib.Path) -> str:
     if repo_path.is_symlink() and repo_path.resolve() == model.resolve():
         return "linked already"
     if repo_path.is_file() and not repo_path.is_symlink():
-        if gpu_bundle.sha256(repo_path) == gpu_bundle.sha256(model):
+        if bundle.sha256(repo_path) == bundle.sha256(model):
             return "the repository's own copy is identical"
     repo_path.parent.mkdir(parents=True, exist_ok=True)
     repo_path.unlink(missing_ok=True)
@@ -130,7 +130,7 @@ def link_model(model: pathlib.Path, repo_path: pathlib.Path) -> str:
 
 def assemble_and_link(stash: pathlib.Path, state: pathlib.Path, repo_path: pathlib.Path) -> dict:
     """The model from the stashed parts into state/models (a no-op once it matches the manifest), then linked
-    from `repo_path`. Raises gpu_bundle.BundleError when a part is missing or corrupt."""
-    info = gpu_bundle.assemble_model(stash, state / "models" / repo_path.name)
+    from `repo_path`. Raises bundle.BundleError when a part is missing or corrupt."""
+    info = bundle.assemble_model(stash, state / "models" / repo_path.name)
     info["repo_path"] = f"{repo_path}: {link_model(pathlib.Path(info['path']), repo_path)}"
     return info

@@ -1,5 +1,5 @@
-"""Markdown cells and tables and pass / fail verdicts, shared by report.md's sections (gpu_report and the
-phases' own sections: gpu_regime, gpu_rlstep)."""
+"""Markdown cells and tables and pass / fail verdicts, shared by report.md's sections (report.py and
+the phases' own sections: regime_phases.py, rl_step_phases.py)."""
 
 from __future__ import annotations
 

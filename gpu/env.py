@@ -2,7 +2,7 @@
 memory bandwidth, bf16 matmul rate, which Pallas GPU backends import, the bundle's imports), written to a JSON
 file as it goes, so a probe that hangs or fails still leaves what came before it.
 
-    python -m gpu.gpu_env OUT.json [--dry-run]     # --dry-run (or a CPU): small sizes
+    python -m gpu.env OUT.json [--dry-run]     # --dry-run (or a CPU): small sizes
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pathlib
 import sys
 from typing import Any
 
-from gpu import gpu_bundle, stack
+from gpu import bundle, stack
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -99,7 +99,7 @@ def worker_env(out: pathlib.Path, dry: bool) -> None:
     probe("stack", lambda: stack.compare_stack().as_dict())
     probe("bandwidth_gb_s", bandwidth)
     probe("bf16_matmul_tflops", matmul)
-    probe("wheels_missing", lambda: failed_imports((*gpu_bundle.IMPORTS, "flax.nnx")))
+    probe("wheels_missing", lambda: failed_imports((*bundle.IMPORTS, "flax.nnx")))
     out.write_text(json.dumps(info, indent=2, default=str))
 
 

@@ -5,7 +5,7 @@ included; nothing starts with under 4 minutes left). `PLAN` is two calls made ba
 its cap, its least useful time and the basis of both: the seconds the H200 run of 2026-11-26 measured
 (docs/gpu_runs/2026-11-26-h200/, docs/gpu.md section 2). `plan_lines` prints it with the machine's start and
 each call's transfers, summing to at most `DEVICE_PLAN_S`. The bottom of the gpu package: it imports none of
-it, and every other module may read it (gpu_runner's clock, gpu_suite's calls, the phases' sizes).
+it, and every other module may read it (runner.py's clock, suite.py's calls, the phases' sizes).
 """
 
 from __future__ import annotations

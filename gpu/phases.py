@@ -1,4 +1,4 @@
-"""The phases of gpu/gpu_suite.py: what each runs, and how its output becomes numbers.
+"""The phases of gpu/suite.py: what each runs, and how its output becomes numbers.
 
 Every phase is a function `(suite, timeout_s) -> PhaseResult` that runs the project's own scripts and tests in
 subprocesses (the suite kills a subprocess's whole process group at its timeout) and reads their outputs:
@@ -17,8 +17,8 @@ import shutil
 import sys
 from typing import TYPE_CHECKING, Any
 
-from gpu import gpu_bundle, gpu_measure, gpu_regime, gpu_rlstep, gpu_state
-from gpu.gpu_parse import (
+from gpu import bundle, measure, regime_phases, rl_step_phases, state
+from gpu.parse import (
     PhaseResult,
     as_number,
     latest_step,
@@ -30,7 +30,7 @@ from gpu.gpu_parse import (
 )
 
 if TYPE_CHECKING:
-    from gpu.gpu_runner import Suite
+    from gpu.runner import Suite
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXP = ROOT / "experiments"
@@ -89,7 +89,7 @@ def phase_env(suite: Suite, timeout: float) -> PhaseResult:
     """Versions, device, memory bandwidth and bf16 matmul rate, Pallas backends, the bundle's wheels."""
     path = suite.state / "env.json"
     path.unlink(missing_ok=True)
-    cmd = [PY, "-m", "gpu.gpu_env", str(path)]
+    cmd = [PY, "-m", "gpu.env", str(path)]
     proc = suite.run("env", cmd + (["--dry-run"] if suite.dry else []), timeout, {})
     if not path.exists():
         return PhaseResult("env", "failed", error=tail(proc.output))
@@ -179,34 +179,34 @@ def phase_model(suite: Suite, timeout: float) -> PhaseResult:
     del timeout
     if not suite.dry:
         try:
-            info = gpu_state.assemble_and_link(suite.stash, suite.state, gpu_bundle.MODEL_PATH)
-        except gpu_bundle.BundleError as e:
+            info = state.assemble_and_link(suite.stash, suite.state, bundle.MODEL_PATH)
+        except bundle.BundleError as e:
             return PhaseResult("model", "failed", error=str(e))
         return PhaseResult("model", metrics={"assembled": int(info["assembled"])}, details=info)
     tmp = suite.state / "dry_bundle"
     src = tmp / "model.gguf"
     src.parent.mkdir(parents=True, exist_ok=True)
     src.write_bytes(random.Random(0).randbytes(1 << 20))
-    gpu_bundle.write_parts(src, tmp / "built", wheel_bytes=1 << 18)
-    stash, state, repo_path = tmp / "state" / "bundle", tmp / "state", tmp / "repo" / "model.gguf"
+    bundle.write_parts(src, tmp / "built", wheel_bytes=1 << 18)
+    stash, state_dir, repo_path = tmp / "state" / "bundle", tmp / "state", tmp / "repo" / "model.gguf"
     calls, refused = [], ""
     for part in ("a", "b", ""):  # what each simulated call carries
         carried = tmp / f"carried_{part or 'none'}"
         if part:
             shutil.copytree(tmp / "built" / part, carried / part, dirs_exist_ok=True)
-        notes = gpu_state.stash_bundle(carried, stash)
+        notes = state.stash_bundle(carried, stash)
         try:
-            info = gpu_state.assemble_and_link(stash, state, repo_path)
+            info = state.assemble_and_link(stash, state_dir, repo_path)
             calls.append({"carried": part, "parts": notes, "assembled": info["assembled"]})
-        except gpu_bundle.BundleError as e:
+        except bundle.BundleError as e:
             refused = str(e)
             calls.append({"carried": part, "parts": notes, "refused": refused[:200]})
     ok = "model incomplete" in refused and [c.get("assembled") for c in calls] == [None, True, False]
     ok = ok and repo_path.is_symlink() and repo_path.read_bytes() == src.read_bytes()
     details = {"calls": calls, "refusal": refused}
     try:  # the real bundle, if this checkout built one: does each call fit the limit?
-        details["bundle_check"] = gpu_bundle.check(suite.bundle) if (suite.bundle / "a").is_dir() else None
-    except gpu_bundle.BundleError as e:
+        details["bundle_check"] = bundle.check(suite.bundle) if (suite.bundle / "a").is_dir() else None
+    except bundle.BundleError as e:
         details["bundle_check"] = str(e)
     return PhaseResult("model", "ok" if ok else "failed", metrics={"assembled": 1}, details=details)
 
@@ -326,19 +326,19 @@ def _drafter_result(wd: pathlib.Path, status: str, note: str = "", error: str = 
 
 PHASE_FUNCS = {
     "env": phase_env,
-    "rl_step_7b": gpu_rlstep.phase_rl_step_7b,
-    "regime_7b": gpu_regime.phase_regime_7b,
-    "update_7b": gpu_regime.phase_update_7b,
-    "gpu_tests": gpu_rlstep.phase_gpu_tests,
+    "rl_step_7b": rl_step_phases.phase_rl_step_7b,
+    "regime_7b": regime_phases.phase_regime_7b,
+    "update_7b": regime_phases.phase_update_7b,
+    "gpu_tests": rl_step_phases.phase_gpu_tests,
     "kernel_tests": phase_kernel_tests,
     "tree_attention": phase_tree_attention,
     "rollout_tests": phase_rollout_tests,
     "model": phase_model,
     "decode": phase_decode,
-    "identity": gpu_measure.phase_identity,
-    "compile": gpu_measure.phase_compile,
-    "verify_cost": gpu_measure.phase_verify_cost,
+    "identity": measure.phase_identity,
+    "compile": measure.phase_compile,
+    "verify_cost": measure.phase_verify_cost,
     "drafter": phase_drafter,
-    "sd": gpu_measure.phase_sd,
-    "e2e": gpu_measure.phase_e2e,
+    "sd": measure.phase_sd,
+    "e2e": measure.phase_e2e,
 }

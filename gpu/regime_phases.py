@@ -10,7 +10,7 @@
               its peak memory beside XLA:GPU's plan of the same program and XLA:CPU's (recorded on a CPU:
               experiments/models/update_plans_7b.json), and whether the update's attention is cuDNN's.
 
-The plan of the device calls is gpu_plan.py's.
+The plan of the device calls is call_plan.py's.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any
 
-from gpu.gpu_md import table, verdict
-from gpu.gpu_parse import PhaseResult, tail
+from gpu.markdown_tables import table, verdict
+from gpu.parse import PhaseResult, tail
 
 if TYPE_CHECKING:
-    from gpu.gpu_runner import Suite
+    from gpu.runner import Suite
 
 REGIME_PARTS = "decode,round"  # the plan's (the drafter step was measured on 2026-11-26: 16.7 ms)
 UPDATE_LENS = (8192, 32768)

@@ -25,12 +25,12 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from gpu.gpu_md import cell, table, verdict
-from gpu.gpu_parse import PhaseResult, parse_junit, parse_pytest_verbose, tail
-from gpu.gpu_plan import RL_STEP_LAYERS, RL_STEP_STEPS
+from gpu.call_plan import RL_STEP_LAYERS, RL_STEP_STEPS
+from gpu.markdown_tables import cell, table, verdict
+from gpu.parse import PhaseResult, parse_junit, parse_pytest_verbose, tail
 
 if TYPE_CHECKING:
-    from gpu.gpu_runner import Suite
+    from gpu.runner import Suite
 
 PY = sys.executable
 CONFIG = "configs/qwen2_5_7b_gpu_step.py"

@@ -1,7 +1,7 @@
 """The GPU suite's runner: one call's settings, its clock (the call's and the current phase's deadlines) and
 the subprocess runner every phase uses (its own process group, killed at the phase's timeout, output echoed,
-logged to suite.log and returned). Phases (gpu_phases, gpu_measure, gpu_regime, gpu_rlstep) take a `Suite`;
-gpu_suite builds it from the command line and runs the phases in order.
+logged to suite.log and returned). Phases (phases.py, measure.py, regime_phases.py, rl_step_phases.py) take a
+`Suite`; suite.py builds it from the command line and runs the phases in order.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import subprocess
 import threading
 import time
 
-from gpu import gpu_state
-from gpu.gpu_plan import (
+from gpu import state
+from gpu.call_plan import (
     CALL_BUDGETS,
     DRY_CAP_S,
     LIMITS,
@@ -44,12 +44,12 @@ class Proc:
 
 
 class Suite:
-    """The run's settings, clock and subprocess runner; the phase functions (gpu_phases.py) use it."""
+    """The run's settings, clock and subprocess runner; the phase functions (phases.py) use it."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.dry: bool = args.dry_run
         self.out = pathlib.Path(args.out or os.environ.get("OUT") or ROOT / "gpu_suite_out").resolve()
-        self.state, self.state_why = gpu_state.choose_state_dir(args.state_dir, self.dry, self.out)
+        self.state, self.state_why = state.choose_state_dir(args.state_dir, self.dry, self.out)
         self.bundle = pathlib.Path(args.bundle).resolve()  # what this call carried (gone at the next call)
         self.stash = self.state / "bundle"  # where the carried parts are kept for the lease
         self.allow_cpu: bool = args.allow_cpu

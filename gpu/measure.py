@@ -16,7 +16,7 @@ import shutil
 import time
 from typing import TYPE_CHECKING
 
-from gpu.gpu_parse import (
+from gpu.parse import (
     PhaseResult,
     as_number,
     parse_result,
@@ -28,7 +28,7 @@ from gpu.gpu_parse import (
 )
 
 if TYPE_CHECKING:
-    from gpu.gpu_runner import Suite
+    from gpu.runner import Suite
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXP = ROOT / "experiments"
