@@ -79,7 +79,7 @@ class BlockSizes:
 # Tuned block sizes (the tuning hook): `experiments/bench/bench_tree_attention.py --tune --tuned-out FILE`
 # writes {"by_dtype": {"bfloat16": {...BlockSizes fields...}}, ...} for the device it ran on; pointing this
 # variable at FILE (or holding that JSON inline) makes every caller that passes no `block_sizes` use them for
-# that dtype (other dtypes keep `BlockSizes()`). gpu/gpu_suite.py sets it for the phases after tuning.
+# that dtype (other dtypes keep `BlockSizes()`). gpu/suite.py sets it for the phases after tuning.
 BLOCK_SIZES_ENV = "TLT_TREE_ATTENTION_BLOCK_SIZES"
 
 
