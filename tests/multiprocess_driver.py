@@ -92,6 +92,7 @@ def collectives() -> None:
     from jax.sharding import PartitionSpec as P
 
     from tlt_jax import sharding as shd
+    from tlt_jax.utils.preemption import process_max
 
     mesh = shd.make_mesh()  # every global device on the data axis
     n = jax.device_count()
@@ -128,6 +129,8 @@ def collectives() -> None:
         "bandit_played": played,
         "bandit_rewards": rewards,
         "rewards": shared_rewards(),
+        # the stop agreement's collective (utils/preemption.py): each process's own value, the max of all
+        "process_max": [process_max(3 + 10 * jax.process_index()), process_max(5 - jax.process_index())],
     }
     print("RESULT " + json.dumps(report), flush=True)
 

@@ -239,6 +239,7 @@ def test_two_processes_see_four_devices_and_agree_on_a_psum() -> None:
     # BEG-MAB with different measured speeds per process: both learn their mean and play the same arms (alone,
     # process 0 would have stayed on plain)
     assert reports[0]["bandit_played"] == reports[1]["bandit_played"]
+    assert reports[0]["process_max"] == reports[1]["process_max"] == [13, 5]  # 3 vs 13, 5 vs 4
     assert reports[0]["bandit_rewards"] == reports[1]["bandit_rewards"]
     assert set(reports[0]["bandit_rewards"]) == {80.0, 100.0} and reports[0]["bandit_played"][-1] == "3_1_4"
     # rewards whose checker passes a row in process 0 and fails it in process 1 (a wall-clock timeout on one

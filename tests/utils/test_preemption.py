@@ -1,7 +1,7 @@
 """Stopping on request (tlt_jax.utils.preemption): the stop agreement's votes and decisions (the other process
 simulated by the `agree` function, as `process_max` would combine it), the deadline that ends a process
 whose stop does not complete, and signals noted while the main thread is inside a long C call. The two-process
-runs with a real SIGTERM are tests/test_multiprocess.py's."""
+runs with a real SIGTERM, and `process_max` across two processes, are tests/test_multiprocess.py's."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from tlt_jax.utils.preemption import (
     StopAgreement,
     StopRequested,
     Vote,
-    process_max,
 )
 
 
@@ -127,12 +126,6 @@ def test_a_signal_is_noted_while_the_main_thread_is_inside_a_long_c_call() -> No
     assert sent and noted is not None and noted < back, (sent, noted, back)
     # noted in the first half of the rest of the call: not when the call returned
     assert back - noted > (back - sent[0]) / 2, (sent[0] - t0, noted - t0, back - t0)
-
-
-def test_process_max_on_one_process_is_the_value() -> None:
-    assert (
-        process_max(2) == 2 and process_max(0) == 0
-    )  # no collective (the 2-process path: test_multiprocess)
 
 
 def test_the_stop_estimate_counts_the_async_saves_whole_write(tmp_path) -> None:
