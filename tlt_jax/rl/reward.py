@@ -124,7 +124,8 @@ def score_texts(
     process (rows p::P) and the results shared, so that every process returns the same list (module
     docstring). Every process must call it at the same point with the same rows."""
     rows, count, me = len(texts), jax.process_count(), jax.process_index()
-    chex.assert_equal(len(prompt_index), rows)
+    if len(prompt_index) != rows:
+        raise ValueError(f"{rows} responses but {len(prompt_index)} prompt indices: one per response row")
     mine = [task.score(problems[int(prompt_index[i])], texts[i]) for i in range(me, rows, count)]
     if count == 1:
         return mine
