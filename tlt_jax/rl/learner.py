@@ -16,9 +16,10 @@ Determinism: step s uses the key fold_in(key(seed), s) and the data position sto
 run resumed from step k's checkpoint reproduces an uninterrupted run exactly (samples, metrics, weights).
 Checkpoints (rl/checkpointing.py: policy params, optimizer state, the drafter once, the spot trainer's and
 the selector's state, rng; data position and step in the meta) go out every `config.checkpoint_every` steps,
-at the end, and on a stop request (SIGTERM/SIGINT to any process) that lands between steps; every process
-agrees where to stop, mid-step abandoning the step unsaved, and a watchdog ends a process that stops making
-progress (rl/stopping.py). The current phase ("<step> <phase>") is kept in `W/.phase` (tlt_jax/utils/phase.py)
+at the end, and on a stop request (SIGTERM/SIGINT to any process) that lands between steps or in an
+evaluation (dropped: the step before it is saved); every process agrees where to stop, mid-step abandoning the
+step (saving the state it started from when no checkpoint holds it yet), and a watchdog ends a process that
+stops making progress (rl/stopping.py). The current phase ("<step> <phase>") is kept in `W/.phase` (tlt_jax/utils/phase.py)
 for whoever watches the process: experiments/checks/kill_loop.py SIGKILLs runs at chosen phases and checks
 that the relaunched run ends bit-identical.
 """
