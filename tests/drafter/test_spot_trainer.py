@@ -16,6 +16,7 @@ from flax import nnx
 
 from tlt_jax import sharding as shd
 from tlt_jax.drafter.chain import shift_left
+from tlt_jax.drafter.loss import normalize_metrics
 from tlt_jax.drafter.packing import eagle_inputs, pack_samples, to_device
 from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer, topk_hits
 from tlt_jax.drafter.trainer import TRAIN_STATE_DIR
@@ -120,15 +121,29 @@ def test_between_chunks_trains_only_in_the_tail_and_reports_its_cost(model, tmp_
     spot = SpotTrainer(cfg, Drafter(model.cfg, nnx.Rngs(1)), eng)
     views = Views()
     spot.begin_step(1)
+    untrained = jax.tree.map(jnp.copy, spot.state.params)
     eng.generate(PROMPTS, n=4, key=jax.random.key(3), sampling=SP, hooks=[views, spot])
     tail = [v for v in views.views if 0 < v.live_rows <= 4]
     assert tail and any(v.live_rows > 4 for v in views.views)
     # one step after every tail chunk once there was data (the first tail chunks may have none yet)
     assert 0 < spot.metrics()["spot/steps"] <= len(tail)
     assert spot.metrics()["spot/added_seconds"] > 0
-    # the staleness probe scored the step's first samples, cut as the buffer cuts them (whatever their length)
+    # the staleness probe scored the step's first samples, cut as the buffer cuts them (any length),
+    # with the drafter as it was before training on them: its hits and loss are the untrained drafter's on
+    # those samples (the spot trainer's own compiled probe and loss), not the trained one's
     assert len(spot._fresh) == cfg.eval_samples and all(x.length <= cfg.seq_len for x in spot._fresh)
-    assert 0 <= spot.metrics()["spot/stale_top1"] <= 1
+    fresh = to_device(pack_samples(spot._fresh, cfg.seq_len, cfg.eval_samples)[0])
+    args = (fresh, spot.embed_w, spot.head_w)
+
+    def probe(params) -> tuple[float, float, float]:  # noqa: ANN001
+        hits = shd.to_host_tree(spot._probe(spot.trainer.graphdef, params, *args, eng.draft_vocab))
+        loss = float(normalize_metrics(shd.to_host_tree(spot._eval(params, *args)))["loss"])
+        return float(hits["top1"]) / float(hits["count"]), float(hits["top3"]) / float(hits["count"]), loss
+
+    m = spot.metrics()
+    stale = (m["spot/stale_top1"], m["spot/stale_top3"], m["spot/stale_loss"])
+    assert stale == pytest.approx(probe(untrained), rel=1e-5), stale
+    assert abs(probe(spot.state.params)[2] - stale[2]) > 1e-4  # the trained drafter scores otherwise
 
     after = SpotTrainer(
         SpotConfig(mode="after_rollout", after_rollout_steps=3, **SPOT), Drafter(model.cfg, nnx.Rngs(1)), eng
