@@ -17,11 +17,11 @@ run resumed from step k's checkpoint reproduces an uninterrupted run exactly (sa
 Checkpoints (rl/checkpointing.py: policy params, optimizer state, the drafter once, the spot trainer's and
 the selector's state, rng; data position and step in the meta) go out every `config.checkpoint_every` steps,
 at the end, and on a stop request (SIGTERM/SIGINT to any process) that lands between steps or in an
-evaluation (dropped: the step before it is saved); every process agrees where to stop, mid-step abandoning the
-step (saving the state it started from when no checkpoint holds it yet), and a watchdog ends a process that
-stops making progress (rl/stopping.py). The current phase ("<step> <phase>") is kept in `W/.phase` (tlt_jax/utils/phase.py)
-for whoever watches the process: experiments/checks/kill_loop.py SIGKILLs runs at chosen phases and checks
-that the relaunched run ends bit-identical.
+evaluation (dropped: the step before it is saved); every process agrees where to stop, mid-step abandoning
+the step (saving the state it started from when no checkpoint holds it yet), and a watchdog ends a process
+that stops making progress (rl/stopping.py). The current phase ("<step> <phase>") is kept in `W/.phase`
+(tlt_jax/utils/phase.py) for whoever watches the process: experiments/checks/kill_loop.py SIGKILLs runs at
+chosen phases and checks that the relaunched run ends bit-identical.
 """
 
 from __future__ import annotations
@@ -347,7 +347,8 @@ class Learner:
     def _steps(self, guards: LoopGuards, plots: PlotRefresher) -> str:
         """The steps until `num_steps` ("done") or an agreed stop ("preempted"). Before each step the
         processes agree whether to stop (then the last step is saved unless it is); inside a step they abandon
-        it unsaved (`StopRequested`) or agree to finish and save it (README "Several processes / hosts")."""
+        it (`StopRequested`: `_abandon` saves the state it started from if no checkpoint holds it) or agree to
+        finish and save it; in an evaluation they drop it and save the step (docs/usage.md, "Stopping")."""
         every, num_steps = self.job.run.checkpoint_every, self.job.run.num_steps
         save = lambda start=None: guards.timed_save(  # noqa: E731
             lambda: self.save(start), self.ckpt.background_seconds
@@ -392,11 +393,11 @@ class Learner:
                 return self.evaluator.run(watchers=[guards.rollout_hook])
         except StopRequested as e:
             logging.warning(
-                "stop agreed by every process at %s of step %d's evaluation: evaluation dropped; step %d "
-                "is saved before stopping",
+            saved = f"step {self.step} is saved before stopping" if self.step else "nothing to save"
+                "stop agreed by every process at %s of step %d's evaluation: evaluation dropped; %s",
                 e.where,
                 self.step,
-                self.step,
+                saved,
             )
             return None
 
