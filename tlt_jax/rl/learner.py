@@ -392,8 +392,8 @@ class Learner:
             with compile_stats.scope("eval"), guards.evaluating(self.step):
                 return self.evaluator.run(watchers=[guards.rollout_hook])
         except StopRequested as e:
-            logging.warning(
             saved = f"step {self.step} is saved before stopping" if self.step else "nothing to save"
+            logging.warning(
                 "stop agreed by every process at %s of step %d's evaluation: evaluation dropped; %s",
                 e.where,
                 self.step,
