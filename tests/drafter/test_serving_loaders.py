@@ -1,10 +1,12 @@
 """The exported EAGLE drafter against what SGLang's and vLLM's EAGLE-1 loaders read, without either engine.
 
-Each loader's rules are data below, taken from its source (repository, path and commit as read on
-2026-11-28 through the repository search tools): the drafter class its config resolves to, the parameters
-that class creates from config.json (names before q/k/v and gate/up are fused), the config keys it reads,
-and what its `load_weights` does with a tensor it has no parameter for. `load` replays those rules on an
-export's files, so a name, shape or key our export gets wrong fails here. Neither engine was run.
+The tensor names and config keys come from the loaders' own source: tests/recorded/serving_loaders.json
+quotes, unchanged and grouped by class, the lines of each file (repository, path, commit) that create the
+drafter's parameters, fuse q/k/v and gate/up, drop the first layer's input norm and read config.json keys;
+`source_facts` derives from those lines the checkpoint names the class loads and the keys it reads without
+a default. The rest is data below, our reading of the same files: the drafter class a config resolves to,
+the biases and shapes, and what `load_weights` does with a tensor it has no parameter for. `load` replays
+them on an export's files, so a name, shape or key our export gets wrong fails here. Neither engine ran.
 
 vLLM (EagleLlamaForCausalLM):
   vllm-project/vllm vllm/model_executor/models/llama_eagle.py @ e1c4a55214c63e19e83f82ad6c552d82148bae0b
@@ -44,8 +46,10 @@ SGLang (LlamaForCausalLMEagle, Qwen2ForCausalLMEagle):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
+import re
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -60,6 +64,64 @@ from tlt_jax.models.config import tiny_config
 VOCAB = np.array([0, 3, 4, 17, 40, 41, 99, 127])  # a reduced draft vocabulary of tiny_config's 128 tokens
 
 
+QUOTES = json.loads((pathlib.Path(__file__).parents[1] / "recorded" / "serving_loaders.json").read_text())
+LINEAR = (
+    "QKVParallelLinear",
+    "RowParallelLinear",
+    "MergedColumnParallelLinear",
+    "RMSNorm",
+    "torch.nn.Linear",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFacts:
+    """What an engine's drafter class loads and reads, derived from its quoted source lines."""
+
+    weights: frozenset[str]  # checkpoint names of its weights (fused q/k/v and gate/up split back)
+    fc_bias: bool  # its fc Linear has a bias (torch.nn.Linear's default unless bias=False)
+    required_keys: frozenset[str]  # config.json keys read as config.<key> (no default)
+    optional_keys: frozenset[str]  # keys read by getattr / hasattr (with a default)
+
+
+def _assigned(lines: list[str]) -> list[tuple[str, str]]:
+    """(attribute, constructor) of each `self.<attribute> = <constructor>(` in the lines."""
+    return re.findall(r"self\.(\w+) = ([\w.]+)\(", "\n".join(lines))
+
+
+@functools.cache
+def source_facts(engine: str, cls: str) -> SourceFacts:
+    """The drafter class's weights and config keys from its quoted lines: the decoder layer's Linear / RMSNorm
+    modules and those of the attention and MLP classes it builds (at layer 0), the EAGLE model's fc, minus
+    the modules the EAGLE layer deletes, with every fused name (the load_weights mapping's tuples) replaced
+    by the checkpoint names mapped onto it."""
+    spec = QUOTES["classes"][engine][cls]
+    eagle, base = (QUOTES["sources"][spec[k]]["quotes"] for k in ("eagle", "base"))
+    text = "\n".join(line for src in (eagle, base) for lines in src.values() for line in lines)
+    layer = base[spec["layer"]]
+    aliases = dict(re.findall(r"(\w+): type\[nn\.Module\] = (\w+)", "\n".join(layer)))
+    names = ["layers.0." + a for a, ctor in _assigned(layer) if ctor in LINEAR]
+    for attr, ctor in _assigned(layer):
+        for inner, c in _assigned(base.get(aliases.get(ctor, ctor), [])):
+            names += [f"layers.0.{attr}.{inner}"] * (c in LINEAR)
+    fc = [(a, c) for a, c in _assigned(eagle[spec["model"]]) if c in LINEAR]
+    names += [a for a, _ in fc]
+    deleted = {"layers.0." + a for a in re.findall(r"del self\.(\w+)", "\n".join(eagle[spec["layer"]]))}
+    fused: dict[str, list[str]] = {}
+    for param, shard in re.findall(r'\("\.?(\w+)", "\.?(\w+)", [^)]+\)', text):
+        fused.setdefault(param, []).append(shard)
+    weights = set()
+    for name in set(names) - deleted:
+        head, last = name.rsplit(".", 1) if "." in name else ("", name)
+        weights |= {f"{head}.{x}".lstrip(".") + ".weight" for x in fused.get(last, [last])}
+    fc_line = next(line for line in eagle[spec["model"]] if "self.fc = " in line)
+    optional = set(re.findall(r"(?:getattr|hasattr)\(\s*(?:self\.)?config,\s*\"(\w+)\"", text))
+    required = set(re.findall(r"\bconfig\.(\w+)", text)) - optional
+    return SourceFacts(
+        frozenset(weights), "bias=False" not in fc_line, frozenset(required), frozenset(optional)
+    )
+
+
 def _flag(config: Mapping, *keys: str) -> bool:
     return any(bool(config.get(k, False)) for k in keys)
 
@@ -70,14 +132,13 @@ class Loader:
 
     engine: str
     cls: str
-    fc_bias: bool
     qkv_bias: Callable[[Mapping], bool]  # q/k/v biases, from config.json
     o_bias: Callable[[Mapping], bool]
     head_dim: Callable[[Mapping], int]
     on_unknown: str  # "raise" (KeyError) or "drop" (a warning): a tensor it has no parameter for
     skip: Callable[[str], bool]  # names it skips before the lookup (the target's embedding / head)
     skip_missing_bias: bool  # a ".bias" it has no parameter for is skipped silently
-    config_keys: tuple[str, ...]
+    config_keys: tuple[str, ...]  # besides those its quoted source reads (`source_facts`)
 
 
 KEYS = (
@@ -98,7 +159,6 @@ KEYS = (
 VLLM_LLAMA = Loader(
     "vllm",
     "EagleLlamaForCausalLM",
-    fc_bias=False,
     qkv_bias=lambda c: c["qkv_bias"] if "qkv_bias" in c else _flag(c, "attention_bias", "bias"),
     o_bias=lambda c: _flag(c, "attention_bias", "bias"),
     head_dim=lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
@@ -110,7 +170,6 @@ VLLM_LLAMA = Loader(
 SGLANG_LLAMA = Loader(
     "sglang",
     "LlamaForCausalLMEagle",
-    fc_bias=True,
     qkv_bias=lambda c: _flag(c, "attention_bias", "bias"),
     o_bias=lambda c: _flag(c, "attention_bias", "bias"),
     head_dim=lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
@@ -122,7 +181,6 @@ SGLANG_LLAMA = Loader(
 SGLANG_QWEN2 = Loader(
     "sglang",
     "Qwen2ForCausalLMEagle",
-    fc_bias=True,
     qkv_bias=lambda c: True,
     o_bias=lambda c: False,
     head_dim=lambda c: c["hidden_size"] // c["num_attention_heads"],
@@ -152,14 +210,15 @@ def resolve(engine: str, config: Mapping) -> Loader:
 
 
 def parameters(loader: Loader, c: Mapping) -> dict[str, tuple[int, ...]]:
-    """The checkpoint names and shapes the loader's drafter class creates from config.json `c`."""
+    """The checkpoint names and shapes the loader's drafter class creates from config.json `c`: the weights
+    its quoted source creates (`source_facts`), their shapes and the q/k/v/o biases by our reading."""
     h, f, d = c["hidden_size"], c["intermediate_size"], loader.head_dim(c)
     q, kv, p = c["num_attention_heads"] * d, c["num_key_value_heads"] * d, "layers.0."
-    out = {"fc.weight": (h, 2 * h), **({"fc.bias": (h,)} if loader.fc_bias else {})}
-    out |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h)}
-    out |= {p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
-    out |= {p + "post_attention_layernorm.weight": (h,), p + "mlp.gate_proj.weight": (f, h)}
-    out |= {p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+    shapes = {"fc": (h, 2 * h), "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+    shapes |= {"post_attention_layernorm": (h,), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+    facts = source_facts(loader.engine, loader.cls)
+    out = {name: shapes[name.split(".")[-2]] for name in facts.weights}
+    out |= {"fc.bias": (h,)} if facts.fc_bias else {}
     if loader.qkv_bias(c):
         out |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,)}
         out |= {p + "self_attn.v_proj.bias": (kv,)}
@@ -172,7 +231,9 @@ def load(engine: str, directory: pathlib.Path) -> tuple[Loader, dict[str, np.nda
     """Replay the engine's loader on an export directory: (its class, the tensors it loads by name, the
     names it drops). Raises KeyError where the engine would."""
     config = json.loads((directory / "config.json").read_text())
-    missing_keys = [k for k in resolve(engine, config).config_keys if k not in config]
+    facts = source_facts(engine, resolve(engine, config).cls)
+    read = (*facts.required_keys, *resolve(engine, config).config_keys)
+    missing_keys = sorted({k for k in read if k not in config})
     assert not missing_keys and config["num_hidden_layers"] == 1, missing_keys
     loader = resolve(engine, config)
     params = parameters(loader, config)
@@ -207,6 +268,11 @@ def test_each_engine_loads_every_tensor_of_its_export(tmp_path, arch, engine) ->
     assert dropped == [] and loader.cls == {"vllm": "EagleLlamaForCausalLM"}.get(
         engine, "Qwen2ForCausalLMEagle" if arch == "qwen2" else "LlamaForCausalLMEagle"
     )
+    # the source's one layer: fc, q/k/v/o, the post-attention norm, gate/up/down (no input norm at layer 0);
+    # the optional keys our bias and head_dim rules consult are keys its source reads
+    facts = source_facts(engine, loader.cls)
+    assert len(facts.weights) == 9 and not any("input_layernorm" in n for n in facts.weights)
+    assert set(loader.config_keys) - set(KEYS) <= facts.optional_keys, facts.optional_keys
     conf = export.config
     assert (conf["hidden_size"], conf["num_attention_heads"], conf["num_key_value_heads"]) == (
         cfg.hidden_size,
