@@ -179,6 +179,12 @@ def make_drafter(
     raise ValueError(f"drafter.arch={arch!r}: use one of {DRAFTER_ARCHS}")
 
 
+def states_width(hidden_size: int, aux_layers: tuple[int, ...]) -> int:
+    """Width of one token's drafter states (`ModelOutput.drafter_states`): H, or (K + 1) H with K aux layers:
+    what the recorded spans, the spot trainer's buffer and the memory plans hold per token."""
+    return hidden_size * (len(aux_layers) + 1 if aux_layers else 1)
+
+
 def drafter_aux_layers(drafter: AnyDrafter | None) -> tuple[int, ...]:
     """The target capture points a drafter reads (none for EAGLE-1 or no drafter)."""
     return tuple(getattr(drafter, "aux_layers", ()) or ())

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import AnyDrafter
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout import ngram as ngram_lib
@@ -86,7 +86,7 @@ class ChunkOut:
 
 def plain_step(
     target: Transformer,
-    drafter: Drafter | None,
+    drafter: AnyDrafter | None,
     state: DecodeState,
     eos_ids: jax.Array,
     sp: SamplingParams,
@@ -108,7 +108,8 @@ def plain_step(
     )
     cache = out.cache.advance(live.astype(jnp.int32))
     tok, lp = sample_rows(row_keys(state), out.logits[:, 0], sp)
-    state = record_hidden(state, out.hidden, live.astype(jnp.int32))
+    feats = out.drafter_states  # the final state (EAGLE-3: [aux layers ; final])
+    state = record_hidden(state, feats, live.astype(jnp.int32))
     if drafter is not None and state.aux is not None and state.aux.drafter_cache is not None:
         aux = state.aux
         dcache = drafter_advance(
@@ -120,7 +121,7 @@ def plain_step(
             live.astype(jnp.int32),
             attn_impl,
         )
-        hidden = jnp.where(live[:, None], out.hidden[:, 0], aux.hidden)
+        hidden = jnp.where(live[:, None], feats[:, 0], aux.hidden)
         state = state.replace(aux=aux.replace(drafter_cache=dcache, hidden=hidden))
     return record_tokens(
         state.replace(cache=cache), tok[:, None], lp[:, None], live.astype(jnp.int32), eos_ids
@@ -156,7 +157,7 @@ class RoundModels:
     learned drafter's reduced vocabulary and its head rows (or None)."""
 
     target: Transformer
-    drafter: Drafter | None
+    drafter: AnyDrafter | None
     draft_vocab: jax.Array | None
     draft_head: jax.Array | None
 
@@ -165,7 +166,8 @@ def round_models(prog: ChunkProgram, params: Any, dparams: Any, draft_vocab: jax
     """Merge a chunk program's models (and gather the draft head) for `draft_round` / `spec_round`."""
     target = nnx.merge(prog.target, params)
     drafter = nnx.merge(prog.drafter, dparams) if prog.drafter is not None and dparams is not None else None
-    head = draft_head_of(prog, target, draft_vocab) if "eagle" in prog.uses else None
+    own_head = drafter is not None and drafter.arch == "eagle3"  # EAGLE-3 drafts with its own head
+    head = draft_head_of(prog, target, draft_vocab) if "eagle" in prog.uses and not own_head else None
     return RoundModels(target=target, drafter=drafter, draft_vocab=draft_vocab, draft_head=head)
 
 
@@ -363,18 +365,19 @@ def prefill_prompts(
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
     out = model(tokens_pt, pos, cache, logits_index_bk=(lens_p - 1)[:, None], attn_impl=prog.attn_impl)
     dcache = None
+    feats = out.drafter_states  # the final states (EAGLE-3: [aux layers ; final])
     if prog.drafter is not None:
         drafter = nnx.merge(prog.drafter, dparams)
         init = drafter.init_cache(p, prog.cache_len)
-        dcache = drafter_prefill(drafter, model, init, tokens_pt, out.hidden, lens_p, prog.attn_impl)
+        dcache = drafter_prefill(drafter, model, init, tokens_pt, feats, lens_p, prog.attn_impl)
     return PromptCache(
         cache=out.cache.advance(lens_p),
         drafter_cache=dcache,
-        hidden=out.hidden[jnp.arange(p), lens_p - 1],
+        hidden=feats[jnp.arange(p), lens_p - 1],
         logits=out.logits[:, 0],
         tokens=tokens_pt,
         lens=lens_p,
-        prompt_hidden=out.hidden if prog.record_prompt_hidden else None,
+        prompt_hidden=feats if prog.record_prompt_hidden else None,
     )
 
 

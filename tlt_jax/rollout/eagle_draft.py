@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.kernels.small_m_linear import linear
-from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import AnyDrafter
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.llama import Transformer, causal_mask, rope_cos_sin
 from tlt_jax.rollout.sampling import SamplingParams, categorical, target_probs
@@ -29,7 +29,7 @@ from tlt_jax.rollout.types import DraftTree
 
 
 def drafter_advance(
-    drafter: Drafter,
+    drafter: AnyDrafter,
     target: Transformer,
     dcache: KVCache,
     tokens_bt: jax.Array,
@@ -52,7 +52,7 @@ def drafter_advance(
 
 
 def drafter_prefill(
-    drafter: Drafter,
+    drafter: AnyDrafter,
     target: Transformer,
     dcache: KVCache,
     tokens_pt: jax.Array,
@@ -67,7 +67,7 @@ def drafter_prefill(
 
 def eagle_draft(
     target: Transformer,
-    drafter: Drafter,
+    drafter: AnyDrafter,
     dcache: KVCache,
     root_token_b: jax.Array,
     root_hidden_bh: jax.Array,
@@ -108,7 +108,7 @@ def eagle_draft(
     the commit overwrites; lengths unchanged).
     """
     b = root_token_b.shape[0]
-    chex.assert_shape(root_hidden_bh, (b, drafter.cfg.hidden_size))
+    chex.assert_shape(root_hidden_bh, (b, None))  # the target's drafter states (H; EAGLE-3: (K + 1) H)
     chex.assert_equal(dcache.batch_size, b)
     ctx = _DraftContext(
         target, drafter, dcache, strategy, attn_impl, sample_keys, sp, draft_vocab, draft_head
@@ -139,7 +139,7 @@ class _DraftContext:
     def __init__(
         self,
         target: Transformer,
-        drafter: Drafter,
+        drafter: AnyDrafter,
         dcache: KVCache,
         strategy: Strategy,
         attn_impl: str,
@@ -152,13 +152,12 @@ class _DraftContext:
         self.b = dcache.batch_size
         self.d, self.k = strategy.max_depth, strategy.topk
         self.nd, self.num_c = strategy.draft_slots, strategy.num_candidates
-        self.layer, self.cfg = drafter.layer, drafter.cfg
+        self.drafter, self.layer, self.cfg = drafter, drafter.layer, drafter.cfg
         self.base = dcache.lengths
         slot_depth = np.concatenate([[0], np.repeat(np.arange(1, self.d), self.k)]).astype(np.int32)
         self.cos, self.sin = rope_cos_sin(
             self.base[:, None] + 1 + jnp.asarray(slot_depth)[None, :], self.cfg.head_dim, self.cfg.rope_theta
         )
-        self.fc = drafter.fc[...]
         self.rows = jnp.arange(self.b)
         self.sample_keys, self.sp = sample_keys, sp
         self.sampled = sample_keys is not None
@@ -166,17 +165,27 @@ class _DraftContext:
             raise ValueError(
                 f"sampled drafting needs a chain (topk=1, got {self.k}) and sampling parameters at T > 0"
             )
-        if (draft_vocab is None) != (draft_head is None):
+        self.own_head = drafter.arch == "eagle3"  # EAGLE-3 drafts over its own head's Vd tokens
+        if self.own_head:
+            vd = drafter.draft_vocab_size
+            if draft_vocab is None and vd != target.cfg.vocab_size:
+                raise ValueError(
+                    f"eagle_draft: an EAGLE-3 head over {vd} tokens needs its draft vocabulary (d2t) ids"
+                )
+            if draft_vocab is not None:
+                chex.assert_shape(draft_vocab, (vd,))
+            draft_head = None
+        elif (draft_vocab is None) != (draft_head is None):
             raise ValueError("eagle_draft: pass draft_vocab and draft_head together")
         self.draft_vocab, self.draft_head = draft_vocab, draft_head
         self.vocab_size = target.cfg.vocab_size
 
     def initial_buffers(self, dcache: KVCache) -> dict:
-        """The draft slots' layer inputs (activations in cfg.dtype; the weights may be bf16), visibility
-        (each slot sees itself) and the drafter's K/V cache."""
+        """The draft slots' attention inputs (activations in cfg.dtype; the weights may be bf16; H wide,
+        EAGLE-3's 2H), visibility (each slot sees itself) and the drafter's K/V cache."""
         b, nd, cfg = self.b, self.nd, self.cfg
         return {
-            "x": jnp.zeros((b, nd, cfg.hidden_size), jnp.dtype(cfg.dtype)),
+            "x": jnp.zeros((b, nd, self.layer.attn.qkv.shape[-1]), jnp.dtype(cfg.dtype)),
             "vis": jnp.broadcast_to(jnp.eye(nd, dtype=bool), (b, nd, nd)),
             "k": dcache.k[0],
             "v": dcache.v[0],
@@ -193,18 +202,20 @@ class _DraftContext:
         """Feed T draft nodes at slots [off, off + T): returns (their drafter outputs [B, T, H], buffers)."""
         layer, t = self.layer, tok_bt.shape[1]
         emb = self.target.embed_tokens(tok_bt)
-        x_new = linear(jnp.concatenate([emb, feat_bth.astype(emb.dtype)], -1), self.fc, self.cfg.linear_impl)
+        x_new, resid = self.drafter.layer_inputs(emb, feat_bth, self.cfg.linear_impl)
         x_buf = jax.lax.dynamic_update_slice_in_dim(buf["x"], x_new.astype(buf["x"].dtype), off, axis=1)
         own = jax.nn.one_hot(off + jnp.arange(t), self.nd, dtype=bool)[None]
         rows_vis = jnp.take_along_axis(buf["vis"], parent_slot_bt[:, :, None], axis=1) | own
         vis = jax.lax.dynamic_update_slice_in_dim(buf["vis"], rows_vis, off, axis=1)
-        h = layer.input_norm(x_buf) if layer.input_norm is not None else x_buf
-        a, kc, vc = layer.attn(h, self.cos, self.sin, buf["k"], buf["v"], self.base, vis, self.attn_impl)
-        x = x_new + jax.lax.dynamic_slice_in_dim(a, off, t, axis=1)
+        a, kc, vc = layer.attn(x_buf, self.cos, self.sin, buf["k"], buf["v"], self.base, vis, self.attn_impl)
+        x = resid.astype(a.dtype) + jax.lax.dynamic_slice_in_dim(a, off, t, axis=1)
         return x + layer.mlp(layer.post_attn_norm(x)), {"x": x_buf, "vis": vis, "k": kc, "v": vc}
 
     def draft_logits(self, h: jax.Array) -> jax.Array:
-        """The drafter's LM head: the target's (shared), over the draft vocabulary if one is set."""
+        """The drafter's LM head: the target's (shared), over the draft vocabulary if one is set; EAGLE-3's
+        own (its final norm and head over its Vd tokens)."""
+        if self.own_head:
+            return self.drafter.logits(h, self.target.cfg.linear_impl)
         if self.draft_head is None:
             return self.target.logits(h)
         return linear(h, self.draft_head, self.target.cfg.linear_impl, preferred_element_type=jnp.float32)

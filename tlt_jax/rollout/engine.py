@@ -35,9 +35,9 @@ from jax.sharding import PartitionSpec as P
 from tlt_jax import sharding as shd
 from tlt_jax.kernels import small_m_linear
 from tlt_jax.models.build import TextCodec
-from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import AnyDrafter, drafter_aux_layers, states_width
 from tlt_jax.models.layouts import unrolled
-from tlt_jax.models.llama import Transformer
+from tlt_jax.models.llama import Transformer, with_aux_layers
 from tlt_jax.rollout import admission, decode, scheduler, spmd
 from tlt_jax.rollout.hooks import IdleWork, RolloutHooks
 from tlt_jax.rollout.interface import EngineConfig
@@ -58,10 +58,20 @@ def _drafter_weight_dtype(name: str, model: Transformer) -> jnp.dtype | None:
     return jnp.dtype(name)
 
 
+def _aux_layers(model: Transformer, drafter: AnyDrafter | None) -> tuple[int, ...]:
+    """The target layers whose states the rollout returns: the EAGLE-3 drafter's, else the model's own
+    (`with_aux_layers`: EAGLE-3 training data recorded without a drafter); they must agree."""
+    mine, theirs = tuple(getattr(model, "aux_layers", ())), drafter_aux_layers(drafter)
+    if mine and theirs and mine != theirs:
+        raise ValueError(f"the target records aux layers {mine}, the EAGLE-3 drafter reads {theirs}")
+    return theirs or mine
+
+
 class RolloutEngine(RowPrograms):
     """Generates `n` samples per prompt with a Transformer (optionally speculative); see the module docstring.
 
-    drafter: an EAGLE `Drafter` for the "eagle" speculative modes (its weights: `set_drafter_params`).
+    drafter: an EAGLE `Drafter` or `Eagle3Drafter` for the "eagle" speculative modes (its weights:
+    `set_drafter_params`).
     draft_vocab: token ids of the drafter head's reduced vocabulary (`drafter/draft_vocab.npy`).
     """
 
@@ -73,7 +83,7 @@ class RolloutEngine(RowPrograms):
         *,
         mesh: Mesh | None = None,
         tokenizer: TextCodec | None = None,
-        drafter: Drafter | None = None,
+        drafter: AnyDrafter | None = None,
         draft_vocab: Sequence[int] | np.ndarray | None = None,
     ):
         if config.stop_strings and tokenizer is None:
@@ -83,7 +93,10 @@ class RolloutEngine(RowPrograms):
         self.tokenizer = tokenizer
         self.mesh = mesh if mesh is not None else shd.make_mesh(1, 1, jax.devices()[:1])
         self.data_size = self.mesh.shape["data"]
+        self.aux_layers = _aux_layers(model, drafter)
         model = unrolled(model)  # the decode loop reads each layer's weights and cache in place
+        if self.aux_layers:  # EAGLE-3: its programs also return these layers' states (a copy of the module)
+            model = with_aux_layers(nnx.merge(*nnx.split(model)), self.aux_layers)
         self.graphdef, params = nnx.split(model, nnx.Param)
         self._param_shardings = shd.param_shardings(params, self.mesh)
         self.params = jax.device_put(params, self._param_shardings)
@@ -113,7 +126,10 @@ class RolloutEngine(RowPrograms):
         model_axis = self.mesh.shape["model"]
         per_token = admission.kv_bytes_per_token(model.cfg, model_axis, int(drafter is not None))
         hidden_row = config.record_hidden and admission.hidden_bytes_per_row(
-            config.hidden_window, config.max_new_tokens, model.cfg.hidden_size, model.cfg.dtype
+            config.hidden_window,
+            config.max_new_tokens,
+            states_width(model.cfg.hidden_size, self.aux_layers),
+            model.cfg.dtype,
         )  # the recorded states a running row holds beside its KV
         self.max_running_rows, self.admission_line = admission.running_rows_cap(
             config.max_running_rows, config.kv_budget_gib, per_token, self.top_cache_bucket(), int(hidden_row)

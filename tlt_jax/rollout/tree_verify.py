@@ -22,7 +22,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import AnyDrafter
 from tlt_jax.models.kv_cache import KVCache, commit_path
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.acceptance import (
@@ -264,7 +264,7 @@ def accept_and_sample(
 
 def commit(
     target: Transformer,
-    drafter: Drafter | None,
+    drafter: AnyDrafter | None,
     state: DecodeState,
     hidden_bnh: jax.Array,
     cache: KVCache,
@@ -278,7 +278,8 @@ def commit(
     """Phase 4 of a round: record the emitted tokens (and hidden states), gather the accepted path into
     contiguous target-cache slots, extend the drafter cache with the committed pairs' target features.
 
-    hidden_bnh / cache: the verify forward's final hidden states and its cache (nodes' K/V written)."""
+    hidden_bnh / cache: the verify forward's drafter states (`ModelOutput.drafter_states`: the final hidden
+    states; EAGLE-3: [aux layers ; final]) and its cache (nodes' K/V written)."""
     b = state.done.shape[0]
     rows = jnp.arange(b)
     live = ~state.done
@@ -311,7 +312,7 @@ def commit(
 
 def verify_round(
     target: Transformer,
-    drafter: Drafter | None,
+    drafter: AnyDrafter | None,
     state: DecodeState,
     tree: DraftTree,
     sp: SamplingParams,
@@ -342,7 +343,7 @@ def verify_round(
         target,
         drafter,
         state,
-        out.hidden,
+        out.drafter_states,
         out.cache,
         verdict,
         eos_ids,
