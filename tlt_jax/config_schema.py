@@ -154,10 +154,13 @@ class GrpoConfig:
 
 
 def spec_for_kind(spec: SpecConfig, drafter_kind: str) -> SpecConfig:
-    """SD on for drafter kinds "ngram" and "eagle", off for "none" ("auto" counts as ngram until resolved)."""
+    """SD on for drafter kinds "ngram", "history" and "eagle", off for "none" ("auto" counts as ngram until
+    resolved)."""
     kind = "ngram" if drafter_kind == "auto" else drafter_kind
     return dataclasses.replace(
-        spec, enabled=kind in ("ngram", "eagle"), drafter="eagle" if kind == "eagle" else "ngram"
+        spec,
+        enabled=kind in ("ngram", "history", "eagle"),
+        drafter=kind if kind in ("history", "eagle") else "ngram",
     )
 
 

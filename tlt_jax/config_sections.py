@@ -22,7 +22,7 @@ from tlt_jax.utils.watchdog import DEFAULT_LIMITS as WATCHDOG_LIMITS
 from tlt_jax.utils.watchdog import limit_problems
 
 JOBS = ("grpo", "drafter_warmup")
-DRAFTER_KINDS = ("none", "ngram", "eagle", "auto")
+DRAFTER_KINDS = ("none", "ngram", "history", "eagle", "auto")
 LR_SCHEDULES = ("constant", "cosine", "linear")  # after the warm-up (tlt_jax.rl.schedules)
 # what DAPO's dynamic sampling compares within a group (VeRL's algorithm.filter_groups.metric)
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
@@ -199,8 +199,10 @@ class RolloutSection(Section):
 @dataclasses.dataclass(frozen=True)
 class DrafterSection(Section):
     """`config.drafter`, what drafts for speculative rollouts (tlt_jax.rl.speculation): "none" (plain),
-    "ngram" (model-free, TLT-Base), "eagle" (a warmed drafter: `path`, a warm-up workdir, or `init_from`, an
-    EAGLE export), "auto" (eagle when `path` holds one, else ngram). min_accept_len: the alarm's floor."""
+    "ngram" (model-free, TLT-Base), "history" (model-free, over each prompt's earlier responses:
+    tlt_jax.rollout.history; config.spec.history_*), "eagle" (a warmed drafter: `path`, a warm-up workdir,
+    or `init_from`, an EAGLE export), "auto" (eagle when `path` holds one, else ngram). min_accept_len: the
+    alarm's floor."""
 
     kind: str = "none"
     path: str = ""

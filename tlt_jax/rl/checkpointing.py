@@ -6,6 +6,8 @@
     bandit              the strategy selector's state
     rng                 the run's base key (step s uses fold_in(rng, s))
     frozen              with frozen layers (config.trainer.train_layers > 0): their fingerprint, not them
+    history             with the history drafter (tlt_jax.rollout.history): the responses it keeps, so a
+                        resumed run drafts as the uninterrupted one (restored at the shapes saved)
 
 The drafter is stored once. When a spot trainer runs, its state holds the drafter's weights (the engine
 keeps none: each rollout drafts with a snapshot of them). Checkpoints written before this layout stored the
@@ -87,6 +89,8 @@ def checkpoint_state(
     frozen = frozen_fingerprint(trainer)
     if frozen is not None:
         state["frozen"] = frozen
+    if engine.history is not None:
+        state["history"] = engine.history.state_arrays()
     return state
 
 
@@ -155,11 +159,34 @@ def _check_frozen(saved: Any, like: Any, where: str) -> None:
         )
 
 
+def _history_like(ckpt: Checkpointer, step: int, like: dict[str, Any]) -> dict[str, Any]:
+    """`like` with its "history" arrays at the shapes step `step` saved (they grow with the history)."""
+    if "history" not in like:
+        return like
+    leaves = ckpt.layout(step)["leaves"]
+    saved = {k: leaves.get(f"history/{k}") for k in like["history"]}
+    hist = {k: np.zeros(v["shape"], np.int32) if v else like["history"][k] for k, v in saved.items()}
+    return {**like, "history": hist}
+
+
 def restore_state(
     ckpt: Checkpointer, step: int, like: dict[str, Any], engine: RolloutEngine, trainer: PolicyTrainer
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Checkpoint `step` in the layout of `like` (`checkpoint_state`'s tree) and its meta, with the frozen
-    parameters (not stored) taken from `like`. Checkpoints of other layouts are read too and converted: the
+    parameters (not stored) taken from `like`; the history drafter's responses, when stored, go straight into
+    the engine's store (`HistoryStore.load`) and out of the returned state. Checkpoints of other layouts are
+    read too and converted (`_restore_layout`)."""
+    state, meta = _restore_layout(ckpt, step, _history_like(ckpt, step, like), engine, trainer)
+    history = state.pop("history", None)
+    if history is not None and engine.history is not None:
+        engine.history.load({k: np.asarray(v) for k, v in history.items()})
+    return state, meta
+
+
+def _restore_layout(
+    ckpt: Checkpointer, step: int, like: dict[str, Any], engine: RolloutEngine, trainer: PolicyTrainer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Checkpoint `step` in the layout of `like`. Checkpoints of other layouts are read too and converted: the
     decoder layers stored the other way (stacked / unrolled), older layouts (every parameter stored; the
     drafter in "drafter" as well as in the spot trainer's state, the second copy dropped); a checkpoint that
     fits none raises the current layout's ValueError, which names the leaves that differ."""

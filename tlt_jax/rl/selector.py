@@ -22,11 +22,11 @@ def build_selector(
     EAGLE arms need the engine to hold an EAGLE drafter (a warmed one, or one the spot trainer trains)."""
     if section.algorithm == "off":
         return None
-    eagle_arms = [a for a in section.arms if a != "plain" and not a.startswith("ngram_")]
+    eagle_arms = [a for a in section.arms if a != "plain" and not a.startswith(("ngram_", "history_"))]
     if eagle_arms and not has_eagle_drafter:
         raise ValueError(
             f"config.bandit.arms {eagle_arms} need an EAGLE drafter: set config.drafter.kind=eagle "
-            "(a warmed drafter) or config.spot.mode (train one online), or keep plain/ngram_* arms."
+            "(a warmed drafter) or config.spot.mode (train one online), or keep plain/ngram_*/history_* arms."
         )
     return build_policy(section, engine, seed=seed)
 

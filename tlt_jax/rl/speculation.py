@@ -2,6 +2,9 @@
 
     drafter.kind = "none"   plain decoding (the baseline)
                    "ngram"  the model-free n-gram drafter over the prompt and sibling responses (TLT-Base)
+                   "history" the model-free drafter over each prompt's earlier responses (earlier epochs'
+                            and the group's finished siblings': tlt_jax.rollout.history), kept in the
+                            checkpoint
                    "eagle"  a learned EAGLE drafter from `drafter.path` (a warm-up workdir or its drafter/)
                    "auto"   "eagle" when `drafter.path` holds a drafter, else "ngram" (TLT's order: the
                             model-free drafter until a learned one is ready), saying how to warm one up
@@ -28,7 +31,8 @@ from tlt_jax.config_sections import DrafterSection
 from tlt_jax.drafter.eagle_format import WEIGHTS_FILE, load_eagle_drafter
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.rollout.hooks import ChunkView, RolloutHooks
+from tlt_jax.rollout.history import HistoryStore
+from tlt_jax.rollout.hooks import ChunkView, RolloutHooks, RolloutInfo
 from tlt_jax.rollout.types import ChunkRecord
 from tlt_jax.utils.tracking import interpreter
 
@@ -48,7 +52,8 @@ COMPAT_FIELDS = (
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedDrafter:
-    """The rollout drafter: its kind ("none" | "ngram" | "eagle"), the EAGLE model and draft vocabulary."""
+    """The rollout drafter: its kind ("none" | "ngram" | "history" | "eagle"), the EAGLE model and draft
+    vocabulary."""
 
     kind: str
     drafter: Drafter | None = None
@@ -114,7 +119,7 @@ def resolve_drafter(section: DrafterSection, policy: ModelConfig) -> ResolvedDra
                 f"model-free n-gram drafter. Warm one up with `{WARMUP_COMMAND.format(path=path or 'DIR')}`."
             )
             return ResolvedDrafter("ngram", path=path, note=note)
-    if kind in ("none", "ngram"):
+    if kind in ("none", "ngram", "history"):
         return ResolvedDrafter(kind)
     if not path:
         raise ValueError(
@@ -163,6 +168,10 @@ class RolloutMonitor(RolloutHooks):
         self.min_accept, self.min_rounds = float(min_accept), int(min_rounds)
         self.records: list[ChunkRecord] = []
         self.collapsed = False
+        self.history: HistoryStore | None = None  # the engine's history store, seen at a rollout's start
+
+    def on_start(self, info: RolloutInfo) -> None:
+        self.history = info.history
 
     def on_chunk(self, view: ChunkView) -> None:
         self.records.append(view.record)
@@ -190,6 +199,13 @@ class RolloutMonitor(RolloutHooks):
                     rounds,
                 )
         out["spec/accept_collapse"] = float(self.collapsed)
+        if self.history is not None:  # its size (the rollout's host memory for it) and its drafting counters
+            out.update(self.history.metrics())
+            st = self.history.take_stats()
+            out["history/draft_seconds"] = st.draft_seconds
+            out["history/match_len"] = st.match_tokens / max(st.rounds, 1)
+            out["history/matched_frac"] = st.matched / max(st.rounds, 1)
+            out["history/evicted"] = float(st.evicted)
         for name in sorted({c.mode for c in sd}):
             sel = [c for c in sd if c.mode == name]
             r = sum(c.verify_rounds for c in sel)

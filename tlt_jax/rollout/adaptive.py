@@ -15,9 +15,9 @@ leave the window. Such chunks are counted (`bandit/compiled_chunks`). The select
 rollouts (the learner owns it and checkpoints `state_dict()`).
 
 `build_policy(section, engine)` registers the section's arms as engine modes ("3_1_4" = an EAGLE strategy,
-"ngram_4_1_5" = the n-gram drafter, "plain") and returns the policy. Without a selector
-(`config.bandit.algorithm=off`) the engine applies the paper's threshold switch (`SpecConfig.threshold` /
-`min_steps_below`, `hooks.ThresholdPolicy`) instead.
+"ngram_4_1_5" = the n-gram drafter, "history_4_1_5" = the history drafter, "plain") and returns the policy.
+Without a selector (`config.bandit.algorithm=off`) the engine applies the paper's threshold switch
+(`SpecConfig.threshold` / `min_steps_below`, `hooks.ThresholdPolicy`) instead.
 """
 
 from __future__ import annotations
@@ -83,16 +83,17 @@ class AdaptivePolicy(RolloutHooks):
 def build_policy(section: BanditSection, engine: EngineLike, seed: int = 0) -> AdaptivePolicy:
     """The `bandit` config section -> an AdaptivePolicy over arms registered in `engine`.
 
-    Arms: "plain", an EAGLE strategy like "3_1_4", or "ngram_<strategy>". With `all_arms` every arm is
-    eligible in every bucket (the CPU default: the selector finds where each pays); otherwise BEG-MAB's
-    grouping by tokens_to_verify (`bucket_targets`).
+    Arms: "plain", an EAGLE strategy like "3_1_4", "ngram_<strategy>" or "history_<strategy>". With
+    `all_arms` every arm is eligible in every bucket (the CPU default: the selector finds where each pays);
+    otherwise BEG-MAB's grouping by tokens_to_verify (`bucket_targets`).
     """
     arms = []
     for name in section.arms:
         if name == PLAIN:
             arms.append(PLAIN)
-        elif name.startswith("ngram_"):
-            arms.append(engine.add_mode("ngram", name.removeprefix("ngram_")))
+        elif name.startswith(("ngram_", "history_")):
+            kind, strategy = name.split("_", 1)
+            arms.append(engine.add_mode(kind, strategy))
         else:
             arms.append(engine.add_mode("eagle", name))
     tv = tuple(1 if a == PLAIN else engine.modes[a].strategy.tokens_to_verify for a in arms)

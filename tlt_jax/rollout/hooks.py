@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tlt_jax.rollout.history import HistoryStore
 from tlt_jax.rollout.types import ChunkRecord, Rollout
 
 
@@ -37,6 +38,7 @@ class RolloutInfo:
     max_new_tokens: int
     data_shards: int
     modes: tuple[str, ...]  # the registered speculative modes
+    history: HistoryStore | None = None  # the history drafter's store (read its size and counters)
 
     @property
     def num_sequences(self) -> int:

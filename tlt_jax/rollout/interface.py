@@ -21,6 +21,8 @@ from tlt_jax.kernels.tree_attention import IMPLS as ATTN_IMPLS
 from tlt_jax.models.build import TextCodec
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.decode import PromptCache
+from tlt_jax.rollout.history import HistoryStore
+from tlt_jax.rollout.history_rounds import HistoryRows
 from tlt_jax.rollout.hooks import IdleWork
 from tlt_jax.rollout.ngram import NgramBank
 from tlt_jax.rollout.programs import MATMUL_PRECISIONS
@@ -104,6 +106,7 @@ class EngineLike(Protocol):
     max_running_rows: int  # continuous batching's cap per data shard (0: none)
     compile_seconds: float  # seconds spent compiling the engine's programs so far
     draft_vocab: jax.Array | None  # the drafter head's reduced vocabulary
+    history: HistoryStore | None  # the history drafter's store (a "history" mode registered)
 
     def model(self, params: Any | None = None) -> Transformer: ...
 
@@ -169,6 +172,17 @@ class EngineLike(Protocol):
         work: IdleWork | None = None,
         params: Any | None = None,
     ) -> tuple[DecodeState, ChunkRecord, NgramBank | None, RowSummary]: ...
+
+    def history_chunk(
+        self,
+        state: DecodeState,
+        mode: str,
+        sampling: SamplingParams,
+        rows: HistoryRows,
+        exit_live: int = -1,
+        drafter_params: Any | None = None,
+        params: Any | None = None,
+    ) -> tuple[DecodeState, ChunkRecord, RowSummary]: ...
 
     def row_summary(self, state: DecodeState) -> RowSummary: ...
 

@@ -22,6 +22,7 @@ from tlt_jax import sharding as shd
 from tlt_jax.rollout.admission import RowQueue, plan_insert, sequence_keys, unique_prompts
 from tlt_jax.rollout.decode import PromptCache
 from tlt_jax.rollout.harvest import Harvester
+from tlt_jax.rollout.history_rounds import HistoryRecorder, history_rows
 from tlt_jax.rollout.hooks import ChunkView, HookList, RolloutHooks, RolloutInfo, ThresholdPolicy, as_hooks
 from tlt_jax.rollout.interface import EngineLike
 from tlt_jax.rollout.ngram import NgramBank
@@ -47,7 +48,8 @@ def generate(
     t_start = time.perf_counter()
     stats = RolloutStats()
     hook = _rollout_hooks(engine, hooks)
-    hook.on_start(RolloutInfo(len(prompts), n, max_new, engine.data_size, tuple(engine.modes)))
+    info = RolloutInfo(len(prompts), n, max_new, engine.data_size, tuple(engine.modes), engine.history)
+    hook.on_start(info)
     max_total = int(max(len(p) for p in prompts)) + max_new
     rollout = _Rollout(prompts, n, key, sampling, max_new, *weights, max_total)
     loop = _prefill(engine, prompts, rollout, hook, stats)
@@ -64,12 +66,16 @@ def _rollout_hooks(
 ) -> HookList:
     """The caller's hooks, then (when `config.spec` registered a mode) the one threshold switch,
     `ThresholdPolicy(SpecConfig.threshold, min_steps_below)`: it chooses the mode of the chunks no earlier
-    hook (e.g. a strategy selector) chose, so without a selector it decides every chunk."""
+    hook (e.g. a strategy selector) chose, so without a selector it decides every chunk. With a history store
+    (a "history" mode), first a `HistoryRecorder`: every finished response goes into the store."""
     default = None
     if engine.spec_mode is not None:
         s = engine.config.spec
         default = ThresholdPolicy(engine.spec_mode, s.threshold, s.min_steps_below)
-    return as_hooks(hooks, default)
+    out = as_hooks(hooks, default)
+    if engine.history is not None:
+        out.hooks.insert(0, HistoryRecorder(engine.history))
+    return out
 
 
 def _prefill(
@@ -239,11 +245,18 @@ class _HostLoop:
         exit_live = b_local // 2 if early_exit and engine.config.compact and b_local > 1 else -1
         before = self.rows.tokens(self.seq_ids)
         live_before = (~self.rows.done).reshape(d, -1).sum(axis=1)
-        work = self.hook.idle_work(tuple(int(x) for x in live_before)) if d > 1 else None
-        self.state, record, self.bank, self.rows = engine.decode_chunk(
-            self.state, mode, self.rollout.sampling, self.bank, exit_live, self.rollout.dparams, work,
-            self.rollout.params,
-        )  # fmt: skip
+        if mode != "plain" and engine.modes[mode].drafter == "history":  # drafted on the host, no idle work
+            rows = history_rows(engine.history, self.rollout.prompts, self.rollout.n, self.seq_ids)
+            self.state, record, self.rows = engine.history_chunk(
+                self.state, mode, self.rollout.sampling, rows, exit_live, self.rollout.dparams,
+                self.rollout.params,
+            )  # fmt: skip
+        else:
+            work = self.hook.idle_work(tuple(int(x) for x in live_before)) if d > 1 else None
+            self.state, record, self.bank, self.rows = engine.decode_chunk(
+                self.state, mode, self.rollout.sampling, self.bank, exit_live, self.rollout.dparams, work,
+                self.rollout.params,
+            )  # fmt: skip
         record = dataclasses.replace(record, new_tokens=self.rows.tokens(self.seq_ids) - before)
         stats.add_time("decode" if mode == "plain" else "speculative", record.seconds)
         if record.compiled:

@@ -242,8 +242,9 @@ class SelectorState:
 @dataclasses.dataclass(frozen=True)
 class BanditSection(Section):
     """`config.bandit`, the adaptive engine (tlt_jax.rollout.adaptive): a selector picks each chunk's mode
-    among `arms` ("plain", EAGLE strategies "3_1_4", n-gram "ngram_4_1_5") per running-batch bucket. "off":
-    no selector; the SpecConfig threshold switch (`config.spec.threshold`) decides."""
+    among `arms` ("plain", EAGLE strategies "3_1_4", n-gram "ngram_4_1_5", history "history_4_1_5") per
+    running-batch bucket. "off": no selector; the SpecConfig threshold switch (`config.spec.threshold`)
+    decides."""
 
     algorithm: str = "off"  # off | beg_mab | egreedy | ucb1 | fixed | sglang
     arms: tuple[str, ...] = ("plain", "3_1_4")

@@ -2,8 +2,9 @@
 
 A *strategy* `draft_depth_topk_tokens_to_verify` (the paper's `8_4_48`) fixes the static shapes of one
 speculative round; a *mode* pairs it with a drafter ("eagle": the learned EAGLE drafter, "ngram": the
-model-free drafter) and an acceptance rule; `SpecConfig` is the engine's speculative section (which mode,
-when SD switches on). Everything here is a frozen, hashable dataclass: modes key the compiled programs.
+model-free drafter, "history": the model-free drafter over the prompt's earlier responses) and an acceptance
+rule; `SpecConfig` is the engine's speculative section (which mode, when SD switches on). Everything here is
+a frozen, hashable dataclass: modes key the compiled programs.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from collections.abc import Callable
 import jax
 
 from tlt_jax.rollout.acceptance import TreeAcceptance
+from tlt_jax.rollout.history import HistoryParams
 
-DRAFTERS = ("eagle", "ngram")
+DRAFTERS = ("eagle", "ngram", "history")
 # How a drafted tree/chain is verified at temperature > 0 (greedy rounds always match the argmax):
 # "coupled": the token plain decoding would draw at each position with the row's own uniform is computed and
 #     the drafted child equal to it accepted, so in float32 the emitted tokens equal plain decoding's token
@@ -108,7 +110,9 @@ class SpecConfig:
     for `min_steps_below` decode steps (the reference uses 32 and 10); with threshold >= the batch and
     min_steps_below=0 the whole rollout is speculative. `drafter`: "eagle" (needs `RolloutEngine(drafter=)`)
     or "ngram" (model-free). The n-gram drafter matches up to `ngram_max` tokens (at least `ngram_min`) in the
-    prompt, the row's response and up to `ngram_siblings` sibling responses of the same prompt.
+    prompt, the row's response and up to `ngram_siblings` sibling responses of the same prompt; "history"
+    drafts from a suffix automaton over the prompt and its earlier responses (`rollout.history`: earlier
+    epochs' and this group's finished siblings'; `history_*` are its `HistoryParams`).
     `acceptance`: see ACCEPTANCE ("coupled", the default, keeps every sample equal to plain decoding's).
     `drafter_weight_dtype`: the dtype the engine keeps the drafter's weight matrices (and its reduced LM head)
     in: "float32", "bfloat16", or "auto" = bfloat16 where the target's matmuls run the CPU kernel (which
@@ -125,6 +129,11 @@ class SpecConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     ngram_siblings: int = 16
+    history_max_match: int = 32
+    history_spec_factor: float = 1.0
+    history_min_prob: float = 0.1
+    history_max_prompt_tokens: int = 65_536
+    history_max_tokens: int = 4_194_304
     acceptance: str = "coupled"
     drafter_weight_dtype: str = "auto"
 
@@ -138,11 +147,22 @@ class SpecConfig:
             raise ValueError("SpecConfig: threshold, min_steps_below and ngram_siblings must be >= 0")
         if self.acceptance not in ACCEPTANCE:
             raise ValueError(f"SpecConfig.acceptance must be one of {ACCEPTANCE}, got {self.acceptance!r}")
+        self.history_params()  # its own checks
         if self.drafter_weight_dtype not in DRAFTER_WEIGHT_DTYPES:
             raise ValueError(
                 f"SpecConfig.drafter_weight_dtype must be one of {DRAFTER_WEIGHT_DTYPES}, "
                 f"got {self.drafter_weight_dtype!r}"
             )
+
+    def history_params(self) -> HistoryParams:
+        """The history drafter's settings."""
+        return HistoryParams(
+            max_match=self.history_max_match,
+            spec_factor=self.history_spec_factor,
+            min_prob=self.history_min_prob,
+            max_prompt_tokens=self.history_max_prompt_tokens,
+            max_tokens=self.history_max_tokens,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +202,7 @@ class SpecMode:
 
     @property
     def name(self) -> str:
-        base = self.strategy.name if self.drafter == "eagle" else f"ngram_{self.strategy.name}"
+        base = self.strategy.name if self.drafter == "eagle" else f"{self.drafter}_{self.strategy.name}"
         return f"{base}_{self.label}" if self.label else base
 
     @property
@@ -196,7 +216,7 @@ class SpecMode:
 
 def resolve_acceptance(requested: str, drafter: str, strategy: Strategy) -> str:
     """The acceptance a mode gets from a config-wide setting: "rejection" applies to EAGLE chains only
-    (trees and n-gram drafts have no draft distribution to reject against), which then verify coupled."""
+    (trees, n-gram and history drafts have no draft distribution to reject against): they verify coupled."""
     if requested == "rejection" and not (drafter == "eagle" and strategy.is_chain):
         return "coupled"
     return requested
