@@ -26,11 +26,12 @@ class Job:
     config: str  # "configs/x.py:arg"
     overrides: tuple[tuple[str, object], ...] = ()  # dotted key -> value, as --config.<key>=<value>
     warmed_drafter: bool = False  # drafter.path points at the smoke warm-up's workdir
+    data_files: bool = False  # the config's {train} / {test} are parquet files the README's commands write
     hf_dir: bool = False  # model.path is a tiny HF directory of the config's architecture (real checkpoints)
     extended: bool = False  # run by `make test-extended`: its sections are another job's here, at smoke size
 
-    def load(self) -> mlc.ConfigDict:
-        path, _, arg = self.config.partition(":")
+    def load(self, **files: str) -> mlc.ConfigDict:
+        path, _, arg = self.config.format(**files).partition(":")
         c = config_lib.load_config_file(ROOT / path, arg or None)
         for key, value in self.overrides:
             *parents, leaf = key.split(".")
@@ -40,6 +41,18 @@ class Job:
             node[leaf] = value
         return c
 
+
+# README.md's CPU DAPO command (tlt.py:dapo on a math_dapo parquet file, 3 generation batches at most, the
+# test file evaluated); run by tests/test_documented_jobs.py's DAPO test, which checks its metrics. At smoke
+# size the random model answers nothing right, so no group survives the filter: train_short_steps lets the
+# step train on masked fillers (README's SmolLM2 keeps some) and log what it generated.
+EASY = '{"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}'  # README.md's $EASY
+DAPO_CPU = Job(
+    "README dapo on CPU",
+    "configs/tlt.py:dapo,steps=3,data={train},eval_data={test}",
+    (("rl.max_num_gen_batches", 3), ("rl.train_short_steps", True)),
+    data_files=True,
+)
 
 # The warm-up first: the GRPO jobs with drafter=auto/eagle read its workdir, as `make warmup` then `make run`.
 WARMUP = Job("make warmup", "configs/drafter_warmup.py:tlt")
@@ -115,9 +128,16 @@ def shrink(
     c.rl.prompts_per_step = 2
     c.rl.samples_per_prompt = 2
     c.rl.mini_batches = 1
+    # dynamic sampling's generation batches as the step's batch (the same programs); DAPO's overlong buffer
+    # the last half of the 8 tokens
+    c.rl.gen_prompts_per_batch = min(c.rl.gen_prompts_per_batch, 2)
+    c.rl.overlong_buffer = min(c.rl.overlong_buffer, 4)
     c.eval.prompts = min(c.eval.prompts, 2)
     c.eval.samples = 1
     c.eval.every = min(c.eval.every, 1)
+    for name in c.eval.get("sets") or {}:  # benchmark sets: 2 prompts x 2 samples (maj@2 is a vote)
+        c.eval.sets[name].max_prompts = 2
+        c.eval.sets[name].samples = min(c.eval.sets[name].get("samples", 1), 2)
     c.trainer.micro_batch_size = 2
     c.trainer.seq_bucket = 16
     c.trainer.logits_chunk = 0

@@ -15,6 +15,7 @@ import pytest
 from tests import documented_jobs as dj
 from tlt_jax import main
 from tlt_jax.rl.speculation import has_drafter
+from tlt_jax.tasks import write_parquet
 from tlt_jax.utils.plain import plain_dict
 from tlt_jax.utils.tracking import CONFIG_FILE, METRICS_FILE, read_metrics
 
@@ -61,3 +62,38 @@ def test_documented_job_runs(
     assert [r["step"] for r in rows if "reward/mean" in r] == [1]
     saved = json.loads((tmp_path / CONFIG_FILE).read_text())
     assert saved["task"] == plain_dict(config.task)
+
+
+@pytest.fixture(scope="module")
+def dapo_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """README.md's two write_parquet commands (train and test files of math_dapo rows), at smoke size."""
+    d = tmp_path_factory.mktemp("dapo_data")
+    common = ["--dataset", "chain_sum", "--dataset-kwargs", dj.EASY, "--data-source", "math_dapo"]
+    write_parquet.main([*common, "--size", "16", "--out", str(d / "train.parquet")])
+    write_parquet.main([*common, "--size", "4", "--seed", "1", "--out", str(d / "test.parquet")])
+    return {"train": str(d / "train.parquet"), "test": str(d / "test.parquet")}
+
+
+def test_readme_dapo_job_refills_scores_and_votes(dapo_files: dict[str, str], tmp_path: pathlib.Path) -> None:
+    """README.md's CPU DAPO command at smoke size (`documented_jobs.DAPO_CPU`): its step-0 evaluation votes
+    over 2 samples of the test file (maj@2), its step refills up to max_num_gen_batches=3 generation batches
+    (a random model answers nothing right: every group is filtered, the step trains on masked fillers and
+    says so), and each reward is DAPO's check (-1 for a wrong answer) plus the overlong shaping of VeRL's DAPO
+    reward manager, from the rows' data_source."""
+    config = dj.shrink(dj.DAPO_CPU.load(**dapo_files))
+    assert (config.task.reward, config.rl.filter_metric, config.rl.overlong_buffer) == ("verl", "acc", 4)
+    assert main.run(config, str(tmp_path)) == "done"
+    rows = read_metrics(tmp_path / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1]
+    ev, step = rows[0], rows[1]
+    # maj@k on the benchmark set: 2 prompts x 2 samples, none right, so every estimator is 0 (a vote that
+    # counted unanswered samples as agreeing, or a pass@k over the wrong samples, would not be)
+    for k in ("mean@2", "pass@1", "pass@2", "maj@1", "maj@2"):
+        assert ev[f"eval/bench/{k}"] == 0.0, (k, ev)
+    # refill: 3 batches of 2 prompts x 2 samples generated, no group kept, the 2 groups trained as fillers
+    ds = {k.split("/", 1)[1]: v for k, v in step.items() if k.startswith("dynamic_sampling/")}
+    assert ds["gen_batches"] == 3 and ds["generated_groups"] == 6, ds
+    assert ds["kept_groups"] == 0 and ds["short_groups"] == 2 and ds["generated_accuracy"] == 0.0, ds
+    # reward: DAPO's -1 for every (wrong) answer plus the overlong shaping over the last 4 of 8 tokens
+    assert step["reward/mean"] == pytest.approx(-1.0 + step["reward/overlong_mean"], abs=1e-6), step
+    assert -1.0 <= step["reward/overlong_mean"] < 0.0 and step["reward/overlong_frac"] > 0, step
