@@ -107,6 +107,27 @@ test-all: setup
 test-experiments: setup
 	$(call run_pytest,test-experiments,experiments)
 
+# configs/cluster/slurm_grpo.sh on a real Slurm (tests/slurm, marked `slurm`: make test never selects them):
+# Debian's slurm-wlm and munge, installed here when missing (CI runs as root; apt-get, non-interactive); the
+# tests' session fixture writes a one-node slurm.conf in a temporary folder, starts munged, slurmctld and
+# slurmd on localhost and stops them by pid; the EXIT trap stops, by the pids the fixture recorded, any a
+# killed pytest left behind. One pytest process: the jobs share the node's 2 CPUs. Exit 5 (no test) fails.
+.PHONY: test-slurm
+test-slurm: setup
+	@if ! command -v slurmctld > /dev/null || ! command -v munged > /dev/null; then \
+	  echo "make test-slurm: installing slurm-wlm and munge (apt-get)"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get update -qq && apt-get install -y -qq slurm-wlm munge > /dev/null || \
+	    { echo "make test-slurm: apt-get install slurm-wlm munge failed (it needs root)"; exit 1; }; \
+	fi
+	@set +e; root=$$(mktemp -d /tmp/tlt-slurm.XXXXXX); \
+	trap 'for p in $$(cat $$root/cluster/daemons.pid 2> /dev/null); do kill $$p 2> /dev/null; done; \
+	  rm -rf $$root' EXIT; \
+	TLT_JAX_SLURM_ROOT=$$root XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -n 0 --basetemp=$$root/pytest \
+	  $(PYTEST_SUMMARY) -m slurm $(PYTEST_ARGS) tests/slurm; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-slurm: pytest collected no tests (exit 5); failing."; exit 1; fi; \
+	exit $$rc
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -45,7 +45,7 @@ setup(
     packages=find_packages(include=["tlt_jax", "tlt_jax.*"]),
     # the CPU kernels' C++ sources ship with the package; compiled on first use or by `make setup`
     package_data={"tlt_jax.kernels": ["cpu/*.cc", "cpu/*.h"]},
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=CORE,
     extras_require={
         # pytest-xdist: `make test` runs two workers (XLA compilation is mostly single-threaded)

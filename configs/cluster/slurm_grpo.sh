@@ -13,8 +13,9 @@
 # What each variable is (export before sbatch: sbatch passes the environment to the job):
 #   CONFIG   the config file and its argument (configs/qwen2_5_7b.py: the paper's 7B GRPO, TP 4 x DP rest;
 #            dataset=parquet reads VeRL-layout parquet files scored by each row's data_source, as VeRL)
-#   MODEL    the HF model directory (config.json, *.safetensors, tokenizer files), e.g. Qwen2.5-7B
-#   DATA     the training parquet file(s): a path, a glob or a comma list
+#   MODEL    the HF model directory (config.json, *.safetensors, tokenizer files), e.g. Qwen2.5-7B; set but
+#            empty (MODEL=): the config's own model (a config with a random model, e.g. configs/smoke.py)
+#   DATA     the training parquet file(s): a path, a glob or a comma list; DATA=: the config's own task
 #   WORKDIR  where checkpoints, metrics.jsonl and config.json go (default workdirs/<job name>). It does not
 #            depend on the job id: a requeued job and a resubmitted one (same --job-name) resume the run
 #            from its newest checkpoint. Name each run: `sbatch --job-name=dapo-7b-a ...`; a workdir whose
@@ -39,10 +40,27 @@
 # Preemption and the time limit. --requeue lets SLURM requeue the job when it is preempted or its node fails.
 # --signal=B:TERM@300 sends SIGTERM to this batch shell (B: only the shell, not the tasks) 300 s before the
 # time limit (SLURM's event resolution can make it up to 60 s earlier). The shell runs srun in the
-# background and forwards the TERM to it; srun forwards it to every task. The learner then stops every
-# process at the same point (the next rollout chunk, update part or phase boundary), saves the step if it
-# finished it, and exits within config.stop_within seconds (default 150; past it a process exits by
-# itself); the job then requeues itself (`scontrol requeue`) and resumes in WORKDIR when it starts again.
+# background and passes the TERM to the tasks with `scancel --signal=TERM <job id>` (every step's tasks on
+# every node, not this shell): a TERM to srun itself would make srun kill the step at once. The learner then
+# stops every process at the same point (the next rollout chunk, update part or phase boundary), saves what
+# it can (tlt_jax.rl.stopping) and exits within config.stop_within seconds (default 150; past it a process
+# exits by itself) with status 75. The shell decides from the tasks' status (srun's: the highest of them)
+# and the job's state (`scontrol show job`):
+#   0   the run finished: the job ends.
+#   75  stopped on a TERM with its checkpoint saved: if the job still runs (the time limit's early TERM, or a
+#       preemption that signals the tasks: `scancel --signal=TERM <job id>`), the shell requeues it
+#       (`scontrol requeue`) and it resumes in WORKDIR when it starts again; if SLURM is requeueing it
+#       already (a preemption with PreemptMode=REQUEUE, `scontrol requeue`: its restart count went up) it is
+#       left to SLURM; if SLURM is ending it otherwise (a user's `scancel`, the time limit itself) it is not
+#       requeued (resubmit with the same --job-name to resume).
+#   70  the watchdog ended a stalled process: not requeued (it would stall again); the log says where.
+#   other: a failure (a task killed by a signal is 128 + its number): not requeued; the last checkpoint in
+#       WORKDIR is the resume point.
+# srun runs with --kill-on-bad-exit=0: the processes of a stop exit 75 a moment apart, and =1 would kill the
+# later ones while they finish (srun would then report 143 or 137 instead of 75). A task that dies (killed,
+# or an error) leaves the others to notice: a failed collective, or JAX's heartbeat after
+# TLT_JAX_HEARTBEAT_TIMEOUT seconds (default 100), or the watchdog; they then exit too and the job fails with
+# the highest status (137 for a SIGKILL), its last committed checkpoint the resume point (tests/slurm).
 # The lead must exceed stop_within (which must cover a chunk, an update part and the checkpoint write: a 7B
 # run's parameters and AdamW state are ~85 GB over the nodes' shared filesystem) with room for the exit:
 # raise both for larger models or slower filesystems (`sbatch --signal=B:TERM@600 ... --config.stop_within=450`).
@@ -61,8 +79,8 @@
 set -euo pipefail
 
 CONFIG=${CONFIG:-configs/qwen2_5_7b.py:dataset=parquet}
-MODEL=${MODEL:?set MODEL to the HF model directory, e.g. MODEL=/models/Qwen2.5-7B}
-DATA=${DATA:?set DATA to the training parquet file(s), e.g. DATA=/data/dapo_math_17k.parquet}
+MODEL=${MODEL?set MODEL to the HF model directory, e.g. MODEL=/models/Qwen2.5-7B (MODEL= for the config's own)}
+DATA=${DATA?set DATA to the training parquet file(s), e.g. DATA=/data/dapo_math_17k.parquet (DATA= for the config's own)}
 JOB_NAME=${SLURM_JOB_NAME:-tlt-grpo}
 WORKDIR=${WORKDIR:-workdirs/${JOB_NAME}}
 LAYOUT=${LAYOUT:-node}
@@ -88,11 +106,15 @@ if [ "$LAYOUT" = gpu ]; then
   export TLT_JAX_LOCAL_DEVICE_IDS=localid
 fi
 
-MAIN=("$PYTHON" -m tlt_jax.main --config "$CONFIG" --config.multiprocess=True --config.model.path="$MODEL"
-  --config.task.path="$DATA" --workdir "$WORKDIR" "$@")
-# --kill-on-bad-exit: a task that dies ends the others (they would wait on its collectives until a timeout)
-SRUN=(srun --nodes="$NODES" --ntasks-per-node="$TASKS_PER_NODE" --cpus-per-task="$CPUS_PER_TASK"
-  --kill-on-bad-exit=1)
+MAIN=("$PYTHON" -m tlt_jax.main --config "$CONFIG" --config.multiprocess=True)
+if [ -n "$MODEL" ]; then MAIN+=(--config.model.path="$MODEL"); fi
+if [ -n "$DATA" ]; then MAIN+=(--config.task.path="$DATA"); fi
+MAIN+=(--workdir "$WORKDIR" "$@")
+# --ntasks explicitly: srun inherits the batch job's SLURM_NTASKS (8 per node here) and, before SLURM 23.11,
+# keeps it over --ntasks-per-node, asking for 8 tasks x all the CPUs ("More processors requested than
+# permitted"). --kill-on-bad-exit=0: see "Preemption and the time limit" above.
+SRUN=(srun --nodes="$NODES" --ntasks="$(( NODES * TASKS_PER_NODE ))" --ntasks-per-node="$TASKS_PER_NODE"
+  --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=0)
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   echo "srun line ($LAYOUT layout, $NODES node(s) x $GPUS GPUs, $CPUS CPUs per node):"
@@ -104,31 +126,57 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   exit 0
 fi
 
+# tlt_jax.main's exit statuses (tlt_jax/utils/watchdog.py)
+EXIT_STOPPED=75
+EXIT_STALLED=70
 echo "job ${SLURM_JOB_ID:-?} (${JOB_NAME}, restart ${SLURM_RESTART_COUNT:-0}): $LAYOUT layout, $NODES node(s), workdir $WORKDIR"
 TERMED=0
 SRUN_PID=
-forward_term() {
+# A TERM to this shell (the time limit's B:TERM, a preemption, a cancel) goes to the tasks of the job's steps,
+# never to srun. It may come at any moment, also after srun has exited: nothing here may fail (set -e).
+term_to_tasks() {
   TERMED=1
   if [ -n "$SRUN_PID" ]; then
-    echo "SIGTERM (time limit or preemption): forwarding it to srun (pid $SRUN_PID)"
-    kill -TERM "$SRUN_PID"
+    echo "SIGTERM (time limit, preemption or cancel): sending it to the tasks (scancel --signal=TERM ${SLURM_JOB_ID:-?})"
+    scancel --signal=TERM "${SLURM_JOB_ID:-}" || echo "scancel --signal=TERM failed (exit $?)"
   fi
 }
-trap forward_term TERM
-"${SRUN[@]}" "${MAIN[@]}" &
-SRUN_PID=$!
-if [ "$TERMED" = 1 ]; then kill -TERM "$SRUN_PID"; fi  # a TERM that came before srun started
-# `wait` returns early when a trapped signal arrives: wait again until srun itself has exited
-rc=0
-wait "$SRUN_PID" || rc=$?
-while kill -0 "$SRUN_PID" 2>/dev/null; do
+trap term_to_tasks TERM
+rc=$EXIT_STOPPED
+if [ "$TERMED" = 0 ]; then  # a TERM before the launch: nothing ran, nothing is lost
+  "${SRUN[@]}" "${MAIN[@]}" &
+  SRUN_PID=$!
+  if [ "$TERMED" = 1 ]; then term_to_tasks; fi  # a TERM between the launch and the line above
+  # `wait` returns early when a trapped signal arrives: wait again until srun itself has exited
   rc=0
   wait "$SRUN_PID" || rc=$?
-done
-trap - TERM
-if [ "$TERMED" = 1 ]; then
-  echo "the run stopped on SIGTERM (exit $rc): requeueing job ${SLURM_JOB_ID:-?} to resume in $WORKDIR"
-  # a job SLURM itself preempts with requeue is requeued already: then this says so and changes nothing
-  scontrol requeue "${SLURM_JOB_ID:?}" || echo "scontrol requeue failed (exit $?): resubmit with the same --job-name to resume"
+  while kill -0 "$SRUN_PID" 2>/dev/null; do
+    rc=0
+    wait "$SRUN_PID" || rc=$?
+  done
 fi
+
+job_field() {  # a field of `scontrol show job` (JobState, Restarts), empty if it cannot be read
+  scontrol show job "${SLURM_JOB_ID:?}" 2>/dev/null | grep -oE "(^|[[:space:]])$1=[^[:space:]]+" | head -n 1 | cut -d= -f2 || true
+}
+case "$rc" in
+  0) echo "the run finished (exit 0)" ;;
+  "$EXIT_STOPPED")
+    state=$(job_field JobState)
+    restarts=$(job_field Restarts)
+    if [ "$state" = RUNNING ]; then
+      echo "the run stopped with its checkpoint saved (exit $rc): requeueing job ${SLURM_JOB_ID:-?} to resume in $WORKDIR"
+      scontrol requeue "${SLURM_JOB_ID:?}" || echo "scontrol requeue failed (exit $?): resubmit with --job-name=$JOB_NAME to resume"
+    elif [ "${restarts:-0}" -gt "${SLURM_RESTART_COUNT:-0}" ]; then
+      echo "the run stopped (exit $rc); SLURM requeues job ${SLURM_JOB_ID:-?} itself (state $state, restart $restarts): it resumes in $WORKDIR"
+    else
+      echo "the run stopped (exit $rc) and SLURM is ending job ${SLURM_JOB_ID:-?} (state ${state:-unknown}: cancelled or at its time limit): not requeued; resubmit with --job-name=$JOB_NAME to resume from the last checkpoint in $WORKDIR"
+    fi ;;
+  "$EXIT_STALLED")
+    echo "error: the watchdog ended a stalled process (exit $rc; its log above names the phase): not requeued, it would stall again; fix the cause, then resubmit with --job-name=$JOB_NAME to resume in $WORKDIR" ;;
+  *)
+    why="exit $rc"
+    if [ "$rc" -gt 128 ]; then why="exit $rc: a task was killed by signal $(( rc - 128 ))"; fi
+    echo "error: the run failed ($why): not requeued; the last checkpoint in $WORKDIR is the resume point (resubmit with --job-name=$JOB_NAME)" ;;
+esac
 exit "$rc"
