@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from tlt_jax.models.build import DTYPES
+from tlt_jax.models.eagle3 import DRAFTER_ARCHS
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.programs import MATMUL_PRECISIONS
 from tlt_jax.rollout.record import HIDDEN_SPANS
@@ -203,12 +204,16 @@ class DrafterSection(Section):
     "ngram" (model-free, TLT-Base), "history" (model-free, over each prompt's earlier responses:
     tlt_jax.rollout.history; config.spec.history_*), "eagle" (a warmed drafter: `path`, a warm-up workdir,
     or `init_from`, an EAGLE export), "auto" (eagle when `path` holds one, else ngram). min_accept_len: the
-    alarm's floor."""
+    alarm's floor. arch: the learned drafter's architecture, "eagle" (EAGLE-1) or "eagle3"
+    (tlt_jax.models.eagle3: the target's states at `aux_layers`, capture points in [0, L]; empty: EAGLE-3's
+    (2, L // 2, L - 3)) for a drafter the spot trainer starts; a warmed one must be of this arch."""
 
     kind: str = "none"
     path: str = ""
     init_from: str = ""
     min_accept_len: float = 1.05
+    arch: str = "eagle"
+    aux_layers: tuple[int, ...] = ()
 
     def problems(self) -> list[str]:
         out = []
@@ -221,6 +226,10 @@ class DrafterSection(Section):
             )
         if self.min_accept_len < 0:
             out.append(f"config.drafter.min_accept_len={self.min_accept_len}: must be >= 0 (0 disables it).")
+        if self.arch not in DRAFTER_ARCHS:
+            out.append(f"config.drafter.arch={self.arch!r}: use one of {DRAFTER_ARCHS}.")
+        if self.aux_layers and self.arch != "eagle3":
+            out.append("config.drafter.aux_layers: only an EAGLE-3 drafter reads them (drafter.arch=eagle3).")
         return out
 
     def path_problems(self) -> list[str]:

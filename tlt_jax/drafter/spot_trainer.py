@@ -55,10 +55,10 @@ from jax.sharding import PartitionSpec as P
 from tlt_jax import sharding as shd
 from tlt_jax.drafter import trainer as tr
 from tlt_jax.drafter.buffer import DrafterBuffer, window_sample
-from tlt_jax.drafter.chain import shift_left
+from tlt_jax.drafter.chain import draft_logits, shift_left
 from tlt_jax.drafter.loss import LossConfig, loss_sums, normalize_metrics
 from tlt_jax.drafter.packing import DrafterSample, PackedBatch, eagle_inputs, pack_samples, to_device
-from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import AnyDrafter
 from tlt_jax.rollout.hooks import ChunkView, FinishedSequences, IdleWork, RolloutHooks, RolloutInfo
 from tlt_jax.rollout.interface import EngineLike
 from tlt_jax.utils import compile_stats
@@ -185,7 +185,7 @@ def topk_hits(
     e = eagle_inputs(batch)
     drafter = nnx.merge(graphdef, params)
     h, _ = drafter(embed_w[e.next_tokens], e.hidden_in, e.positions, None, e.mask)
-    logits = h.astype(jnp.float32) @ head_w.astype(jnp.float32).T  # [R, S, V or Vd]
+    logits = draft_logits(drafter, h.astype(jnp.float32), head_w.astype(jnp.float32))  # [R, S, V or Vd]
     nxt = shift_left(e.next_tokens, -1)  # x_{t+2}
     col, known = nxt, jnp.ones(nxt.shape, bool)
     if vocab is not None:  # the token's column in the draft head (-1: not in the draft vocabulary)
@@ -203,7 +203,7 @@ def topk_hits(
 class SpotTrainer(RolloutHooks):
     """Online drafter training inside the RL loop (see the module docstring). A rollout hook."""
 
-    def __init__(self, cfg: SpotConfig, drafter: Drafter, engine: EngineLike):
+    def __init__(self, cfg: SpotConfig, drafter: AnyDrafter, engine: EngineLike):
         if cfg.mode == "idle_devices" and engine.data_size < 2:
             raise ValueError(
                 "config.spot.mode=idle_devices needs a data axis of >= 2 devices (groups of the model axis "

@@ -54,6 +54,7 @@ from tlt_jax.drafter.warmup_data import PhaseTimes, build_data, write_json
 from tlt_jax.models.build import TextCodec, build_model_and_tokenizer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import AnyDrafter, drafter_from_spec
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.utils.checkpoint import Checkpointer, SaveInfo
@@ -106,13 +107,29 @@ def _drafter_dir(path: str | os.PathLike) -> pathlib.Path:
     return p / DRAFTER_DIR if (p / DRAFTER_DIR).is_dir() else p
 
 
+def saved_drafter_spec(directory: pathlib.Path, step: int | None = None) -> dict[str, Any]:
+    """The architecture a drafter checkpoint was saved with (its meta's "drafter": `drafter_spec`); EAGLE-1
+    when the meta does not say (checkpoints from before EAGLE-3)."""
+    steps = sorted((c for c in directory.iterdir() if c.name.isdigit()), key=lambda c: int(c.name))
+    if step is not None:
+        steps = [c for c in steps if int(c.name) == step]
+    for meta in (steps[-1] / "meta" / "metadata", steps[-1] / "meta.json") if steps else ():
+        if meta.is_file():
+            try:
+                return dict(json.loads(meta.read_text()).get("drafter") or {"arch": "eagle"})
+            except (json.JSONDecodeError, AttributeError):
+                break
+    return {"arch": "eagle"}
+
+
 def load_drafter(
     workdir_or_dir: str | os.PathLike, target_cfg: ModelConfig, step: int | None = None
-) -> Drafter:
+) -> AnyDrafter:
     """Restore a warm-up (or RL) drafter: `workdir_or_dir` is the warm-up workdir or its `drafter/` folder.
 
-    Builds `Drafter(target_cfg)` and fills its trainable weights from the latest (or given) checkpoint step;
-    a drafter saved for a different target architecture fails with a message naming the mismatched leaves.
+    Builds the drafter its meta names (`drafter_spec`: EAGLE-1 or EAGLE-3 with its capture points and head
+    size) for `target_cfg` and fills its trainable weights from the latest (or given) checkpoint step; a
+    drafter saved for a different target architecture fails with a message naming the mismatched leaves.
     """
     directory = _drafter_dir(workdir_or_dir)
     ckpt = DrafterCheckpointer(directory, async_save=False)
@@ -122,7 +139,7 @@ def load_drafter(
                 f"no drafter checkpoint in {directory}: run the warm-up first "
                 "(python -m tlt_jax.main --config configs/drafter_warmup.py --workdir DIR)."
             )
-        drafter = Drafter(target_cfg, nnx.Rngs(0))
+        drafter = drafter_from_spec(saved_drafter_spec(directory, step), target_cfg, nnx.Rngs(0))
         state = nnx.state(drafter, nnx.Param)
         restored = ckpt.restore(step, template=nnx.to_pure_dict(state))
     finally:

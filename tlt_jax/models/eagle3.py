@@ -21,6 +21,9 @@ reduced vocabulary is. The drafter consumes `ModelOutput.drafter_states` ([aux ;
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -177,6 +180,29 @@ def make_drafter(
     if arch == "eagle3":
         return Eagle3Drafter(target_cfg, rngs, draft_vocab_size=draft_vocab_size, aux_layers=aux_layers)
     raise ValueError(f"drafter.arch={arch!r}: use one of {DRAFTER_ARCHS}")
+
+
+def drafter_spec(drafter: AnyDrafter) -> dict[str, Any]:
+    """What rebuilds `drafter`'s architecture beside its weights (a checkpoint's meta "drafter")."""
+    if drafter.arch == "eagle":
+        return {"arch": "eagle"}
+    return {
+        "arch": "eagle3",
+        "aux_layers": list(drafter.aux_layers),
+        "draft_vocab_size": drafter.draft_vocab_size,
+    }
+
+
+def drafter_from_spec(spec: Mapping[str, Any], target_cfg: ModelConfig, rngs: nnx.Rngs) -> AnyDrafter:
+    """The drafter a `drafter_spec` describes, for a target of `target_cfg` (fresh weights)."""
+    aux = spec.get("aux_layers")
+    return make_drafter(
+        str(spec.get("arch", "eagle")),
+        target_cfg,
+        rngs,
+        draft_vocab_size=spec.get("draft_vocab_size"),
+        aux_layers=tuple(aux) if aux else None,
+    )
 
 
 def states_width(hidden_size: int, aux_layers: tuple[int, ...]) -> int:

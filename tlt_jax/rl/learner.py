@@ -108,7 +108,7 @@ class Learner:
         model, self.tokenizer = config_lib.build_model(job.raw, self.mesh)
         # what drafts for the rollouts (config.drafter): none / n-gram / a warmed EAGLE drafter
         self.rollout_drafter = announced_drafter(job.drafter, model.cfg, self.is_main)
-        drafter = engine_drafter(self.rollout_drafter, job.spot, model.cfg, job.run.seed)
+        drafter = engine_drafter(self.rollout_drafter, job.spot, model.cfg, job.run.seed, job.drafter)
         self.engine = config_lib.engine_for(
             job.engine_config(self.rollout_drafter.kind),
             model,

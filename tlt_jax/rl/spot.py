@@ -16,10 +16,11 @@ import pathlib
 from absl import logging
 from flax import nnx
 
+from tlt_jax.config_sections import DrafterSection
 from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer
 from tlt_jax.drafter.trainer import TRAIN_STATE_DIR
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import AnyDrafter, make_drafter
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
 from tlt_jax.rl.speculation import ResolvedDrafter
 from tlt_jax.rollout.engine import RolloutEngine
@@ -29,18 +30,32 @@ BUFFER_DIR = "spot_buffer"  # the spot trainer's data buffer, one folder per che
 
 
 def engine_drafter(
-    rollout_drafter: ResolvedDrafter, cfg: SpotConfig, policy: ModelConfig, seed: int
-) -> Drafter | None:
-    """The EAGLE drafter the engine holds: the warmed one, or (spot training without one) a fresh drafter
-    that the spot trainer trains from scratch while the rollouts draft with the n-gram drafter."""
-    if rollout_drafter.drafter is None and cfg.mode != "off":
-        return Drafter(policy, nnx.Rngs(params=seed))
-    return rollout_drafter.drafter
+    rollout_drafter: ResolvedDrafter,
+    cfg: SpotConfig,
+    policy: ModelConfig,
+    seed: int,
+    section: DrafterSection | None = None,
+) -> AnyDrafter | None:
+    """The EAGLE drafter the engine holds: the warmed one, or (spot training without one) a fresh drafter of
+    `section.arch` (EAGLE-1 by default; EAGLE-3 over the full vocabulary, reading `section.aux_layers`) that
+    the spot trainer trains from scratch while the rollouts draft with the n-gram drafter."""
+    arch = section.arch if section is not None else "eagle"
+    warm = rollout_drafter.drafter
+    if warm is None and cfg.mode != "off":
+        aux = tuple(section.aux_layers) if section is not None and section.aux_layers else None
+        return make_drafter(arch, policy, nnx.Rngs(params=seed), aux_layers=aux)
+    if warm is not None and warm.arch != arch:
+        raise ValueError(
+            f"the drafter in {rollout_drafter.path or 'config.drafter'} is {warm.arch!r}, "
+            f"config.drafter.arch is {arch!r}: set config.drafter.arch={warm.arch}, or warm up a drafter of "
+            "this arch"
+        )
+    return warm
 
 
 def build_spot(
     cfg: SpotConfig,
-    drafter: Drafter | None,
+    drafter: AnyDrafter | None,
     engine: RolloutEngine,
     rollout_drafter: ResolvedDrafter,
     announce: bool,
