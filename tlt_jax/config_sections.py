@@ -27,6 +27,7 @@ DRAFTER_KINDS = ("none", "ngram", "history", "eagle", "auto")
 LR_SCHEDULES = ("constant", "cosine", "linear")  # after the warm-up (tlt_jax.rl.schedules)
 # what DAPO's dynamic sampling compares within a group (VeRL's algorithm.filter_groups.metric)
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+LOSS_AGG_SCOPES = ("mini_batch", "micro_batch")  # rl.loss_agg_scope (tlt_jax.rl.batch.micro_weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +327,12 @@ class RLSection(Section):
     samples_per_prompt: int = 8  # GRPO group size
     advantage: str = "grpo"  # grpo | drgrpo (tlt_jax.rl.grpo.ADVANTAGE_METHODS)
     adv_eps: float = 1e-6
-    loss_agg: str = "seq_mean_token_mean"  # token_mean (DAPO) | seq_mean_token_mean | seq_mean_token_sum_norm
+    # token_mean (DAPO) | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (rl.grpo)
+    loss_agg: str = "seq_mean_token_mean"
+    # the aggregation's counts: the mini-batch's (every token / sequence of an optimizer step weighs the same,
+    # VeRL 0.9.1's workers) | micro_batch (each micro-batch's own aggregate, averaged over micro-batches:
+    # VeRL's legacy dp_actor; micro-batches are length-sorted here, so their token counts differ)
+    loss_agg_scope: str = "mini_batch"
     clip_low: float = 0.2
     clip_high: float = 0.2  # DAPO clip-higher: 0.28
     # DAPO's dynamic sampling (tlt_jax.rl.dynamic_sampling): groups whose `filter_metric` is the same for
@@ -336,6 +342,9 @@ class RLSection(Section):
     dynamic_sampling: bool = False
     filter_metric: str = "acc"  # acc (the verifier's verdict) | score | seq_reward | seq_final_reward
     max_num_gen_batches: int = 10
+    # at max_num_gen_batches with too few groups kept: stop with VeRL's error (False), or train on the groups
+    # kept, the missing ones masked out of the loss (True; dynamic_sampling/short_groups counts them)
+    train_short_steps: bool = False
     gen_prompts_per_batch: int = 0
     kl_coef: float = 0.0  # KL loss (kl_loss_type) to the frozen initial policy; 0 skips the reference forward
     mini_batches: int = 1  # optimizer updates per RL step (PPO mini-batches over the step's samples)
@@ -402,6 +411,8 @@ class RLSection(Section):
             )
         if self.filter_metric not in FILTER_METRICS:
             out.append(f"config.rl.filter_metric={self.filter_metric!r}: use one of {FILTER_METRICS}.")
+        if self.loss_agg_scope not in LOSS_AGG_SCOPES:
+            out.append(f"config.rl.loss_agg_scope={self.loss_agg_scope!r}: use one of {LOSS_AGG_SCOPES}.")
         if self.dynamic_sampling and self.filter_metric == "seq_final_reward" and self.reward_kl_coef > 0:
             out.append(
                 "config.rl.filter_metric='seq_final_reward' with KL in the reward (reward_kl_coef > 0) would "

@@ -87,8 +87,14 @@ def test_collector_refills_in_order_then_fills_short_steps_masked() -> None:
         "dynamic_sampling/generated_reward_mean": 0.5,
         "dynamic_sampling/generated_accuracy": 5 / 12,
     }
-    # at the batch limit with one group kept: it trains, a dropped group fills the step, masked out
-    short = GroupCollector(prompts=2, group=2, metric="acc", max_batches=1)
+    # at the batch limit with one group kept: VeRL's error (its DAPO recipe's text) ...
+    verl = GroupCollector(prompts=2, group=2, metric="acc", max_batches=1)
+    verl.add(first)
+    assert verl.full
+    with pytest.raises(ValueError, match=r"num_gen_batches=1 >= max_num_gen_batches=1.*Generated too many"):
+        verl.samples()
+    # ... or (train_short_steps) it trains, a dropped group fills the step, masked out
+    short = GroupCollector(prompts=2, group=2, metric="acc", max_batches=1, train_short=True)
     short.add(first)
     assert short.full
     s = short.samples()

@@ -176,16 +176,23 @@ def split_micro(batch: TrainBatch, num_micro: int) -> TrainBatch:
     return jax.tree_util.tree_map(lambda x: x.reshape((num_micro, -1) + x.shape[1:]), batch)
 
 
-def micro_weights(mask_kgnt: np.ndarray, aggregation: str) -> np.ndarray:
-    """Each micro-batch's share of its mini-batch's loss, so that sum_k w_k * loss_k == loss(mini-batch).
+def micro_weights(mask_kgnt: np.ndarray, aggregation: str, scope: str = "mini_batch") -> np.ndarray:
+    """Each micro-batch's share of its mini-batch's loss. scope "mini_batch": sum_k w_k * loss_k ==
+    loss(mini-batch), every token (sequence) of the mini-batch weighs the same, as VeRL 0.9.1's workers
+    aggregate (agg_loss with the mini-batch's batch_num_tokens / global_batch_size). "micro_batch": 1 / K
+    each, the mean of the micro-batches' own aggregates (VeRL's legacy dp_actor: loss / grad accumulation).
 
     mask: [K, G/K, n, Nb] response masks of the K micro-batches.
     """
     k = mask_kgnt.shape[0]
     mask = mask_kgnt.reshape(k, -1, mask_kgnt.shape[-1])
+    if scope == "micro_batch":  # a mini-batch with no token trains nothing either way
+        return np.full((k,), 1.0 / k if mask.sum() > 0 else 0.0, np.float32)
+    if scope != "mini_batch":
+        raise ValueError(f"unknown loss_agg_scope {scope!r}; valid: mini_batch, micro_batch")
     if aggregation == "token_mean":
         counts = mask.sum(axis=(1, 2))
-    elif aggregation == "seq_mean_token_mean":
+    elif aggregation in ("seq_mean_token_mean", "seq_mean_token_sum"):
         counts = (mask.sum(axis=2) > 0).sum(axis=1)
     elif aggregation == "seq_mean_token_sum_norm":
         counts = np.full((k,), mask.shape[1])
@@ -223,7 +230,12 @@ class SortedMicro:
 
 
 def length_sorted_micro(
-    batch: TrainBatch, lengths: np.ndarray, micro_batch_size: int, seq_bucket: int, aggregation: str
+    batch: TrainBatch,
+    lengths: np.ndarray,
+    micro_batch_size: int,
+    seq_bucket: int,
+    aggregation: str,
+    scope: str = "mini_batch",
 ) -> SortedMicro:
     """Split a host mini-batch [G, ...] into micro-batches of `micro_batch_size` rows (whole groups, or
     sub-groups: `regroup`), the groups sorted by their longest response (`lengths`: [G * n] response tokens
@@ -244,7 +256,7 @@ def length_sorted_micro(
     order = np.argsort(-lengths, kind="stable")
     k = g * n // micro_batch_size
     groups = order.reshape(k, -1)
-    weights = micro_weights(mask[groups], aggregation)
+    weights = micro_weights(mask[groups], aggregation, scope)
     micro = []
     for idx in groups:
         width = min(round_up(int(lengths[idx].max()), seq_bucket), nb)

@@ -8,16 +8,20 @@ instead keeps generating: each generation batch reads the next `gen_prompts` pro
 (`Task.batch`, so the data position stays one integer and a resumed run reads what an uninterrupted one
 read), is scored, and contributes its groups whose `filter_metric` varies (`group_keep`: VeRL's
 `np.std(...) > 0`) until `prompts` groups are kept; the first `prompts` kept groups, in generation order,
-train. VeRL raises an error when `max_num_gen_batches` batches were not enough; here the step trains on what
-it has, the missing groups filled with dropped ones whose rows are masked out of the loss (static shapes:
-the trainer's programs do not change), and says so in `dynamic_sampling/short_groups`. With one generation
-batch (dynamic sampling off) the step is exactly the batch it generated.
+train. When `max_num_gen_batches` batches were not enough, the step stops with VeRL's error (its DAPO
+recipe, recipe/dapo/dapo_ray_trainer.py: "Generated too many. Please check if your data are too
+difficult."), unless `train_short` (config.rl.train_short_steps, tlt_jax's variant): then the step trains on
+what it has, the missing groups filled with dropped ones whose rows are masked out of the loss (static
+shapes: the trainer's programs do not change), and says so in `dynamic_sampling/short_groups`. With one
+generation batch (dynamic sampling off) the step is exactly the batch it generated.
 
-Filter metrics (VeRL's names): "acc" the verifier's verdict (`RewardResult.correct`), "score" / "seq_reward"
-the reward the advantages use before any KL penalty (verifier score, format bonus and overlong shaping),
-"seq_final_reward" VeRL's reward after a KL penalty in the reward: here the same as "score", and refused
-together with KL in the reward (its reference pass would run over every generation batch, dropped groups
-included; tlt_jax.config_sections.RLSection).
+Filter metrics (VeRL's names): "acc" VeRL's acc (the verdict, or a custom function's number itself:
+`RewardResult.acc_value`), "score" the scorer's own value (`RewardResult.score_value`: before a format bonus
+and overlong shaping, VeRL's reward_extra_info "score"), "seq_reward" the reward the advantages use before
+any KL penalty (score, format bonus and overlong shaping), "seq_final_reward" VeRL's reward after a KL
+penalty in the reward: here the same as "seq_reward", and refused together with KL in the reward (its
+reference pass would run over every generation batch, dropped groups included;
+tlt_jax.config_sections.RLSection).
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ def filter_values(scores: Scores, metric: str) -> np.ndarray:
     if metric not in FILTER_METRICS:
         raise ValueError(f"unknown filter metric {metric!r}; valid: {FILTER_METRICS}")
     if metric == "acc":
-        return np.asarray([r.correct for r in scores.results], np.float64)
+        return np.asarray([r.acc_value for r in scores.results], np.float64)
+    if metric == "score":
+        return np.asarray([r.score_value for r in scores.results], np.float64)
     return np.asarray(scores.rewards, np.float64)
 
 
@@ -134,9 +140,17 @@ class GroupCollector:
     """Collects a step's groups over generation batches: `add` each scored batch, `full` says when to stop
     generating, `samples()` assembles the step (`prompts` groups of `group` rows each)."""
 
-    def __init__(self, prompts: int, group: int, metric: str, max_batches: int, enabled: bool = True):
+    def __init__(
+        self,
+        prompts: int,
+        group: int,
+        metric: str,
+        max_batches: int,
+        enabled: bool = True,
+        train_short: bool = False,
+    ):
         self.prompts, self.group, self.metric = prompts, group, metric
-        self.max_batches, self.enabled = max_batches, enabled
+        self.max_batches, self.enabled, self.train_short = max_batches, enabled, train_short
         self.batches: list[GenBatch] = []
         self.keeps: list[np.ndarray] = []
 
@@ -161,8 +175,17 @@ class GroupCollector:
         return 0 < self.max_batches <= len(self.batches)
 
     def samples(self) -> StepSamples:
-        """The first `prompts` kept groups in generation order, then (when short) dropped ones as fillers."""
+        """The first `prompts` kept groups in generation order, then (when short, with `train_short`) dropped
+        ones as fillers; short without `train_short`: VeRL's error."""
         kept = [(b, g) for b, k in enumerate(self.keeps) for g in np.flatnonzero(k)]
+        if self.enabled and len(kept) < self.prompts and not self.train_short:
+            raise ValueError(
+                f"num_gen_batches={len(self.batches)} >= max_num_gen_batches={self.max_batches}: "
+                f"{len(kept)} of the {self.prompts} groups the step needs were kept. Generated too many. "
+                "Please check if your data are too difficult. You could also try set max_num_gen_batches=0 "
+                "to enable endless trials (VeRL's DAPO recipe); or set config.rl.train_short_steps=True to "
+                "train on the groups kept (the rest masked out of the loss)."
+            )
         dropped = [(b, g) for b, k in enumerate(self.keeps) for g in np.flatnonzero(~k)]
         picks = (kept + dropped)[: self.prompts]
         if len(picks) < self.prompts:

@@ -11,11 +11,14 @@ Chen et al.'s unbiased estimator; best@j and maj@j the same expectation), not Ve
 42, through `bootstrap_metric`): no sampling noise, and at j = k the estimators are the plain statistic of
 all k samples (VeRL's best@k at k resamples k with replacement, so it is below the max of the k samples).
 
-maj@j votes with the checker's extracted answer (`RewardResult.extracted`) normalised (`vote_key`: the
-canonical number, else lower-cased text without delimiters); a sample without an answer abstains (a subset
-of abstainers only is wrong). Ties are broken by the answer that appeared first among the k samples (VeRL's
-`calc_maj_val` keeps the first on a tie too: `max` over a dict in insertion order); an answer is correct
-when its first sample was judged correct (VeRL: the first value of the voted answer).
+maj@j votes with what `Task.vote` gives each sample: with task.reward="verl" (task.maj_votes "auto"), VeRL's
+convention (verl/trainer/ppo/metric_utils.py calc_maj_val over the scorer's `pred`): the extracted answer as
+it is, "[INVALID]" a vote like any other; else (maj_votes "normalized", tlt_jax's) the canonical number or the
+lower-cased text without delimiters, equivalent strings merged, and a sample without an answer abstains (a
+subset of abstainers only is wrong). Ties are broken by the answer that appeared first among the k samples
+(VeRL's `calc_maj_val` keeps the first on a tie too: `max` over a dict in insertion order); the voted
+answer's value is its first sample's (VeRL: the first value of the voted answer), its acc (1 / 0, or a custom
+function's number). mean@k is the mean acc (`RewardResult.acc_value`), pass@j counts full credit (acc >= 1).
 
 Speed (`SpeedTally`), from the evaluation's rollouts: decode seconds, SD's share of them, accept length,
 tokens per second; with the paired plain pass (`config.eval.plain_baseline`) the speed-up measured on the
@@ -31,7 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tlt_jax.rollout.types import Rollout, RolloutStats
-from tlt_jax.tasks.answers import normalize_number, normalize_text
+from tlt_jax.tasks.base import normalized_vote
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -56,10 +59,8 @@ def best_at_k(rewards: Sequence[float], k: int) -> float:
 
 def vote_key(extracted: str | None) -> str | None:
     """The answer a sample votes for: the canonical number ("0.5" for "\\frac{1}{2}"), else the normalised
-    text; None (abstains) without an extracted answer."""
-    if extracted is None or not extracted.strip():
-        return None
-    return normalize_number(extracted) or normalize_text(extracted)
+    text; None (abstains) without an extracted answer (tlt_jax.tasks.base.normalized_vote)."""
+    return normalized_vote(extracted)
 
 
 def _truncated_product(a: list[int], b: list[int], degree: int) -> list[int]:
@@ -88,9 +89,10 @@ def _ways_not_beaten(counts: list[int], a: int, t: int, m: int, abstain: int) ->
     return poly[m] if m < len(poly) else 0
 
 
-def maj_at_k(votes: Sequence[str | None], correct: Sequence[bool], k: int) -> float:
-    """P(the majority answer of k of the n samples, drawn without replacement, is correct): exact, by
-    counting the subsets each correct answer wins (the module docstring has the voting rules)."""
+def maj_at_k(votes: Sequence[str | None], correct: Sequence[float], k: int) -> float:
+    """E[the value of the majority answer of k of the n samples, drawn without replacement] (`correct`: each
+    sample's value, 1 / 0 or partial credit; an answer's value is its first sample's): exact, by counting the
+    subsets each answer wins (the module docstring has the voting rules)."""
     n = len(votes)
     if not 0 < k <= n or len(correct) != n:
         raise ValueError(f"maj@k needs 0 < k <= n and a verdict per vote, got n={n}, k={k}, {len(correct)}")
@@ -100,12 +102,16 @@ def maj_at_k(votes: Sequence[str | None], correct: Sequence[bool], k: int) -> fl
             answers.setdefault(v, i)
     counts = [sum(v == answer for v in votes) for answer in answers]
     abstain = n - sum(counts)
-    ways = 0
+    total = 0.0
     for a, first in enumerate(answers.values()):
-        if correct[first]:  # the answer's verdict: its first sample's
-            for t in range(1, min(counts[a], k) + 1):
-                ways += math.comb(counts[a], t) * _ways_not_beaten(counts, a, t, k - t, abstain)
-    return ways / math.comb(n, k)
+        value = float(correct[first])  # the answer's value: its first sample's
+        if value:
+            ways = sum(
+                math.comb(counts[a], t) * _ways_not_beaten(counts, a, t, k - t, abstain)
+                for t in range(1, min(counts[a], k) + 1)
+            )
+            total += value * ways
+    return total / math.comb(n, k)
 
 
 def sub_ks(k: int) -> list[int]:
@@ -128,7 +134,7 @@ def sample_metrics(
             f"sample_metrics: correct {correct.shape}, rewards {rewards.shape}, votes {len(votes)}"
         )
     out = {f"mean@{k}": float(correct.mean()), "reward_mean": float(rewards.mean())}
-    counts = correct.sum(axis=1)
+    counts = (np.asarray(correct, np.float64) >= 1.0).sum(axis=1)  # full credit
     for j in sub_ks(k):
         out[f"pass@{j}"] = float(np.mean([pass_at_k(k, int(c), j) for c in counts]))
         out[f"maj@{j}"] = float(np.mean([maj_at_k(v, c, j) for v, c in zip(votes, correct, strict=True)]))

@@ -43,7 +43,7 @@ from tlt_jax.config_schema import GrpoConfig
 from tlt_jax.config_sections import SET_SAMPLING_KEYS, EvalConfig
 from tlt_jax.models.build import TextCodec
 from tlt_jax.rl.eval_decoding import EvalDecoding
-from tlt_jax.rl.eval_metrics import sample_metrics, vote_key
+from tlt_jax.rl.eval_metrics import sample_metrics
 from tlt_jax.rl.prompt_budget import fit_to_rollout
 from tlt_jax.rl.reward import score_texts
 from tlt_jax.rl.rollout import PromptEncoder
@@ -219,9 +219,9 @@ class SetEval:
             scored = _score(s.task, problems, rollout, self.tokenizer)
             results = [scored[i] for i in order]
             shape = (len(problems), s.samples)
-            correct.append(np.asarray([r.correct for r in results]).reshape(shape))
+            correct.append(np.asarray([r.acc_value for r in results]).reshape(shape))  # VeRL's acc
             rewards.append(np.asarray([r.reward for r in results], np.float64).reshape(shape))
-            keys = [vote_key(r.extracted) for r in results]
+            keys = [s.task.vote(r) for r in results]  # task.maj_votes: VeRL's with reward=verl
             votes += [keys[i : i + s.samples] for i in range(0, len(keys), s.samples)]
             lengths += [int(rollout.lengths[i]) for i in order]
             truncated += [rollout.finish_reason[i] == "length" for i in order]

@@ -134,9 +134,18 @@ def _seq_mean_token_sum_norm(loss_bt: jax.Array, mask_bt: jax.Array, max_len: in
     return jnp.sum(loss_bt * mask_bt) / (loss_bt.shape[0] * norm)
 
 
+def _seq_mean_token_sum(loss_bt: jax.Array, mask_bt: jax.Array, max_len: int | None) -> jax.Array:
+    # VeRL's "seq-mean-token-sum" (core_algos.agg_loss): each sequence's token sum, then the mean over the
+    # sequences with tokens; a long sequence weighs more (no length normalisation at all)
+    del max_len
+    has_tokens = (jnp.sum(mask_bt, axis=-1) > 0).astype(loss_bt.dtype)
+    return jnp.sum(loss_bt * mask_bt) / jnp.maximum(jnp.sum(has_tokens), 1.0)
+
+
 LOSS_AGGREGATIONS: dict[str, Callable[[jax.Array, jax.Array, int | None], jax.Array]] = {
     "token_mean": _token_mean,
     "seq_mean_token_mean": _seq_mean_token_mean,
+    "seq_mean_token_sum": _seq_mean_token_sum,
     "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
 }
 
@@ -148,6 +157,7 @@ def aggregate_loss(
 
     "token_mean": sum over all valid tokens / their count (DAPO token-level).
     "seq_mean_token_mean": per-sequence token mean, then mean over sequences with tokens (GRPO).
+    "seq_mean_token_sum": per-sequence token sum, then mean over sequences with tokens (VeRL's).
     "seq_mean_token_sum_norm": sum over tokens / (B * max_len) (Dr.GRPO; max_len defaults to T).
     Empty masks give 0.
     """
@@ -244,10 +254,21 @@ def low_var_kl(logp_bt: jax.Array, ref_logp_bt: jax.Array) -> jax.Array:
     return jnp.clip(kl, -_KL_VALUE_CLAMP, _KL_VALUE_CLAMP)
 
 
+def _straight_through(forward: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable:
+    """VeRL 0.9.1's "<name>+" (core_algos.kl_penalty): the value of `forward`, the gradient of k2
+    ((logp - ref)^2 / 2, whose expected gradient is the KL's; k1's and k3's are not)."""
+
+    def estimate(logp: jax.Array, ref: jax.Array) -> jax.Array:
+        k2 = _k2(logp, ref)
+        return k2 - jax.lax.stop_gradient(k2) + jax.lax.stop_gradient(forward(logp, ref))
+
+    return estimate
+
+
 # VeRL's kl_penalty names (verl/trainer/ppo/core_algos.py kl_penalty_forward; http://joschu.net/blog/kl-approx.html):
 # only low_var_kl is clamped (VeRL clamps no other). "full" (the exact KL over the vocabulary) is not here:
-# VeRL raises NotImplementedError on it too.
-KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+# VeRL raises NotImplementedError on it too. A "+" suffix (VeRL 0.9.1) keeps the value, takes k2's gradient.
+_KL_BASE: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
     "kl": _k1,
     "k1": _k1,
     "abs": _abs,
@@ -256,12 +277,16 @@ KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
     "low_var_kl": low_var_kl,
     "k3": low_var_kl,
 }
+KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+    **_KL_BASE,
+    **{f"{name}+": fn if fn is _k2 else _straight_through(fn) for name, fn in _KL_BASE.items()},
+}
 
 
 def kl_estimate(logp_bt: jax.Array, ref_logp_bt: jax.Array, estimator: str = "low_var_kl") -> jax.Array:
     """Per-token estimate of KL(policy || ref) from the sampled tokens' log-probs, by VeRL's name: "kl"/"k1"
     logp - ref (unbiased, can be negative), "abs" |logp - ref|, "mse"/"k2" (logp - ref)^2 / 2, "low_var_kl"/
-    "k3" (`low_var_kl`). `estimator` is static under jit."""
+    "k3" (`low_var_kl`); with a "+" suffix, that value with k2's gradient. `estimator` is static under jit."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; valid: {sorted(KL_ESTIMATORS)}")
     chex.assert_equal_shape([logp_bt, ref_logp_bt])

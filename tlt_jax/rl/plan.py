@@ -36,6 +36,8 @@ class StepPlan:
     rollout_is: str = "none"  # != "none": the batch carries the rollout's log-probs (tlt_jax.rl.losses)
     reward_kl: KLInReward = KLInReward()  # VeRL's KL in the reward (off by default)
     loss_agg: str = "seq_mean_token_mean"
+    loss_agg_scope: str = "mini_batch"  # the aggregation's counts: the mini-batch's or each micro-batch's
+    train_short: bool = False  # at max_gen_batches with too few groups: train on them (else VeRL's error)
     seq_bucket: int = 16  # trainer columns are rounded up to multiples of this
     max_response: int | None = None  # the rollout's max_new_tokens (the widest response column count)
     optim: OptimConfig = OptimConfig()  # the policy optimizer's settings (its schedule: the optim/lr metric)
@@ -81,6 +83,8 @@ class StepPlan:
             rollout_is=rl.rollout_is,
             reward_kl=KLInReward.from_section(rl),
             loss_agg=rl.loss_agg,
+            loss_agg_scope=rl.loss_agg_scope,
+            train_short=rl.train_short_steps,
             seq_bucket=job.trainer.seq_bucket,
             max_response=job.rollout.max_new_tokens,
             optim=optim_config(job),

@@ -91,7 +91,7 @@ def update_policy(
         rows = (groups[:, None] * plan.group + np.arange(plan.group)).reshape(-1)
         mini = select_groups(batch, groups)
         parts = length_sorted_micro(
-            mini, lengths[rows], trainer.micro_batch_size, plan.seq_bucket, plan.loss_agg
+            mini, lengths[rows], trainer.micro_batch_size, plan.seq_bucket, plan.loss_agg, plan.loss_agg_scope
         )
         if parts.weights.sum() == 0:
             skipped += 1

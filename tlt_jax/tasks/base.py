@@ -14,6 +14,21 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from tlt_jax.tasks.answers import normalize_number, normalize_text
+
+# maj@k's votes (Task.vote): auto (verl with task.reward="verl", else normalized) | verl | normalized
+MAJ_VOTES = ("auto", "verl", "normalized")
+VERL_NO_ANSWER = "[INVALID]"  # VeRL's pred without an answer (math_dapo.py is_correct_minerva)
+
+
+def normalized_vote(extracted: str | None) -> str | None:
+    """tlt_jax's maj@k vote: the canonical number ("0.5" for "\\frac{1}{2}"), else the normalised text;
+    None (abstains) without an extracted answer."""
+    if extracted is None or not extracted.strip():
+        return None
+    return normalize_number(extracted) or normalize_text(extracted)
+
+
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. You solve problems by reasoning step by step."
 DEFAULT_INSTRUCTION = (
     "Think step by step. Then give the final answer on the last line in the form 'Answer: <value>'."
@@ -170,6 +185,17 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def score(self, problem: Problem, response_text: str) -> RewardResult:
         """Score one decoded response (deterministic)."""
+
+    maj_votes = "normalized"  # how a sample votes in maj@k (`vote`; MAJ_VOTES)
+
+    def vote(self, result: RewardResult) -> str | None:
+        """What a scored sample votes for in maj@k: "verl" (VeRL's convention, calc_maj_val over the scorer's
+        `pred`): the extracted answer as it is, "[INVALID]" without one (a vote like any other);
+        "normalized" (tlt_jax's): the canonical number, else the normalised text, equivalent strings merged,
+        and a sample without an answer abstains (None)."""
+        if self.maj_votes == "verl":
+            return VERL_NO_ANSWER if result.extracted is None else result.extracted
+        return normalized_vote(result.extracted)
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         """Chat messages for one problem (default: `build_messages` with the default prompts)."""

@@ -30,7 +30,15 @@ from typing import Any
 from absl import logging
 
 from tlt_jax.tasks.answers import last_boxed
-from tlt_jax.tasks.base import ChatTokenizer, Problem, PromptLimit, PromptTokenizer, RewardResult, Task
+from tlt_jax.tasks.base import (
+    MAJ_VOTES,
+    ChatTokenizer,
+    Problem,
+    PromptLimit,
+    PromptTokenizer,
+    RewardResult,
+    Task,
+)
 from tlt_jax.tasks.prompts import NONE, encode_prompt, prompt_messages, prompt_text, resolve_prompt
 from tlt_jax.tasks.rewards import ReferenceScorer
 from tlt_jax.tasks.verl_routing import check_sources
@@ -233,20 +241,20 @@ def _load(
 
 
 def repeats_note(problems: Sequence[Problem]) -> str:
-    """What to know when rows repeat (the same prompt and answer), or "": DAPO's AIME-2024 file holds each of
-    its 30 problems 32 times, so that one sample per row (VeRL's val_kwargs.n=1) is 32 samples per problem;
-    n samples per row then generate n x 32."""
+    """What to know when a file is its problems copied (every problem at least twice, as DAPO's AIME-2024
+    file holds each of its 30 problems 32 times so that one sample per row, VeRL's val_kwargs.n=1, is 32 per
+    problem), or "": n samples per row are then n x the copies per problem."""
     counts = Counter(
         (p.question, tuple(tuple(m.items()) for m in p.messages or ()), p.answer) for p in problems
     )
-    if len(counts) == len(problems):
+    least, most = min(counts.values()), max(counts.values())
+    if least < 2:
         return ""
-    copies = sorted(Counter(counts.values()).items())
-    shape = ", ".join(f"{k} problems x {c}" for c, k in copies)
+    copies = f"{least}" if least == most else f"{least} to {most}"
     return (
-        f"{len(problems)} rows hold {len(counts)} distinct problems ({shape} copies): every row is sampled, "
-        "so n samples per row are n x the copies per problem (DAPO's AIME file repeats each problem 32 times "
-        "and VeRL evaluates it with val_kwargs.n=1); set the eval set's n=1 or deduplicate the file"
+        f"{len(problems)} rows hold {len(counts)} distinct problems, each {copies} times: every row is "
+        f"sampled, so n samples per row are n x {copies} per problem (DAPO's AIME file repeats each problem "
+        "32 times and VeRL evaluates it with val_kwargs.n=1); set the eval set's samples=1 or deduplicate it"
     )
 
 
@@ -336,6 +344,7 @@ class FileTask(Task):
         truncation: str = "error",
         reward_kwargs: dict | None = None,
         custom_acc: str = "score",
+        maj_votes: str = "auto",
     ) -> None:
         super().__init__(seed, shuffle)
         if max_rows < 0:
@@ -363,6 +372,9 @@ class FileTask(Task):
             reward_kwargs,
             custom_acc,
         )
+        if maj_votes not in MAJ_VOTES:
+            raise ValueError(f"config.task.maj_votes={maj_votes!r}: use one of {list(MAJ_VOTES)}")
+        self.maj_votes = ("verl" if reward == "verl" else "normalized") if maj_votes == "auto" else maj_votes
         if reward == "verl":
             check_sources(Counter(p.entry["data_source"] for p in self.problems))
 
