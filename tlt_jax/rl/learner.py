@@ -233,7 +233,11 @@ class Learner:
         and spot trainer, and its time goes to the step's rollout, spot and reward parts."""
         plan, position, params = self.plan, self.data_position, None
         groups = GroupCollector(
-            plan.prompts, plan.group, plan.filter_metric, plan.max_gen_batches, plan.dynamic_sampling,
+            plan.prompts,
+            plan.group,
+            plan.filter_metric,
+            plan.max_gen_batches,
+            plan.dynamic_sampling,
             train_short=plan.train_short,
         )
         while not groups.full:
