@@ -43,6 +43,7 @@ from tlt_jax.drafter.packing import PackedBatch
 from tlt_jax.models.build import model_config_from
 from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import config_drafter_spec, drafter_from_spec, spec_aux_layers, states_width
 from tlt_jax.models.llama import Transformer
 from tlt_jax.models.random_init import abstract_params, bytes_per_device
 from tlt_jax.rl import trainer as rtr
@@ -93,16 +94,23 @@ class AbstractModels:
     params: Any
     dgraphdef: Any
     dparams: Any
+    aux_layers: tuple[int, ...] = ()  # EAGLE-3: the target states the drafter reads (and the rollout records)
 
 
-def abstract_models(cfg: ModelConfig, mesh: Any, layers: int | None = None) -> AbstractModels:
-    """The target of `cfg` (with `layers` decoder layers if given) and its drafter, nothing materialised;
-    `mesh` may be an `AbstractMesh` (resident-state accounting for meshes larger than this machine's)."""
+def abstract_models(
+    cfg: ModelConfig, mesh: Any, layers: int | None = None, spec: Mapping[str, Any] | None = None
+) -> AbstractModels:
+    """The target of `cfg` (with `layers` decoder layers if given) and its drafter (`spec`: a
+    `config_drafter_spec`, EAGLE-1 by default; EAGLE-3's target also returns its aux layers' states),
+    nothing materialised; `mesh` may be an `AbstractMesh` (resident-state accounting for meshes larger than
+    this machine's)."""
     cfg = cfg if layers is None else cfg.replace(num_layers=layers)
+    aux = spec_aux_layers(spec)
     shard = functools.partial(shd.param_shardings, mesh=mesh)
-    graphdef, params = abstract_params(lambda: Transformer(cfg, nnx.Rngs(0)), shard)
-    dgraphdef, dparams = abstract_params(lambda: Drafter(cfg, nnx.Rngs(1)), shard)
-    return AbstractModels(cfg, graphdef, params, dgraphdef, dparams)
+    graphdef, params = abstract_params(lambda: Transformer(cfg, nnx.Rngs(0), aux_layers=aux), shard)
+    make = lambda: drafter_from_spec(spec or {"arch": "eagle"}, cfg, nnx.Rngs(1))  # noqa: E731
+    dgraphdef, dparams = abstract_params(make, shard)
+    return AbstractModels(cfg, graphdef, params, dgraphdef, dparams, aux)
 
 
 def sds(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -318,7 +326,7 @@ def update_plan(
     """The update's programs compiled at the model's full depth (the trainer's layers under `lax.scan`: no
     per-layer extrapolation) for each response length, the optimizer's apply, and the resident state."""
     cfg = model_config_from(config)
-    am = abstract_models(cfg, mesh)
+    am = abstract_models(cfg, mesh, spec=config_drafter_spec(config, cfg))
     infos = {("update_apply",): compile_update(config, am, mesh, prompt_len, 0)[0]}
     for nb in response_lens:
         infos.update({i.key: i for i in compile_update(config, am, mesh, prompt_len, nb)})
@@ -376,7 +384,7 @@ def compile_drafter_step(config: mlc.ConfigDict, am: AbstractModels, mesh: Mesh)
         return dtr.TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), jax.random.key(0))
 
     state = with_shardings(jax.eval_shape(init, am.dparams), rep)
-    r, s, h = spot.rows, spot.seq_len, am.cfg.hidden_size
+    r, s, h = spot.rows, spot.seq_len, states_width(am.cfg.hidden_size, am.aux_layers)  # [aux ; final]
     batch = PackedBatch(
         tokens=sds((r, s), jnp.int32, rep),
         hidden=sds((r, s, h), jnp.float32, rep),
@@ -398,7 +406,7 @@ def resident(config: mlc.ConfigDict, cfg: Any, mesh: Any) -> dict[str, int]:
     shardings): the engine's weights (bf16, its layout) and drafter, the trainer's float32 masters, AdamW
     moments and (with a KL term) reference weights, the spot trainer's
     drafter state (replicated)."""
-    am = abstract_models(cfg, mesh)
+    am = abstract_models(cfg, mesh, spec=config_drafter_spec(config, cfg))
     t = abstract_trainer(config, am, mesh)
     masters, opt = t.params, t.opt_state
     embed = jax.tree.leaves(am.params["embed"])

@@ -51,6 +51,7 @@ from tlt_jax import config_schema
 from tlt_jax import memory_plan as mpp
 from tlt_jax import sharding as shd
 from tlt_jax.models.config import ModelConfig, tiny_config
+from tlt_jax.models.eagle3 import config_drafter_spec, spec_aux_layers, states_width
 from tlt_jax.models.llama import Transformer
 from tlt_jax.models.random_init import bytes_per_device
 from tlt_jax.rollout import admission, decode, spmd
@@ -230,7 +231,7 @@ def live_bytes(
 ) -> dict[str, int]:
     """Per-device bytes of what a capped rollout keeps alive beside its programs (eval_shape only): the
     prompt cache (the whole rollout) and the running batch at the cap and the top cache bucket."""
-    am = mpp.abstract_models(cfg, engine.mesh)
+    am = mpp.abstract_models(cfg, engine.mesh, spec=config_drafter_spec(config, cfg))
     sp = config_schema.section(config, "rollout").sampling()
     pc = abstract_prompt_cache(engine, am, int(config.rl.prompts_per_step), shape.prompt_len)
     running = started_state(engine, am, sp, pc, shape.cap * shape.data, shape.top_cache)
@@ -247,7 +248,8 @@ def recorded_bytes_per_row(config: mlc.ConfigDict, cfg: ModelConfig) -> int:
     ro = config_schema.section(config, "rollout")
     if not (ro.record_hidden or config.spot.mode != "off"):
         return 0
-    return admission.hidden_bytes_per_row(ro.hidden_window, ro.max_new_tokens, cfg.hidden_size, cfg.dtype)
+    width = states_width(cfg.hidden_size, spec_aux_layers(config_drafter_spec(config, cfg)))  # EAGLE-3: 4H
+    return admission.hidden_bytes_per_row(ro.hidden_window, ro.max_new_tokens, width, cfg.dtype)
 
 
 def host_hidden(config: mlc.ConfigDict, cfg: ModelConfig, shape: RolloutShape) -> dict[str, float]:
@@ -264,12 +266,13 @@ def hidden_line(config: mlc.ConfigDict, cfg: ModelConfig, shape: RolloutShape, l
     """The recorded hidden states of the running batch in words: per row and per device at the cap, at the
     configured `rollout.hidden_window` and, for scale, at 512 tokens and at the whole response."""
     ro = config_schema.section(config, "rollout")
-    per_row = lambda w: admission.hidden_bytes_per_row(w, ro.max_new_tokens, cfg.hidden_size, cfg.dtype)  # noqa: E731
+    width = states_width(cfg.hidden_size, spec_aux_layers(config_drafter_spec(config, cfg)))
+    per_row = lambda w: admission.hidden_bytes_per_row(w, ro.max_new_tokens, width, cfg.dtype)  # noqa: E731
     at = lambda w: f"{per_row(w) / 2**20:.1f} MiB per row, {shape.cap * per_row(w) / GIB:.2f} GiB"  # noqa: E731
     host = host_hidden(config, cfg, shape)
     return (
         f"recorded hidden states (rollout.hidden_window={ro.hidden_window} of {ro.max_new_tokens} response "
-        f"tokens, span {ro.hidden_span}, hidden {cfg.hidden_size}, {cfg.dtype}): {at(ro.hidden_window)} per "
+        f"tokens, span {ro.hidden_span}, {width} values per token, {cfg.dtype}): {at(ro.hidden_window)} per "
         f"device at the cap of {shape.cap} rows (compiled: {live['recorded_hidden'] / GIB:.2f} GiB, part of "
         f"the running batch; counted in the cap); at 512: {at(512)}; the whole response: "
         f"{at(ro.max_new_tokens)}; host per process: <= {host['harvest']:.2f} GiB per harvest (streamed; "
@@ -362,5 +365,5 @@ def compile_all(
     config: mlc.ConfigDict, engine: RolloutEngine, cfg: ModelConfig, shape: RolloutShape, keys: list[tuple]
 ) -> dict[tuple, ProgramInfo]:
     """Every program of `keys` for the target of `cfg` on the engine's mesh."""
-    am = mpp.abstract_models(cfg, engine.mesh)
+    am = mpp.abstract_models(cfg, engine.mesh, spec=config_drafter_spec(config, cfg))
     return {k: compile_rollout_program(k, config, engine, am, shape) for k in keys}

@@ -205,6 +205,22 @@ def drafter_from_spec(spec: Mapping[str, Any], target_cfg: ModelConfig, rngs: nn
     )
 
 
+def config_drafter_spec(config: Mapping[str, Any], target_cfg: ModelConfig) -> dict[str, Any]:
+    """The drafter spec a run config asks for (`config.drafter.arch` / `aux_layers`; EAGLE-1 when the config
+    has no such keys), EAGLE-3's capture points resolved for `target_cfg`: what the memory plans size."""
+    section = config.get("drafter") if hasattr(config, "get") else None
+    arch = str(section.get("arch", "eagle")) if section is not None else "eagle"
+    if arch != "eagle3":
+        return {"arch": arch}
+    aux = tuple(section.get("aux_layers", ()) or ()) or default_aux_layers(target_cfg.num_layers)
+    return {"arch": "eagle3", "aux_layers": list(check_aux_layers(target_cfg, aux))}
+
+
+def spec_aux_layers(spec: Mapping[str, Any] | None) -> tuple[int, ...]:
+    """The target capture points a drafter spec reads (none for EAGLE-1)."""
+    return tuple((spec or {}).get("aux_layers") or ())
+
+
 def states_width(hidden_size: int, aux_layers: tuple[int, ...]) -> int:
     """Width of one token's drafter states (`ModelOutput.drafter_states`): H, or (K + 1) H with K aux layers:
     what the recorded spans, the spot trainer's buffer and the memory plans hold per token."""
