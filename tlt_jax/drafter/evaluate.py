@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tlt_jax.drafter.chain import ChainContext, shift_by, shift_left, take_rows
-from tlt_jax.drafter.loss import head_logits
+from tlt_jax.drafter.chain import ChainContext, draft_logits, shift_by, shift_left, take_rows
+from tlt_jax.drafter.loss import final_state, head_logits
 from tlt_jax.drafter.packing import (
     DrafterSample,
     EagleInputs,
@@ -59,7 +59,7 @@ from tlt_jax.drafter.packing import (
     pack_samples,
     to_device,
 )
-from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import AnyDrafter
 from tlt_jax.rollout.sampling import SamplingParams, target_probs
 
 
@@ -88,7 +88,7 @@ def _eval_index(batch: PackedBatch, depth: int, positions_per_row: int | None) -
 
 
 def draft_chains(
-    drafter: Drafter,
+    drafter: AnyDrafter,
     batch: PackedBatch,
     embed_w: jax.Array,
     head_w: jax.Array,
@@ -108,7 +108,7 @@ def draft_chains(
 
 
 def sampled_acceptance(
-    drafter: Drafter,
+    drafter: AnyDrafter,
     batch: PackedBatch,
     embed_w: jax.Array,
     head_w: jax.Array,
@@ -130,17 +130,22 @@ def sampled_acceptance(
     return _sampled_alphas(ctx, e, batch, idx, head_w, depth, sp, draft_vocab), sel
 
 
-def _context(drafter: Drafter, batch: PackedBatch, embed_w: jax.Array) -> tuple[ChainContext, EagleInputs]:
+def _context(drafter: AnyDrafter, batch: PackedBatch, embed_w: jax.Array) -> tuple[ChainContext, EagleInputs]:
     e = eagle_inputs(batch)
     return ChainContext(drafter, embed_w, e.next_tokens, e.hidden_in, e.positions, e.mask), e
 
 
-def _greedy_drafts(ctx: ChainContext, idx: jax.Array, head_w: jax.Array, depth: int) -> jax.Array:
-    """[R, P, depth] argmax drafts; each draft is also the next step's input token (one head per step)."""
+def _greedy_drafts(
+    ctx: ChainContext, idx: jax.Array, head_w: jax.Array, depth: int, draft_vocab: jax.Array | None = None
+) -> jax.Array:
+    """[R, P, depth] argmax drafts; each draft is also the next step's input token (one head per step).
+    EAGLE-3 drafts with its own head, whose columns are the `draft_vocab` tokens (all of them without it)."""
     drafts: list[jax.Array] = []
+    own = ctx.drafter.arch == "eagle3"
 
     def argmax_next(_: int, h: jax.Array) -> jax.Array:
-        drafts.append(jnp.argmax(head_logits(h, head_w), axis=-1).astype(jnp.int32))
+        col = jnp.argmax(draft_logits(ctx.drafter, h, head_w), axis=-1).astype(jnp.int32)
+        drafts.append(draft_vocab[col] if own and draft_vocab is not None else col)
         return drafts[-1]
 
     argmax_next(depth, ctx.steps(idx, depth, argmax_next)[-1])
@@ -160,19 +165,19 @@ def _sampled_alphas(
     """[R, P, depth] per-step 1 - TV(p, q) along the true continuation (see `sampled_acceptance`)."""
     feats = ctx.teacher_forced(e.next_tokens, idx, depth)
     head_q = head_w if draft_vocab is None else head_w[draft_vocab]
-    hidden = batch.hidden.astype(jnp.float32)
+    hidden = final_state(batch.hidden.astype(jnp.float32), ctx.drafter)
     alphas = []
     for j, h in enumerate(feats, start=1):
         p = target_probs(head_logits(take_rows(shift_by(hidden, j, 0.0), idx), head_w), sp)
         if draft_vocab is not None:
             p = p[..., draft_vocab]
-        q = target_probs(head_logits(h, head_q), sp)
+        q = target_probs(draft_logits(ctx.drafter, h, head_q), sp)
         alphas.append(jnp.sum(jnp.minimum(p, q), axis=-1))
     return jnp.stack(alphas, axis=-1)
 
 
 def acceptance_counts(
-    drafter: Drafter,
+    drafter: AnyDrafter,
     batch: PackedBatch,
     embed_w: jax.Array,
     head_w: jax.Array,
@@ -192,8 +197,9 @@ def acceptance_counts(
         raise ValueError(f"depth must be >= 1, got {depth}")
     ctx, e = _context(drafter, batch, embed_w)  # step 1 and the context keys, shared by both estimates
     idx, sel = _eval_index(batch, depth, positions_per_row)
-    drafts = _greedy_drafts(ctx, idx, head_w, depth)
-    greedy = jnp.argmax(head_logits(batch.hidden.astype(jnp.float32), head_w), axis=-1).astype(jnp.int32)
+    drafts = _greedy_drafts(ctx, idx, head_w, depth, draft_vocab)
+    final = final_state(batch.hidden.astype(jnp.float32), drafter)
+    greedy = jnp.argmax(head_logits(final, head_w), axis=-1).astype(jnp.int32)
     targets = jnp.stack([take_rows(shift_by(greedy, j, -1), idx) for j in range(1, depth + 1)], axis=-1)
     run = jnp.cumprod((drafts == targets).astype(jnp.int32), axis=-1)  # all of 1..j accepted
     accepted = jnp.sum(run, axis=-1)
@@ -351,7 +357,7 @@ def summarize(totals: dict[str, Any], depth: int) -> AcceptanceResult:
 
 
 def evaluate_acceptance(
-    drafter: Drafter,
+    drafter: AnyDrafter,
     samples: Sequence[DrafterSample],
     embed_w: jax.Array,
     head_w: jax.Array,

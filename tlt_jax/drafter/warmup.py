@@ -54,8 +54,8 @@ from tlt_jax.drafter.warmup_data import PhaseTimes, build_data, write_json
 from tlt_jax.models.build import TextCodec, build_model_and_tokenizer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.models.eagle3 import AnyDrafter, drafter_from_spec
-from tlt_jax.models.llama import Transformer
+from tlt_jax.models.eagle3 import AnyDrafter, default_aux_layers, drafter_from_spec, drafter_spec
+from tlt_jax.models.llama import Transformer, with_aux_layers
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.utils.checkpoint import Checkpointer, SaveInfo
 from tlt_jax.utils.drafter_checkpoint import DrafterCheckpointer
@@ -90,11 +90,18 @@ def target_weights(target: Transformer) -> tuple[jax.Array, jax.Array]:
 # Drafter init / save / load
 
 
-def init_drafter(target: Transformer, seed: int) -> Drafter:
+def init_drafter(
+    target: Transformer, seed: int, arch: str = "eagle", draft_vocab: np.ndarray | None = None
+) -> AnyDrafter:
     """A new (randomly initialised, as in EAGLE) drafter for `target`. Measured on SmolLM2: copying the
     target's last decoder layer into it instead trains far worse (accept length 1.12 vs 1.55 after 100
-    steps), since that layer expects the un-normalised residual stream, not fc(embedding, final feature)."""
-    return Drafter(target.cfg, nnx.Rngs(params=seed))
+    steps), since that layer expects the un-normalised residual stream, not fc(embedding, final feature).
+    arch "eagle3": its head over `draft_vocab` (all tokens without it), reading `target.aux_layers`."""
+    if arch == "eagle":
+        return Drafter(target.cfg, nnx.Rngs(params=seed))
+    spec = {"arch": arch, "aux_layers": list(target.aux_layers)}
+    spec["draft_vocab_size"] = None if draft_vocab is None else len(draft_vocab)
+    return drafter_from_spec(spec, target.cfg, nnx.Rngs(params=seed))
 
 
 def drafter_params_dict(params: nnx.State) -> dict[str, Any]:
@@ -192,7 +199,7 @@ def train(
     tx, sched = optimizer_from_config(dataclasses.asdict(tc))
     loss_cfg = loss_config(tc, train_samples)
     trainer = DrafterTrainer(tx, loss_cfg, seed=job.run.seed)
-    state = trainer.init_state(init_drafter(target, job.run.seed))
+    state = trainer.init_state(init_drafter(target, job.run.seed, job.run.arch, draft_vocab))
     ckpt = Checkpointer(workdir / TRAIN_STATE_DIR, max_to_keep=1)
     start = ckpt.latest_step() or 0
     if start:
@@ -204,7 +211,8 @@ def train(
         ckpt.close()
         return trainer.graphdef, state, stats
     embed_w, head_w = target_weights(target)
-    if draft_vocab is not None and tc.ce_draft_vocab:
+    own_head = job.run.arch == "eagle3"  # EAGLE-3's CE is always over its own head's vocabulary
+    if draft_vocab is not None and (tc.ce_draft_vocab or own_head):
         head_w = head_w[jnp.asarray(draft_vocab, jnp.int32)]
     _log(
         f"training: max_loss_tokens={loss_cfg.max_loss_tokens}, ce_tokens={loss_cfg.ce_tokens} per step of "
@@ -410,6 +418,9 @@ def _load_target(job: WarmupConfig, times: PhaseTimes) -> tuple[Transformer, Tex
     """Phase 1: the target model and its tokenizer (timed as `load_target`)."""
     t0 = time.perf_counter()
     target, tokenizer = build_target(job)
+    if job.run.arch == "eagle3":  # the data records the target's [aux layers ; final] states
+        n = target.cfg.num_layers
+        with_aux_layers(target, tuple(job.run.aux_layers) or default_aux_layers(n))
     times.add("load_target", time.perf_counter() - t0)
     _log(
         f"target: {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}, "
@@ -440,7 +451,7 @@ def _evaluator(
 ) -> tuple[AcceptanceEvaluator, nnx.State]:
     """The acceptance evaluator of `config.drafter_eval` and the untrained drafter's params. Its sampled
     acceptance uses the data's sampling settings (what rejection-sampled chains in rollouts get)."""
-    drafter0 = init_drafter(target, job.run.seed)
+    drafter0 = init_drafter(target, job.run.seed, job.run.arch, draft_vocab)
     graphdef, params0 = nnx.split(drafter0, nnx.Param)
     ec = job.drafter_eval
     eval_sp = SamplingParams(temperature=float(ec.temperature), top_p=job.generation.top_p)
@@ -502,6 +513,7 @@ def _eval_after_and_save(
         drafter_params_dict(state.params),
         meta={
             "target": dataclasses.asdict(target.cfg),
+            "drafter": drafter_spec(nnx.merge(evaluator.graphdef, state.params)),
             "accept_length": after.accept_length,
             "depth": after.depth,
         },

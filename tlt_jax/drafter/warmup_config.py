@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import ml_collections as mlc
 
 from tlt_jax.config_sections import MeshSection, ModelSection
+from tlt_jax.models.eagle3 import DRAFTER_ARCHS
 from tlt_jax.tasks.datasets import FILE_KINDS, TASK_KINDS, check_task_config
 from tlt_jax.utils.config_checks import Section
 
@@ -25,16 +26,23 @@ def _at_least(section: str, obj: object, keys: tuple[str, ...], low: int = 1) ->
 @dataclasses.dataclass(frozen=True)
 class WarmupRunSection(Section):
     """The warm-up job's top-level keys. draft_vocab_size: the drafter head's reduced vocabulary (the most
-    frequent generated tokens, `tlt_jax.drafter.draft_vocab`; 0: the full vocabulary)."""
+    frequent generated tokens, `tlt_jax.drafter.draft_vocab`; 0: the full vocabulary). arch: the drafter
+    warmed up, "eagle" (EAGLE-1) or "eagle3" (its own head over that vocabulary, reading the target's states
+    at `aux_layers`, capture points in [0, L]; empty: EAGLE-3's (2, L // 2, L - 3))."""
 
     job: str = "drafter_warmup"
     seed: int = 0
     multiprocess: bool = False
     compilation_cache_dir: str = "auto"  # the persistent XLA cache (utils.compile_stats.resolve_cache_dir)
     draft_vocab_size: int = 8192
+    arch: str = "eagle"
+    aux_layers: tuple[int, ...] = ()
 
     def problems(self) -> list[str]:
-        return _at_least("", self, ("draft_vocab_size",), 0)
+        out = _at_least("", self, ("draft_vocab_size",), 0)
+        if self.arch not in DRAFTER_ARCHS:
+            out.append(f"config.arch={self.arch!r}: use one of {DRAFTER_ARCHS}.")
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,7 +115,7 @@ def make_hidden_fn(target: Transformer) -> HiddenFn:
     def fwd(params, tokens, positions, seg, branch):  # noqa: ANN001, ANN202
         model = nnx.merge(graphdef, params)
         mask = shared_prefix_mask(seg, branch)
-        return model(tokens, positions, None, mask, compute_logits=False).hidden
+        return model(tokens, positions, None, mask, compute_logits=False).drafter_states  # EAGLE-3: 4H
 
     return lambda tokens, positions, seg, branch: fwd(params, tokens, positions, seg, branch)
 
