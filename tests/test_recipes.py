@@ -30,7 +30,8 @@ def test_dapo_recipe_has_verls_hyper_parameters(tmp_path, scale, prompts, gen, m
     assert ro.max_cache_len - ro.max_new_tokens == 2048  # VeRL's max_prompt_length
     assert (rl.lr, rl.weight_decay, rl.grad_clip, rl.warmup_steps) == (1e-6, 0.1, 1.0, 10 * minis)
     assert (job.task["reward"], job.task["reward_scale"], job.task["kind"]) == ("verl", "verl", "parquet")
-    assert (ev.samples, ev.temperature, ev.top_p, ev.every, ev.before_train) == (32, 1.0, 0.7, 5, True)
+    # one sample per row: DAPO's AIME file repeats each problem 32 times (VeRL's val_kwargs.n=1)
+    assert (ev.samples, ev.temperature, ev.top_p, ev.every, ev.before_train) == (1, 1.0, 0.7, 5, True)
     assert (job.drafter.kind, job.spot.mode, job.bandit.algorithm) == ("auto", "idle_devices", "beg_mab")
     with pytest.raises(ValueError, match="scale='huge'"):
         config_lib.load_config_file(RECIPE, "scale=huge")

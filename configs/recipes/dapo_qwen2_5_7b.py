@@ -11,7 +11,10 @@ verdict (up to 10 generation batches of 3x the step's prompts), DAPO's overlong 
 20,480 response tokens, penalty 1), rewards routed by each row's `data_source` on VeRL's scale
 (`math_dapo` -> DAPO's check, -1 / +1), AdamW lr 1e-6 (10 steps of warm-up), weight decay 0.1, grad clip 1,
 prompts up to 2,048 tokens (longer ones filtered out at load, counted in the log), evaluation before training
-and every 5 steps at T 1.0 / top-p 0.7, 32 samples per problem (mean@32, pass@k, maj@k, best@k). TLT is on
+and every 5 steps at T 1.0 / top-p 0.7, ONE sample per row, as VeRL's val_kwargs.n=1: DAPO's AIME-2024 file
+(BytedTsinghua-SIA/AIME-2024) holds each of its 30 problems 32 times, so its 960 rows are already avg@32
+(loading it says so); for a deduplicated file ask for 32: `evals=aime24@/data/aime.parquet@samples=32`.
+TLT is on
 (`config_lib.paper_tlt`): speculative rollouts with the drafter of `drafter_path` (n-gram until one is given),
 the spot trainer on idle data groups, BEG-MAB; the evaluations decode with speculation too.
 
@@ -38,7 +41,8 @@ def get_config(arg: str | None = None):
     c.rollout.hidden_window = 8192
     prompts, mini = SCALES[arg.scale]
     c.rl.prompts_per_step, c.rl.mini_batches = prompts, prompts // mini  # VeRL: ppo_mini_batch_size=32
-    config_lib.dapo_algorithm(c, samples=16, overlong_buffer=OVERLONG, eval_samples=32)
+    # eval_samples=1: VeRL's val_kwargs.n=1 on DAPO's AIME file of 32 copies per problem (docstring)
+    config_lib.dapo_algorithm(c, samples=16, overlong_buffer=OVERLONG, eval_samples=1)
     c.rollout.max_new_tokens = MAX_RESPONSE
     c.rollout.max_cache_len = MAX_RESPONSE + MAX_PROMPT  # VeRL: data.max_prompt_length=2048
     c.rl.lr, c.rl.weight_decay, c.rl.grad_clip = 1e-6, 0.1, 1.0

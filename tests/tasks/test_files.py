@@ -204,3 +204,16 @@ def test_write_parquet_makes_verl_rows(tmp_path) -> None:
     p = task.problem(0)
     assert p.entry["data_source"] == "math_dapo" and task.score(p, f"Answer: {p.answer}").reward == 1.0
     assert task.score(p, "Answer: none").reward == -1.0
+
+
+def test_a_file_of_copied_problems_says_so(tmp_path, caplog) -> None:
+    """DAPO's AIME file holds each problem 32 times (VeRL evaluates it with val_kwargs.n=1): loading a file
+    whose every problem repeats says so, with the fix; a file with one accidental repeat says nothing."""
+    rows = [{"question": f"{i} + 1?", "answer": str(i + 1)} for i in range(3)] * 4
+    path = write_jsonl(tmp_path / "copies.jsonl", rows)
+    with caplog.at_level("WARNING"):
+        task = make_task(task_config("jsonl", path=str(path)))
+    assert len(task) == 12
+    assert "12 rows hold 3 distinct problems, each 4 times" in caplog.text and "samples=1" in caplog.text
+    assert files.repeats_note([task.problem(i) for i in range(12)]) in caplog.text
+    assert files.repeats_note([task.problem(i) for i in (0, 1, 2, 3)]) == ""  # one repeat: nothing
