@@ -38,6 +38,8 @@ Args (`configs/tlt.py:drafter=ngram,steps=10,seed=0`):
            ngram, none
   drafter_path: the EAGLE warm-up workdir (default workdirs/drafter_tlt; create it with
            `python -m tlt_jax.main --config configs/drafter_warmup.py:tlt --workdir workdirs/drafter_tlt`)
+  drafter_arch: eagle (EAGLE-1, the default) or eagle3 (EAGLE-3: the spot trainer's drafter, and a warmed one
+           from `configs/drafter_warmup.py:tlt --config.arch=eagle3 --workdir DIR`, drafter_path=DIR)
   spot: between_chunks (default), idle_devices (needs --config.mesh.data >= 2), after_rollout, off
   bandit: beg_mab (default), egreedy, ucb1, sglang, threshold, fixed, off (SpecConfig's threshold switch)
   steps, seed, quick (3 steps of 4 prompts x 4: the e2e benchmark's --quick).
@@ -86,6 +88,7 @@ def get_config(arg: str | None = None):
         data="",
         eval_data="",
         dapo=False,
+        drafter_arch="eagle",
     )
     c = config_schema.base_config()
     c.seed = arg.seed
@@ -111,6 +114,7 @@ def get_config(arg: str | None = None):
 
     c.drafter.kind = arg.drafter
     c.drafter.path = arg.drafter_path
+    c.drafter.arch = arg.drafter_arch  # eagle3: EAGLE-3 (tlt_jax.models.eagle3) at SmolLM2's layers 2, 15, 27
     c.drafter.min_accept_len = 1.05  # n-gram drafts here accept ~1.2, a warmed EAGLE chain ~2.5
     # SD on once at most `threshold` rows run: on this CPU a verify round costs 1.1-1.6 decode steps at
     # batch 1-2 but several at batch 8 (docs/benchmarks.md), so SD pays only at the very end of the tail

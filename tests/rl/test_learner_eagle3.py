@@ -16,7 +16,7 @@ from flax import nnx
 from tlt_jax import config_lib
 from tlt_jax.drafter.draft_vocab import FILENAME as VOCAB_FILE
 from tlt_jax.models.config import tiny_config
-from tlt_jax.models.eagle3 import Eagle3Drafter, drafter_spec
+from tlt_jax.models.eagle3 import Eagle3Drafter, config_drafter_spec, drafter_spec
 from tlt_jax.rl import config as rl_config
 from tlt_jax.rl.learner import Learner
 from tlt_jax.rl.speculation import ResolvedDrafter
@@ -128,3 +128,18 @@ def test_arch_mismatch_and_a_fresh_eagle3_for_the_spot_trainer(tmp_path) -> None
     c.drafter.arch = "eagle4"
     with pytest.raises(ValueError, match="config.drafter.arch='eagle4'"):
         rl_config.validate_grpo(c)
+
+
+def test_make_run_config_family_takes_eagle3() -> None:
+    """`configs/tlt.py:drafter_arch=eagle3` (make run's config) validates; its plans read SmolLM2's EAGLE-3
+    capture points (30 layers: 2, 15, 27)."""
+    c = config_lib.load_config_file(CONFIGS / "tlt.py", "drafter_arch=eagle3,drafter=ngram")
+    job = rl_config.validate_grpo(c)
+    assert job.drafter.arch == "eagle3"
+    smollm = tiny_config(num_layers=30)
+    assert config_drafter_spec(c, smollm) == {"arch": "eagle3", "aux_layers": [2, 15, 27]}
+    assert engine_drafter(ResolvedDrafter("ngram"), job.spot, smollm, 0, job.drafter).aux_layers == (
+        2,
+        15,
+        27,
+    )
