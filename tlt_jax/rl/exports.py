@@ -179,6 +179,9 @@ def drafter_exports(
     "drafter_vllm"; none without a drafter."""
     if params is None:
         return {}
+    if "lm_head" in params:  # an EAGLE-3 drafter (its own head): no serving layout written for it yet
+        logging.warning("the EAGLE-3 drafter is not exported (SGLang's / vLLM's EAGLE-3 layouts: issue 55)")
+        return {}
     out = {"drafter": to_eagle(params, cfg, draft_vocab, engine="sglang")}
     if draft_vocab is None:
         out["drafter_vllm"] = to_eagle(params, cfg, None, engine="vllm")
