@@ -42,14 +42,16 @@ fi
 if [ "${FAKE_SRUN_WAIT:-0}" = 1 ]; then
   trap 'echo TERM > "$FAKE_LOG/srun.term"' TERM
   echo started > "$FAKE_LOG/srun.started"
-  while [ ! -e "$FAKE_LOG/tasks.term" ]; do sleep 0.05; done
-  exit 75
+  for _ in $(seq 400); do [ -e "$FAKE_LOG/tasks.term" ] && exit 75; sleep 0.05; done
+  exit 1  # 20 s without the tasks' TERM
 fi
 exit "${FAKE_SRUN_RC:-0}"
 """
+# FAKE_SCANCEL_RC=1: it fails, as the real one does for a job SLURM is ending ("Invalid job id specified")
 FAKE_SCANCEL = """#!/bin/bash
 printf '%s ' "$@" >> "$FAKE_LOG/scancel"
 touch "$FAKE_LOG/tasks.term"
+exit "${FAKE_SCANCEL_RC:-0}"
 """
 # `show job`: the state FAKE_STATE / FAKE_RESTARTS (slow with FAKE_TERM_AFTER, so the TERM lands meanwhile)
 FAKE_SCONTROL = """#!/bin/bash
@@ -187,7 +189,7 @@ def test_sigterm_to_the_batch_shell_reaches_the_tasks_not_srun_and_requeues(tmp_
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=20)
+    out, err = proc.communicate(timeout=40)
     assert proc.returncode == 75, err
     assert not (log / "srun.term").exists(), "srun got the TERM: it would kill the tasks"
     assert (log / "scancel").read_text().split() == ["--signal=TERM", "303"]
@@ -223,9 +225,10 @@ def test_the_requeue_follows_the_exit_status_and_the_job_state(tmp_path, case, r
 
 
 def test_a_term_after_srun_exits_is_harmless(tmp_path: pathlib.Path) -> None:
-    """A TERM that reaches the shell after srun has exited (here while it reads the job's state) must not end
-    the shell under `set -e` before its decision: the stopped run is still requeued, with srun's status."""
-    proc = _submit(tmp_path, 505, RECIPE, FAKE_SRUN_RC="75", FAKE_TERM_AFTER="1")
+    """A TERM that reaches the shell after srun has exited (here while it reads the job's state; scancel
+    failing, as for a job SLURM is ending) must not end the shell under `set -e` before its decision: the
+    stopped run is still requeued, with srun's status."""
+    proc = _submit(tmp_path, 505, RECIPE, FAKE_SRUN_RC="75", FAKE_TERM_AFTER="1", FAKE_SCANCEL_RC="1")
     out, err = proc.communicate(timeout=30)
     assert (tmp_path / "log505" / "asked").exists()
     assert proc.returncode == 75, (out, err)

@@ -168,7 +168,15 @@ class Cluster:
         return "\n".join(parts)
 
     def stop(self, grace: float = 10) -> None:
-        """TERM each daemon this object started (slurmd first), KILL what is left after `grace` s."""
+        """Cancel every job (KILL) and wait for them, TERM each daemon this object started (slurmd first),
+        KILL what is left after `grace` s; then KILL any process still running under this cluster's conf
+        (a job's slurmstepd, srun or task that outlived the daemons: they carry SLURM_CONF)."""
+        if "slurmctld" in self.pids and alive(self.pids["slurmctld"]):
+            self.run("scancel", "--signal=KILL", "--full", "--user=root", check=False)
+            self.run("scancel", "--user=root", check=False)
+            deadline = time.monotonic() + 20
+            while self.run("squeue", "-h", check=False).stdout.strip() and time.monotonic() < deadline:
+                time.sleep(0.3)
         for name in reversed(DAEMONS):
             pid = self.pids.get(name)
             if pid is not None and alive(pid):
@@ -183,7 +191,24 @@ class Cluster:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
             reap(pid)
+        for pid in processes_with_env("SLURM_CONF", self.env["SLURM_CONF"]):
+            os.kill(pid, signal.SIGKILL)
         (self.root / PID_FILE).unlink(missing_ok=True)
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """The pids (not this process) whose environment has name=value."""
+    found = []
+    for p in pathlib.Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            env = (p / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"{name}={value}".encode() in env:
+            found.append(int(p.name))
+    return found
 
 
 def alive(pid: int) -> bool:

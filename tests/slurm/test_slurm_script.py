@@ -161,7 +161,7 @@ def stop_requeued(slurm: Cluster, job_id: int, log: pathlib.Path, n: int, how: l
     point and exit 75; the shell requeues the job and launch n + 1 starts."""
     restarts = int(job(slurm, job_id)["Restarts"])
     slurm.run("scancel", *how, "--signal=TERM", str(job_id))
-    wait(f"launch {n + 1}", lambda: len(launches(log)) > n, 180, slurm, log)
+    wait(f"launch {n + 1}", lambda: len(launches(log)) > n or ended(slurm, job_id), 180, slurm, log)
     text = launches(log)[n - 1]
     assert (TERM_LINE in text) == ("--batch" in how), text[-4000:]
     assert len(RECEIVED.findall(text)) == 2, f"each of the 2 tasks must get the TERM:\n{text[-6000:]}"
@@ -213,7 +213,7 @@ def test_interrupted_every_way_resumes_equal_to_the_uninterrupted_run(
     # SLURM requeues the job itself (a preemption with PreemptMode=REQUEUE does the same)
     running_launch(slurm, job_id, log, 4)
     slurm.run("scontrol", "requeue", str(job_id))
-    wait("launch 5", lambda: len(launches(log)) > 4, 180, slurm, log)
+    wait("launch 5", lambda: len(launches(log)) > 4 or ended(slurm, job_id), 180, slurm, log)
     assert job(slurm, job_id)["Restarts"] == "2"
     assert "requeueing job" not in launches(log)[3], "SLURM requeued it already"
 
