@@ -10,7 +10,6 @@ over the model axis and never gathers one whole inside.
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.drafter.test_spot_trainer import SPOT, leaves
+from tests.drafter.test_spot_trainer import SPOT, assert_tick_gathers_no_split_param, leaves
 from tlt_jax import sharding as shd
 from tlt_jax.drafter import trainer as tr
 from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer
@@ -116,24 +115,9 @@ def replay_on_one_device(spot: SpotTrainer, state: tr.TrainState, ticks: list) -
     return state
 
 
-def gathered_param_shapes(eng: RolloutEngine) -> tuple[set[str], str]:
-    """(HLO shapes "f32[a,b]" of the params that the model axis splits, the compiled tick's HLO text)."""
-    ticks = [p for k, p in eng.programs._programs.items() if k[0] == "tick"]  # the compiled programs
-    assert ticks, "no fused tick program"
-    compiled = ticks[-1]
-    want = shd.param_shardings(eng.params, eng.mesh)
-    got = compiled.input_shardings[0][0]  # the params argument
-    split = set()
-    for p, w, g in zip(leaves(eng.params), jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-        assert g.is_equivalent_to(w, p.ndim), (g, w)
-        if "model" in jax.tree.leaves(tuple(w.spec)):
-            split.add(f"{p.dtype.name.replace('float', 'f')}[{','.join(map(str, p.shape))}]")
-    return split, compiled.as_text()
-
-
 @pytest.mark.slow
 @pytest.mark.devices(8)
-@pytest.mark.extended  # make test: the idle-device spot trainer on a data mesh (test_spot_trainer.py)
+@pytest.mark.extended  # make test: the idle-device spot trainer on a 4 x 2 mesh (test_spot_trainer.py)
 @pytest.mark.parametrize(("data", "tp"), [(2, 4), (4, 2)])
 def test_idle_groups_train_while_tensor_parallel_groups_decode(model: Transformer, data: int, tp: int):
     eng = tp_engine(model, data, tp)
@@ -156,8 +140,4 @@ def test_idle_groups_train_while_tensor_parallel_groups_decode(model: Transforme
         moved = max(moved, float(np.abs(b - s).max()))
     assert moved > 100 * ATOL, moved
     # (c) the tick takes the params model-sharded and no collective rebuilds a whole one
-    split, hlo = gathered_param_shapes(eng)
-    assert split, "no param is split over the model axis"
-    results = [line.split(" all-gather(")[0] for line in hlo.splitlines() if " all-gather(" in line]
-    gathered = {shape for r in results for shape in re.findall(r"\w+\[[\d,]*\]", r)}  # tuples too
-    assert not split & gathered, (split, gathered)
+    assert_tick_gathers_no_split_param(eng)

@@ -1,12 +1,17 @@
 """The spot trainer (tlt_jax/drafter/spot_trainer.py) on 8 fake CPU devices and on one device.
 
-idle_devices: 16 rows over 8 data shards (2 each), sampled at T = 1 with 20 EOS ids, so rows end at different
-steps and shards go idle one by one while others still decode. Each fused tick must train on exactly the
-idle shards (their own gradient non-zero, the busy shards' exactly zero), leave the decode results equal to
-a rollout without the spot trainer, stop when the rollout ends, and compile nothing new in a second rollout.
+idle_devices: 16 rows over a data x model mesh of 4 x 2 (tensor parallelism, the paper's mode: 4 rows per
+data group of 2 devices), sampled at T = 1 with 20 EOS ids, so rows end at different steps and groups go
+idle one by one while others still decode. Each fused tick must train on exactly the idle groups (their own
+gradient non-zero, the busy groups' exactly zero), take the policy's params split over the model axis and
+gather none whole, leave the decode results equal to a rollout without the spot trainer, stop when the
+rollout ends, and compile nothing new in a second rollout. A data-only mesh across two processes:
+tests/test_multiprocess_peers.py; 2 x 4 and 4 x 2 against one device: test_spot_tensor_parallel.py.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -50,11 +55,11 @@ def model():
     return Transformer(tiny_config("llama"), nnx.Rngs(0))
 
 
-def engine(model, data: int) -> RolloutEngine:
+def engine(model, data: int, tp: int = 1) -> RolloutEngine:
     cfg = EngineConfig(
         max_new_tokens=24, max_cache_len=96, chunk_steps=2, min_cache_bucket=16, record_hidden=True
     )
-    mesh = shd.make_mesh(data, 1, jax.devices()[:data])
+    mesh = shd.make_mesh(data, tp, jax.devices()[: data * tp])
     return RolloutEngine(model, cfg, eos_ids=EOS, mesh=mesh, drafter=Drafter(model.cfg, nnx.Rngs(1)))
 
 
@@ -62,9 +67,33 @@ def leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+def gathered_param_shapes(eng: RolloutEngine) -> tuple[set[str], str]:
+    """(HLO shapes "f32[a,b]" of the params that the model axis splits, the compiled tick's HLO text)."""
+    ticks = [p for k, p in eng.programs._programs.items() if k[0] == "tick"]  # the compiled programs
+    assert ticks, "no fused tick program"
+    compiled = ticks[-1]
+    want = shd.param_shardings(eng.params, eng.mesh)
+    got = compiled.input_shardings[0][0]  # the params argument
+    split = set()
+    for p, w, g in zip(leaves(eng.params), jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        assert g.is_equivalent_to(w, p.ndim), (g, w)
+        if "model" in jax.tree.leaves(tuple(w.spec)):
+            split.add(f"{p.dtype.name.replace('float', 'f')}[{','.join(map(str, p.shape))}]")
+    return split, compiled.as_text()
+
+
+def assert_tick_gathers_no_split_param(eng: RolloutEngine) -> None:
+    """The fused tick takes the params model-sharded and no all-gather in it rebuilds a whole one."""
+    split, hlo = gathered_param_shapes(eng)
+    assert split, "no param is split over the model axis"
+    results = [line.split(" all-gather(")[0] for line in hlo.splitlines() if " all-gather(" in line]
+    gathered = {shape for r in results for shape in re.findall(r"\w+\[[\d,]*\]", r)}  # tuples too
+    assert not split & gathered, (split, gathered)
+
+
 @pytest.mark.devices(8)
 def test_idle_devices_train_busy_devices_decode_unchanged(model):
-    eng = engine(model, 8)
+    eng = engine(model, 4, tp=2)
     reference = eng.generate(PROMPTS, n=4, key=jax.random.key(3), sampling=SP)
     spot = SpotTrainer(SpotConfig(mode="idle_devices", **SPOT), Drafter(model.cfg, nnx.Rngs(1)), eng)
     ticks: list[tuple[tuple[int, ...], np.ndarray]] = []
@@ -102,6 +131,7 @@ def test_idle_devices_train_busy_devices_decode_unchanged(model):
     assert any(np.abs(a - b).max() > 0 for a, b in zip(before, leaves(spot.params), strict=True))
     steps_at_end = int(spot.state.step)
     assert views.views[-1].live_rows == 0
+    assert_tick_gathers_no_split_param(eng)
     m = spot.metrics()
     assert m["spot/idle_device_s"] > 0 and m["spot/used_device_s"] > 0 and m["spot/trained_tokens"] > 0
     # used is counted over the same devices and chunks as the idle time on offer, so it cannot exceed it
