@@ -63,6 +63,10 @@ class LossConfig:
     true next one (teacher forcing: an accepted draft is a target sample); see `chain_step_losses`. Without
     it the drafter only ever sees target features and its acceptance falls off after the first draft. Each
     step runs at `ttt_positions` random loss positions per row and its loss is weighted ttt_weight^(j-1).
+    topk / w_topk: HASS's harmonised objective distillation (Zhang et al., 2024): beside the soft CE, the CE
+    restricted to the target's `topk` most likely tokens, -sum_{x in top-k(p)} p(x) log q(x), weighted
+    w_topk, at step 1 and every chain step (0: off). With `ttt_steps` (HASS's harmonised context alignment:
+    later steps on the drafter's own features) it is HASS's loss; either architecture takes it.
     """
 
     w_feat: float = 0.5
@@ -74,6 +78,8 @@ class LossConfig:
     ttt_steps: int = 0
     ttt_positions: int = 64
     ttt_weight: float = 1.0
+    topk: int = 0
+    w_topk: float = 1.0
 
 
 def head_logits(hidden: jax.Array, head_w: jax.Array) -> jax.Array:
@@ -93,6 +99,7 @@ def per_pair_losses(
     feature_noise: float = 0.0,
     ttt_steps: int = 0,
     ttt_positions: int = 64,
+    topk: int = 0,
 ) -> dict[str, jax.Array]:
     """Per-pair losses of a packed batch.
 
@@ -147,8 +154,9 @@ def per_pair_losses(
         h_ce, t_ce, ce_valid = h_flat[pick], t_flat[pick], v_flat[pick]
         n_drawn = jnp.sum(ce_valid.astype(jnp.float32))
         ce_weight = jnp.sum(v_flat.astype(jnp.float32)) / jnp.maximum(n_drawn, 1.0)
-    ce, top1 = _soft_ce(drafter, h_ce, t_ce, head_w)
+    ce, top1, ce_k = _soft_ce(drafter, h_ce, t_ce, head_w, topk)
     out = {
+        "ce_topk": ce_k,
         "feat": feat,
         "valid": valid,
         "ce": ce,
@@ -158,7 +166,7 @@ def per_pair_losses(
         "dropped": dropped,
     }
     if ttt_steps > 0:
-        out["chain"] = chain_step_losses(ctx, e, head_w, ttt_steps, ttt_positions, key_ttt, beta)
+        out["chain"] = chain_step_losses(ctx, e, head_w, ttt_steps, ttt_positions, key_ttt, beta, topk)
     return out
 
 
@@ -176,14 +184,21 @@ def _feature_loss(drafter: AnyDrafter, h_draft: jax.Array, target: jax.Array, be
 
 
 def _soft_ce(
-    drafter: AnyDrafter, h_draft: jax.Array, target: jax.Array, head_w: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Soft cross-entropy of the drafter's distribution against the target's, and top-1 agreement."""
+    drafter: AnyDrafter, h_draft: jax.Array, target: jax.Array, head_w: jax.Array, topk: int = 0
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Soft cross-entropy of the drafter's distribution against the target's, top-1 agreement and HASS's
+    top-K distillation term -sum_{x in top-k(p)} p(x) log q(x) (zeros when topk is 0)."""
     t_logits = jax.lax.stop_gradient(head_logits(target, head_w))
     d_logits = draft_logits(drafter, h_draft.astype(jnp.float32), head_w)
     p = jax.nn.softmax(t_logits, axis=-1)
-    ce = -jnp.sum(p * jax.nn.log_softmax(d_logits, axis=-1), axis=-1)
-    return ce, jnp.argmax(d_logits, axis=-1) == jnp.argmax(t_logits, axis=-1)
+    logq = jax.nn.log_softmax(d_logits, axis=-1)
+    ce = -jnp.sum(p * logq, axis=-1)
+    if topk > 0:
+        p_k, idx = jax.lax.top_k(p, min(topk, p.shape[-1]))
+        ce_k = -jnp.sum(p_k * jnp.take_along_axis(logq, idx, axis=-1), axis=-1)
+    else:
+        ce_k = jnp.zeros_like(ce)
+    return ce, jnp.argmax(d_logits, axis=-1) == jnp.argmax(t_logits, axis=-1), ce_k
 
 
 def chain_step_losses(
@@ -194,6 +209,7 @@ def chain_step_losses(
     positions_per_row: int,
     key: jax.Array,
     beta: float = 1.0,
+    topk: int = 0,
 ) -> list[dict[str, jax.Array]]:
     """Losses of chain steps 2..steps + 1 (the training-time test) at random loss positions of each row.
 
@@ -220,9 +236,9 @@ def chain_step_losses(
     for j, h in enumerate(feats, start=2):
         target = take_rows(shift_by(final_state(e.hidden_target, ctx.drafter), j - 1, 0.0), idx)
         valid = sel & take_rows(shift_by(e.valid, j - 1, False), idx)
-        ce, top1 = _soft_ce(ctx.drafter, h, target, head_w)
+        ce, top1, ce_k = _soft_ce(ctx.drafter, h, target, head_w, topk)
         feat = _feature_loss(ctx.drafter, h, target, beta)
-        out.append({"feat": feat, "ce": ce, "top1": top1, "valid": valid, "weight": weight})
+        out.append({"feat": feat, "ce": ce, "ce_topk": ce_k, "top1": top1, "valid": valid, "weight": weight})
     return out
 
 
@@ -252,10 +268,13 @@ def loss_sums(
         loss_cfg.feature_noise,
         loss_cfg.ttt_steps,
         loss_cfg.ttt_positions,
+        loss_cfg.topk,
     )
     valid, ce_valid = t["valid"].astype(jnp.float32), t["ce_valid"].astype(jnp.float32)
     feat_sum, ce_sum = jnp.sum(t["feat"] * valid), jnp.sum(t["ce"] * ce_valid)
-    total = loss_cfg.w_feat * feat_sum + loss_cfg.w_ce * t["ce_weight"] * ce_sum
+    topk_sum = jnp.sum(t["ce_topk"] * ce_valid)
+    ce_terms = loss_cfg.w_ce * ce_sum + loss_cfg.w_topk * topk_sum
+    total = loss_cfg.w_feat * feat_sum + t["ce_weight"] * ce_terms
     metrics = {
         "num_tokens": jnp.sum(valid),
         "feat_sum": feat_sum,
@@ -266,12 +285,14 @@ def loss_sums(
     }
     for j, c in enumerate(t.get("chain", []), start=2):
         v = c["valid"].astype(jnp.float32)
-        per_pos = loss_cfg.w_feat * c["feat"] + loss_cfg.w_ce * c["ce"]
+        per_pos = loss_cfg.w_feat * c["feat"] + loss_cfg.w_ce * c["ce"] + loss_cfg.w_topk * c["ce_topk"]
         total = total + loss_cfg.ttt_weight ** (j - 1) * jnp.sum(c["weight"] * v * per_pos)
         metrics[f"feat_sum_step{j}"] = jnp.sum(c["feat"] * v)
         metrics[f"ce_sum_step{j}"] = jnp.sum(c["ce"] * v)
         metrics[f"top1_sum_step{j}"] = jnp.sum(c["top1"] * v)
         metrics[f"count_step{j}"] = jnp.sum(v)
+    if loss_cfg.topk > 0:
+        metrics["topk_sum"] = topk_sum
     metrics["loss_sum"] = total
     return total, metrics
 
@@ -288,6 +309,7 @@ def normalize_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         "loss": div("loss_sum", "num_tokens"),
         "feat_loss": div("feat_sum", "num_tokens"),
         "ce": div("ce_sum", "ce_count"),
+        **({"ce_topk": div("topk_sum", "ce_count")} if "topk_sum" in sums else {}),
         "top1_acc": div("top1_sum", "ce_count"),
         "num_tokens": jnp.asarray(sums["num_tokens"], jnp.float32),
         "dropped_tokens": jnp.asarray(sums["dropped_tokens"], jnp.float32),

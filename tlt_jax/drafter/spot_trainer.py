@@ -73,7 +73,8 @@ class SpotConfig:
 
     rows x (context + window): one packed micro-batch; `micro_steps` of them per idle device per tick.
     The optimizer is AdamW with a constant learning rate (online training has no horizon); the loss uses
-    the paper's online weights 0.5 / 0.5 and the training-time test of the warm-up (`ttt_steps`).
+    the paper's online weights 0.5 / 0.5 and the training-time test of the warm-up (`ttt_steps`); `topk` >
+    0 adds HASS's top-K distillation (weight `w_topk`, `loss.LossConfig`).
     """
 
     mode: str = "off"
@@ -94,6 +95,8 @@ class SpotConfig:
     ce_tokens: int = 256
     ttt_steps: int = 2
     ttt_positions: int = 64
+    topk: int = 0
+    w_topk: float = 1.0
     eval_samples: int = 8
     seed: int = 0
 
@@ -117,6 +120,8 @@ class SpotConfig:
             ce_tokens=self.ce_tokens or None,
             ttt_steps=self.ttt_steps,
             ttt_positions=self.ttt_positions,
+            topk=self.topk,
+            w_topk=self.w_topk,
         )
 
     def optimizer(self) -> optax.GradientTransformation:

@@ -177,6 +177,8 @@ def loss_config(train_cfg: WarmupTrainSection, samples: Sequence[DrafterSample])
         ttt_steps=tc.ttt_steps,
         ttt_positions=tc.ttt_positions,
         ttt_weight=tc.ttt_weight,
+        topk=tc.topk,
+        w_topk=tc.w_topk,
     )
 
 

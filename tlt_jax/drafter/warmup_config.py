@@ -120,7 +120,8 @@ class WarmupTrainSection(Section):
     max_loss_tokens: the LM head is computed only at this many loss positions per step (-1: sized from the
     data, 0: all); ce_tokens: the soft CE on that many random loss positions (0: all). ttt_*: training-time
     test (EAGLE-3 / HASS), chain steps 2..ttt_steps + 1 on the drafter's own features. ce_draft_vocab: the
-    soft CE over the draft vocabulary only (the head the engine drafts with)."""
+    soft CE over the draft vocabulary only (the head the engine drafts with). topk > 0: HASS's top-K
+    distillation beside it (weight w_topk; `loss.LossConfig`)."""
 
     steps: int = 400
     lr: float = 1e-3
@@ -139,6 +140,8 @@ class WarmupTrainSection(Section):
     ttt_steps: int = 2
     ttt_positions: int = 64
     ttt_weight: float = 1.0
+    topk: int = 0
+    w_topk: float = 1.0
     ce_draft_vocab: bool = True
     b1: float = 0.9
     b2: float = 0.95
@@ -147,7 +150,7 @@ class WarmupTrainSection(Section):
 
     def problems(self) -> list[str]:
         out = _at_least("train", self, ("steps", "rows", "seq_len", "log_every", "checkpoint_every"))
-        out += _at_least("train", self, ("warmup", "ce_tokens", "ttt_steps"), 0)
+        out += _at_least("train", self, ("warmup", "ce_tokens", "ttt_steps", "topk"), 0)
         if self.lr <= 0:
             out.append(f"config.train.lr={self.lr}: must be > 0.")
         return out
