@@ -120,3 +120,26 @@ def test_generation_keys() -> None:
     np.testing.assert_array_equal(jax.random.key_data(first), jax.random.key_data(jax.random.fold_in(key, 0)))
     later = [jax.random.key_data(generation_key(key, i)) for i in (1, 2)]
     assert not np.array_equal(later[0], later[1]) and not np.array_equal(later[0], jax.random.key_data(first))
+
+
+def test_filter_metrics_read_verls_score_and_acc() -> None:
+    """VeRL's filter metrics (recipe/dapo's `metric_vals = batch.non_tensor_batch[metric_name]`): "score"
+    the scorer's own value (reward_extra_info["score"]: no format bonus, no overlong term), "seq_reward" the
+    reward with the overlong term, "acc" VeRL's acc (a custom function's number: partial credit varies a
+    group)."""
+    b = gen_batch("x", [[0, 0], [0, 0]], [[0.0, 0.0], [0.0, 0.0]], 4)
+    results = [
+        RewardResult(-0.5, False, True, "1", score=-1.0),  # group 0: the same score, a format bonus on one
+        RewardResult(-1.0, False, False, "2", score=-1.0),
+        RewardResult(0.5, False, False, None, score=0.5, acc=0.5),  # group 1: partial credit, 0.5 and 0.25
+        RewardResult(0.25, False, False, None, score=0.25, acc=0.25),
+    ]
+    overlong = np.asarray([0.0, 0.0, -0.1, 0.0], np.float32)
+    rewards = np.asarray([r.reward for r in results], np.float32) + overlong
+    scores = Scores(b.scores.texts[:4], results, rewards, overlong)
+    np.testing.assert_array_equal(filter_values(scores, "score"), [-1.0, -1.0, 0.5, 0.25])
+    np.testing.assert_allclose(filter_values(scores, "seq_reward"), rewards)
+    np.testing.assert_array_equal(filter_values(scores, "acc"), [0.0, 0.0, 0.5, 0.25])
+    np.testing.assert_array_equal(group_keep(filter_values(scores, "score"), 2), [False, True])
+    np.testing.assert_array_equal(group_keep(filter_values(scores, "seq_reward"), 2), [True, True])
+    np.testing.assert_array_equal(group_keep(filter_values(scores, "acc"), 2), [False, True])
