@@ -55,8 +55,8 @@ def test_suffix_automaton_counts_and_longest_match_against_brute_force() -> None
 
 
 def _store(**kw) -> tuple[HistoryStore, list[int]]:
-    """Prompt 1 2 3 with responses 4 5 6 7 | 4 5 6 8 | 4 5 9."""
-    store = HistoryStore(HistoryParams(max_match=8, **kw))
+    """Prompt 1 2 3, responses 4 5 6 7 | 4 5 6 8 | 4 5 9; SuffixDecoding's serving defaults unless `kw`."""
+    store = HistoryStore(HistoryParams(max_match=8, **{"spec_factor": 1.0, "min_prob": 0.1, **kw}))
     prompt = [1, 2, 3]
     for r in ([4, 5, 6, 7], [4, 5, 6, 8], [4, 5, 9]):
         store.add(prompt, r)

@@ -130,8 +130,8 @@ class SpecConfig:
     ngram_min: int = 1
     ngram_siblings: int = 16
     history_max_match: int = 32
-    history_spec_factor: float = 1.0
-    history_min_prob: float = 0.1
+    history_spec_factor: float = 4.0
+    history_min_prob: float = 0.0
     history_max_prompt_tokens: int = 65_536
     history_max_tokens: int = 4_194_304
     acceptance: str = "coupled"
