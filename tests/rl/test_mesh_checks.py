@@ -50,3 +50,23 @@ def test_kv_heads_read_from_every_model_source(tmp_path, smollm_gguf_path) -> No
     assert model_kv_heads(c) == 3
     c.model.path = str(tmp_path / "missing.gguf")  # the model's own checks name it; this one is silent
     assert model_kv_heads(c) is None and layout_problems(c) == []
+
+
+def test_a_model_source_that_cannot_be_read_is_a_named_problem_not_a_pass(tmp_path) -> None:
+    """The check never switches itself off: a config.json without a head count, broken JSON or a file that
+    is not GGUF is reported with the file and the fix (before: None, and the deadlocking layout passed)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    c = smoke(kv_heads=4, model=4)
+    c.model.path, c.model.random = str(hf), {}
+    for text in ('{"hidden_size": 64}', "{not json"):
+        (hf / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=r"reading it from .*hf/config.json failed"):
+            model_kv_heads(c)
+        (problem,) = layout_problems(c)
+        assert "config.json failed" in problem and "--config.spot.mode=between_chunks" in problem
+    c.model.path = str(tmp_path / "fake.gguf")
+    (tmp_path / "fake.gguf").write_bytes(b"not a gguf file at all")
+    assert "fake.gguf failed" in layout_problems(c)[0]
+    with pytest.raises(ValueError, match="fake.gguf failed"):
+        rl_config.validate_grpo(c)
