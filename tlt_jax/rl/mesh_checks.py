@@ -53,7 +53,7 @@ def model_kv_heads(config: mlc.ConfigDict, check_paths: bool = True) -> int | No
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(
             f"config.mesh.model={config.mesh.model} with config.spot.mode={config.spot.mode}: checking that "
-            f"the model axis keeps whole KV heads (a split one deadlocks) needs the policy's KV head count, and "
+            "the model axis keeps whole KV heads (a split one deadlocks) needs the policy's KV head count; "
             f"reading it from {source} failed ({type(e).__name__}: {e}). Fix that source, or use "
             "--config.spot.mode=between_chunks (no such check needed)."
         ) from e
