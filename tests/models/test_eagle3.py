@@ -26,7 +26,8 @@ def test_parameters_and_default_layers():
     h = cfg.hidden_size
     assert set(p) == {"fc", "layer", "norm", "lm_head"}  # no embedding: the target's is shared
     assert p["fc"].shape == (h, 3 * h) and p["lm_head"].shape == (40, h)
-    assert p["layer"]["attn"]["qkv"].shape[1] == 2 * h and "qkv_bias" in p["layer"]["attn"]
+    assert p["layer"]["attn"]["qkv"].shape[1] == 2 * h
+    assert "qkv_bias" not in p["layer"]["attn"]  # a Qwen2 target's EAGLE-3 has no biases (SGLang, vLLM)
     assert set(p["layer"]) == {"input_norm", "hidden_norm", "attn", "post_attn_norm", "mlp"}
     with pytest.raises(ValueError, match="need a target of >= 3 layers"):
         Eagle3Drafter(tiny_config(), nnx.Rngs(0))

@@ -145,11 +145,22 @@ def test_make_run_config_family_takes_eagle3() -> None:
     )
 
 
-def test_periodic_export_skips_an_eagle3_drafter() -> None:
-    """`export_every` writes EAGLE-1 drafters in SGLang's / vLLM's layouts; an EAGLE-3 drafter (not in those
-    layouts yet) is left out instead of failing the run at its export step."""
+def test_periodic_export_writes_an_eagle3_drafter_in_the_serving_layout(tmp_path) -> None:
+    """`export_every` writes an EAGLE-3 drafter in the layout SGLang and vLLM read (eagle3_format), which
+    loads back as the same drafter with its capture points and draft vocabulary."""
+    from tlt_jax.drafter.eagle3_format import load_eagle3_drafter
+    from tlt_jax.drafter.eagle_format import fill_eagle_dir
     from tlt_jax.rl.exports import drafter_exports
 
-    cfg = tiny_config(num_layers=4)
-    params = nnx.to_pure_dict(nnx.state(Eagle3Drafter(cfg, nnx.Rngs(0)), nnx.Param))
-    assert drafter_exports(params, cfg, None) == {}
+    cfg = tiny_config(num_layers=8)
+    vocab = np.arange(0, cfg.vocab_size, 4)
+    drafter = Eagle3Drafter(cfg, nnx.Rngs(0), draft_vocab_size=len(vocab))
+    params = jax.device_get(nnx.to_pure_dict(nnx.state(drafter, nnx.Param)))
+    exports = drafter_exports(params, cfg, vocab, drafter.aux_layers)
+    assert set(exports) == {"drafter"}
+    fill_eagle_dir(tmp_path / "d", exports["drafter"])
+    back, got_vocab = load_eagle3_drafter(tmp_path / "d", cfg)
+    assert back.aux_layers == drafter.aux_layers == (2, 4, 5)
+    np.testing.assert_array_equal(got_vocab, vocab)
+    for a, b in zip(jax.tree.leaves(nnx.state(back, nnx.Param)), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

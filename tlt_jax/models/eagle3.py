@@ -73,7 +73,8 @@ class Eagle3Drafter(nnx.Module):
         draft_vocab_size: int | None = None,
         aux_layers: tuple[int, ...] | None = None,
     ):
-        self.cfg = drafter_config(target_cfg)
+        # SGLang's and vLLM's EAGLE-3 layer is Llama's without biases, whatever the target's family
+        self.cfg = drafter_config(target_cfg).replace(qkv_bias=False)
         layers = default_aux_layers(target_cfg.num_layers) if aux_layers is None else aux_layers
         self.aux_layers = check_aux_layers(target_cfg, layers)
         h, k = self.cfg.hidden_size, len(self.aux_layers)

@@ -39,6 +39,7 @@ from flax import nnx
 
 from tlt_jax import sharding as shd
 from tlt_jax.config_schema import GrpoConfig
+from tlt_jax.drafter.eagle3_format import eagle3_export
 from tlt_jax.drafter.eagle_format import EagleExport, fill_eagle_dir, to_eagle
 from tlt_jax.drafter.spot_trainer import SpotTrainer
 from tlt_jax.models.build import TextCodec
@@ -126,7 +127,10 @@ def export_step(learner: ExportSource) -> pathlib.Path | None:
     drafter = host_drafter(learner)
     if not learner.is_main:
         return None
-    exports = drafter_exports(drafter, cfg, learner.rollout_drafter.draft_vocab)
+    vocab = learner.engine.draft_vocab if learner.engine.aux_layers else learner.rollout_drafter.draft_vocab
+    exports = drafter_exports(
+        drafter, cfg, None if vocab is None else np.asarray(vocab), learner.engine.aux_layers
+    )
     provenance = {"workdir": str(pathlib.Path(learner.workdir).resolve()), "step": step}
 
     def fill(tmp: pathlib.Path) -> None:
@@ -173,15 +177,18 @@ def host_drafter(learner: ExportSource) -> dict[str, Any] | None:
 
 
 def drafter_exports(
-    params: Mapping[str, Any] | None, cfg: ModelConfig, draft_vocab: np.ndarray | None
+    params: Mapping[str, Any] | None,
+    cfg: ModelConfig,
+    draft_vocab: np.ndarray | None,
+    aux_layers: tuple[int, ...] = (),
 ) -> dict[str, EagleExport]:
     """The drafter's export folders: "drafter" (SGLang's layout) and, with the full vocabulary,
-    "drafter_vllm"; none without a drafter."""
+    "drafter_vllm"; none without a drafter. An EAGLE-3 drafter (its own head; `aux_layers` its capture
+    points): "drafter" in the EAGLE-3 layout SGLang and vLLM both read (`drafter.eagle3_format`)."""
     if params is None:
         return {}
-    if "lm_head" in params:  # an EAGLE-3 drafter (its own head): no serving layout written for it yet
-        logging.warning("the EAGLE-3 drafter is not exported (SGLang's / vLLM's EAGLE-3 layouts: issue 55)")
-        return {}
+    if "lm_head" in params:
+        return {"drafter": eagle3_export(params, cfg, tuple(aux_layers), draft_vocab)}
     out = {"drafter": to_eagle(params, cfg, draft_vocab, engine="sglang")}
     if draft_vocab is None:
         out["drafter_vllm"] = to_eagle(params, cfg, None, engine="vllm")
