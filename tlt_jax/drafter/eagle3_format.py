@@ -16,8 +16,9 @@ renames `midlayer.` to `layers.0.`):
 config.json: architectures ["LlamaForCausalLMEagle3"], num_hidden_layers 1 (SGLang refuses others),
 draft_vocab_size, tie_word_embeddings false (SGLang: a tied draft would use the embedding as its head),
 the decoder's dims, and `eagle_config.eagle_aux_hidden_state_layer_ids`: the target layers whose OUTPUTS the
-drafter reads (SGLang captures the stream entering layer id + 1: our capture points minus one). Our capture
-point 0 (the embedding itself) has no id there and is refused.
+drafter reads (SGLang captures the stream entering layer id + 1: our capture points minus one), written only
+when they differ from the default (2, L // 2, L - 3) both loaders use without it. Our capture point 0 (the
+embedding itself) has no id there and is refused.
 """
 
 from __future__ import annotations
@@ -116,11 +117,12 @@ def to_eagle3(
         **decoder_fields(cfg.replace(num_layers=1, tie_embeddings=False, architecture="llama"), dtype),
         "draft_vocab_size": vd,
         "target_hidden_size": h,
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": [int(i) - 1 for i in aux_layers],
-            "use_aux_hidden_state": True,
-        },
+        "eagle_config": {"use_aux_hidden_state": True},
     }
+    if cfg.num_layers < 3 or tuple(aux_layers) != default_aux_layers(cfg.num_layers):
+        # SGLang's reading (layer outputs, captured at id + 1); left out for the default capture points,
+        # which both loaders apply when the config names none (vLLM's reading of the ids: not checked here)
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [int(i) - 1 for i in aux_layers]
     return out, config
 
 
