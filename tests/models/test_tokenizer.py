@@ -10,6 +10,7 @@ import jinja2
 import numpy as np
 import pytest
 
+from tests.models.tokenizer_cases import CAPITAL, CONVO, FEATURE_MESSAGES, FEATURE_TEMPLATE, TEXTS
 from tlt_jax.models.gguf import read_gguf
 from tlt_jax.models.tokenizer import (
     BYTE_SPECIAL_TOKENS,
@@ -20,22 +21,11 @@ from tlt_jax.models.tokenizer import (
     tokenizer_from_hf_dir,
 )
 
-transformers = pytest.importorskip("transformers")
-
-TEXTS = [
-    "Hello world",
-    "12345 + 678 = 7023, and 3.14159e-10",
-    "a 1b22 c333 x0",
-    "  leading spaces\tand\ttabs\n\n\nnewlines   ",
-    "héllo wörld — ünïcode 日本語 Ελληνικά 🙂🚀",
-    "<|im_start|>user\nhi<|im_end|>\n",
-    "x<|endoftext|>y<repo_name>z",
-    "don't I'll we're THEY'RE",
-    "def f(x):\n    return x**2  # comment",
-    "",
-    " ",
-]
-CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+# transformers' tokenizer built from the same GGUF, on the cases above: recorded once by
+# tests/recorded/record_smollm2_tokenizer.py (building it takes ~25 s, its GGUF conversion)
+HF = json.loads(
+    (pathlib.Path(__file__).parents[1] / "recorded" / "smollm2_tokenizer.json").read_text("utf-8")
+)
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -50,32 +40,28 @@ def smol_tok(smol_gguf) -> Tokenizer:
     return tokenizer_from_gguf(smol_gguf)
 
 
-@pytest.fixture(scope="module")
-def hf_tok(smollm_gguf_path):
-    """transformers' tokenizer built from the same GGUF: the reference."""
-    return transformers.AutoTokenizer.from_pretrained(
-        str(smollm_gguf_path.parent), gguf_file=smollm_gguf_path.name
-    )
-
-
 # ------------------------------------------------------------------------------------------- real GGUF
+def test_recorded_cases_are_this_files_cases() -> None:
+    assert HF["texts"] == TEXTS, "rerun tests/recorded/record_smollm2_tokenizer.py"
+
+
 @pytest.mark.slow
-def test_gguf_tokenizer_encodes_like_transformers(smol_tok, hf_tok):
+def test_gguf_tokenizer_encodes_like_transformers(smol_tok):
     """Digits, unicode, whitespace and special tokens give the same ids as transformers' GGUF tokenizer."""
-    for text in TEXTS:
-        assert smol_tok.encode(text) == hf_tok.encode(text, add_special_tokens=False), text
+    for text, ids in zip(TEXTS, HF["encode"], strict=True):
+        assert smol_tok.encode(text) == ids, text
     assert smol_tok.encode_batch(TEXTS) == [smol_tok.encode(t) for t in TEXTS]
 
 
 @pytest.mark.slow
-def test_gguf_tokenizer_special_tokens_and_ids(smol_tok, hf_tok):
-    assert smol_tok.vocab_size == len(hf_tok) == 49152
+def test_gguf_tokenizer_special_tokens_and_ids(smol_tok):
+    assert smol_tok.vocab_size == HF["ids"]["len"] == 49152
     assert smol_tok.encode("<|im_start|>") == [1]
     assert smol_tok.encode("<|im_end|>") == [2]
-    assert smol_tok.bos_token_id == hf_tok.bos_token_id == 1
-    assert smol_tok.pad_token_id == hf_tok.pad_token_id == 2
+    assert smol_tok.bos_token_id == HF["ids"]["bos_token_id"] == 1
+    assert smol_tok.pad_token_id == HF["ids"]["pad_token_id"] == 2
     # Declared eos (<|im_end|>) first, then <|endoftext|> which also ends a turn.
-    assert smol_tok.eos_token_id == hf_tok.eos_token_id == 2
+    assert smol_tok.eos_token_id == HF["ids"]["eos_token_id"] == 2
     assert smol_tok.eos_token_ids == (2, 0)
     # SmolLM2's GGUF says add_bos_token = false: add_special_tokens must not invent a bos.
     assert smol_tok.encode("hi", add_special_tokens=True) == smol_tok.encode("hi")
@@ -85,66 +71,53 @@ def test_gguf_tokenizer_special_tokens_and_ids(smol_tok, hf_tok):
 
 
 @pytest.mark.slow
-def test_gguf_decode_round_trip(smol_tok, hf_tok):
-    for text in TEXTS:
+def test_gguf_decode_round_trip(smol_tok):
+    for text, hf_decoded in zip(TEXTS, HF["decode_skip_special"], strict=True):
         ids = smol_tok.encode(text)
         assert smol_tok.decode(ids, skip_special_tokens=False) == text
-        assert smol_tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+        assert smol_tok.decode(ids) == hf_decoded
     ids = smol_tok.encode("<|im_start|>user\nhi<|im_end|>")
     assert smol_tok.decode(ids) == "user\nhi"
 
 
 @pytest.mark.slow
-def test_gguf_chat_template_matches_transformers(smol_tok, hf_tok):
+def test_gguf_chat_template_matches_transformers(smol_tok):
     """SmolLM2's template inserts its default system prompt when there is no system message."""
     text = smol_tok.apply_chat_template(CAPITAL)
-    assert text == hf_tok.apply_chat_template(CAPITAL, tokenize=False, add_generation_prompt=True)
+    assert text == HF["capital_text"]
     assert text == (
         f"<|im_start|>system\n{SMOL_SYSTEM}<|im_end|>\n"
         "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     )
-    ref_ids = hf_tok.apply_chat_template(
-        CAPITAL, tokenize=True, add_generation_prompt=True, return_dict=False
-    )
-    assert smol_tok.encode_chat(CAPITAL) == list(ref_ids)
-    convo = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "4", "tool_calls": None},
-    ]
+    assert smol_tok.encode_chat(CAPITAL) == HF["capital_ids"]
     for gen in (True, False):
-        assert smol_tok.apply_chat_template(convo, add_generation_prompt=gen) == hf_tok.apply_chat_template(
-            convo, tokenize=False, add_generation_prompt=gen
-        )
-    assert SMOL_SYSTEM not in smol_tok.apply_chat_template(convo)
+        assert smol_tok.apply_chat_template(CONVO, add_generation_prompt=gen) == HF["convo_text"][str(gen)]
+    assert SMOL_SYSTEM not in smol_tok.apply_chat_template(CONVO)
 
 
 @pytest.mark.slow
-def test_template_features_render_like_transformers(smol_tok, hf_tok):
+def test_template_features_render_like_transformers(smol_tok):
     """trim_blocks/lstrip_blocks, bos/eos variables, tojson and raise_exception behave as in transformers."""
-    template = (
-        "{{ bos_token }}\n"
-        "{% for m in messages %}\n"
-        "    {% if m['role'] not in ['user', 'assistant'] %}\n"
-        "        {{ raise_exception('bad role ' + m['role']) }}\n"
-        "    {% endif %}\n"
-        "  {{ m['role'] | upper }}: {{ m['content'] }} {{ m | tojson }}{{ eos_token }}\n"
-        "{% endfor %}\n"
-        "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
-    )
-    msgs = [{"role": "user", "content": 'é <b>"q"</b>'}, {"role": "assistant", "content": "ok"}]
     ours = Tokenizer(
-        smol_tok.backend, chat_template=template, bos_token=smol_tok.bos_token, eos_token=smol_tok.eos_token
+        smol_tok.backend,
+        chat_template=FEATURE_TEMPLATE,
+        bos_token=smol_tok.bos_token,
+        eos_token=smol_tok.eos_token,
     )
-    ref = hf_tok.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=True)
-    assert ours.apply_chat_template(msgs) == ref
+    assert ours.apply_chat_template(FEATURE_MESSAGES) == HF["feature_text"]
     with pytest.raises(jinja2.exceptions.TemplateError, match="bad role system"):
         ours.apply_chat_template([{"role": "system", "content": "x"}])
 
 
 @pytest.mark.slow
-def test_hf_dir_saved_by_transformers_loads_identically(smol_tok, hf_tok, tmp_path):
-    """A tokenizer directory written by transformers (tokenizer.json + config + template) loads the same."""
+def test_hf_dir_saved_by_transformers_loads_identically(smol_tok, tmp_path):
+    """A tokenizer directory written by transformers (tokenizer.json + config + template: its
+    PreTrainedTokenizerFast over SmolLM2's vocabulary and template) loads the same."""
+    transformers = pytest.importorskip("transformers")
+    specials = dict(bos_token=smol_tok.bos_token, eos_token=smol_tok.eos_token, pad_token="<|im_end|>")
+    hf_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=smol_tok.backend, chat_template=smol_tok.chat_template, **specials
+    )
     hf_tok.save_pretrained(tmp_path)
     tok = tokenizer_from_hf_dir(tmp_path)
     for text in TEXTS:
@@ -287,6 +260,7 @@ def test_byte_tokenizer_chat_template():
 
 def test_byte_tokenizer_dir_loads_in_transformers(tmp_path):
     """`save` writes a directory that transformers reads with the same ids and template."""
+    transformers = pytest.importorskip("transformers")
     tok = ByteTokenizer()
     tok.save(tmp_path)
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
