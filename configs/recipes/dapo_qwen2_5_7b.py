@@ -59,6 +59,7 @@ def get_config(arg: str | None = None):
         # generation batches of the step's size: the same programs as configs/qwen2_5_7b.py:runlocal
         c.rl.gen_prompts_per_batch, c.rl.overlong_buffer, c.rl.max_num_gen_batches = 0, 4, 3
         c.rl.filter_metric = "score"  # the counting task's partial credit: groups that vary exist
+        c.rl.train_short_steps = True  # a random model: a step short of varied groups trains on what it kept
     else:
         c.model.arch = "qwen2_5_7b"
     return c
