@@ -59,7 +59,8 @@ from tlt_jax.tasks.datasets import TASK_KINDS
 EVAL_KEY_SALT = 0x5EED  # folded into the run's seed: the eval keys never coincide with a training step's
 # training-task keys an eval set inherits (the same prompt and checker), unless it sets them
 INHERITED_TASK_KEYS = (
-    "reward", "think", "verify_timeout", "answer_mode", "reward_scale", "math_verify_mode",
+    "reward", "think", "verify_timeout", "answer_mode", "reward_scale", "math_verify_mode", "reward_kwargs",
+    "custom_acc", "maj_votes",
     "prompt", "system_prompt", "instruction", "chat_template", "filter_overlong_prompts", "truncation",
 )  # fmt: skip
 
