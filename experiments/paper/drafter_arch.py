@@ -3,6 +3,7 @@
     python -m experiments.paper.drafter_arch --quick        # the tiny random target (smoke: seconds per arm)
     python -m experiments.paper.drafter_arch                # SmolLM2 on chain_sum, the default warm-up budget
     python -m experiments.paper.drafter_arch --preset long  # :long (768 prompts, 3600 steps per arm)
+    python -m experiments.paper.drafter_arch --prompts 16 --steps 100   # a small budget (~20 min here)
 
 Three offline warm-ups (`tlt_jax.drafter.warmup`) with the same data, steps and schedule, differing only in
 the drafter and its loss:
@@ -37,11 +38,13 @@ ARMS = ("eagle", "hass", "eagle3")
 HASS_TOPK = 10  # HASS's K
 
 
-def arm_config(preset: str, arm: str, steps: int | None) -> Any:
+def arm_config(preset: str, arm: str, steps: int | None, prompts: int | None = None) -> Any:
     """The warm-up config of one arm (module docstring)."""
     c = h.load_config("drafter_warmup.py", preset or None)
     if steps:
         c.train.steps = steps
+    if prompts:
+        c.generation.num_prompts = prompts
     c.train.ttt_steps, c.train.topk = 0, 0
     if arm == "hass":
         c.train.ttt_steps, c.train.topk = 2, HASS_TOPK
@@ -52,13 +55,15 @@ def arm_config(preset: str, arm: str, steps: int | None) -> Any:
     return c
 
 
-def run_arm(preset: str, arm: str, steps: int | None, wd: Any, shared_data: Any | None) -> dict[str, float]:
+def run_arm(
+    preset: str, arm: str, steps: int | None, wd: Any, shared_data: Any | None, prompts: int | None = None
+) -> dict[str, float]:
     from tlt_jax import config_schema
     from tlt_jax.drafter import warmup
 
     if shared_data is not None and not (wd / "data").exists():
         shutil.copytree(shared_data, wd / "data")  # the same recorded states (EAGLE and HASS)
-    c = arm_config(preset, arm, steps)
+    c = arm_config(preset, arm, steps, prompts)
     t0 = time.perf_counter()
     warmup.run_warmup(config_schema.parse(c), wd)
     res = json.loads((wd / warmup.RESULT_FILE).read_text())
@@ -76,13 +81,14 @@ def main() -> None:
     ap = h.parser(__doc__, quick="the tiny random target (smoke)")
     ap.add_argument("--preset", default="", help="configs/drafter_warmup.py arg: '' (default), long, gpu")
     ap.add_argument("--steps", type=int, default=None, help="training steps per arm (default: the preset's)")
+    ap.add_argument("--prompts", type=int, default=None, help="generated prompts (default: the preset's)")
     args = ap.parse_args()
     out = h.out_dir(args, "drafter_arch")
     preset = "tiny" if args.quick else args.preset
     rows: dict[str, dict[str, float]] = {}
     for arm in ARMS:
         shared = out / "eagle" / "data" if arm == "hass" else None
-        rows[arm] = run_arm(preset, arm, args.steps, out / arm, shared)
+        rows[arm] = run_arm(preset, arm, args.steps, out / arm, shared, args.prompts)
         r = rows[arm]
         print(
             f"{arm}: accepted {r['accept']:.3f} (sampled {r['sampled']:.3f}), step {r['step_ms']:.1f} ms, "
