@@ -1,15 +1,16 @@
 """configs/cluster/slurm_grpo.sh on a real Slurm (`make test-slurm`; tests/slurm/cluster.py: Debian's
-slurm-wlm
-22.05 and munge, one node with this machine's CPUs): submitted with sbatch as a user submits it (CONFIG,
-WORKDIR, LAYOUT, PYTHON in the environment; sbatch options on the command line to fit a 2-CPU node without
-GPUs), the smoke config on CPU, and interrupted the ways a cluster interrupts a job:
+slurm-wlm 22.05 and munge, one node with this machine's CPUs): submitted with sbatch as a user submits it
+(CONFIG, MODEL=, DATA=, WORKDIR, LAYOUT, PYTHON in the environment; sbatch options on the command line to fit
+a 2-CPU node without GPUs), the smoke config on CPU, and interrupted the ways a cluster interrupts a job:
 
 - the time limit's early TERM (`#SBATCH --signal=B:TERM@300`), emulated by `scancel --batch --signal=TERM`:
   the same delivery (the batch shell alone) at a moment the test chooses instead of SLURM's event clock;
 - a preemption that signals the tasks (`scancel --signal=TERM JOBID`, what SLURM sends a job it preempts);
 - a preemption that requeues (`scontrol requeue JOBID`: SLURM ends the job and queues it again);
 - a task SIGKILLed outright (the job ends, not requeued, saying so; a resubmission resumes);
-- a user's `scancel JOBID` (the job ends, not requeued).
+- a user's `scancel JOBID` (the job ends, not requeued). On 22.05 the batch shell is killed (KillWait) before
+  srun returns after a cancel, so the script's own decision is not reached there: the fake-srun unit test
+  (tests/test_cluster_script.py) is the one that checks it.
 
 Every interrupted run resumes in its workdir, and the chain's run ends equal to an uninterrupted one
 (metrics and every checkpoint; tests/test_multiprocess.py's comparisons: 2 processes x 1 device against
