@@ -34,6 +34,7 @@ class Job:
         path, _, arg = self.config.format(**files).partition(":")
         c = config_lib.load_config_file(ROOT / path, arg or None)
         for key, value in self.overrides:
+            value = value.format(**files) if isinstance(value, str) else value
             *parents, leaf = key.split(".")
             node = c
             for p in parents:
@@ -51,6 +52,23 @@ DAPO_CPU = Job(
     "README dapo on CPU",
     "configs/tlt.py:dapo,steps=3,data={train},eval_data={test}",
     (("rl.max_num_gen_batches", 3), ("rl.train_short_steps", True)),
+    data_files=True,
+)
+
+# README.md's DAPO on one 8-GPU node: the recipe on the user's parquet file with an AIME-style eval set, the
+# model from an HF directory (at smoke size the tiny Qwen2 directory on the data x model 4 mesh of the
+# suite's 8 fake CPU devices; the random model answers nothing right, so its steps train on masked fillers)
+DAPO_NODE = Job(
+    "README dapo recipe on one node",
+    "configs/recipes/dapo_qwen2_5_7b.py:evals=aime24@{test}",
+    (("task.path", "{train}"), ("rl.train_short_steps", True)),
+    data_files=True,
+    hf_dir=True,
+)
+# ... and the drafter warm-up that fits it (one GPU), on the same file
+DAPO_WARMUP = Job(
+    "README dapo7b drafter warm-up",
+    "configs/drafter_warmup.py:dapo7b,policy={hf},data={train}",
     data_files=True,
 )
 

@@ -97,3 +97,33 @@ def test_readme_dapo_job_refills_scores_and_votes(dapo_files: dict[str, str], tm
     # reward: DAPO's -1 for every (wrong) answer plus the overlong shaping over the last 4 of 8 tokens
     assert step["reward/mean"] == pytest.approx(-1.0 + step["reward/overlong_mean"], abs=1e-6), step
     assert -1.0 <= step["reward/overlong_mean"] < 0.0 and step["reward/overlong_frac"] > 0, step
+
+
+def test_readme_dapo_recipe_on_one_node_runs_on_a_parquet_file(
+    dapo_files: dict[str, str], hf_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """README.md's one-node DAPO command (`documented_jobs.DAPO_NODE`) at smoke size: the recipe's own
+    sections on the user's parquet file, read from an HF directory on its data x model 4 mesh (2 x 4 of the
+    suite's 8 fake devices), the step's rewards DAPO's check of each row's data_source, and the AIME-style
+    set evaluated before and after the step with the recipe's sampling."""
+    config = dj.shrink(dj.DAPO_NODE.load(**dapo_files), model_dir=hf_dir)
+    assert (config.mesh.model, config.task.path, config.task.reward) == (4, dapo_files["train"], "verl")
+    assert main.run(config, str(tmp_path)) == "done"
+    rows = read_metrics(tmp_path / METRICS_FILE)
+    step = next(r for r in rows if "reward/mean" in r)
+    assert step["step"] == 1 and step["reward/mean"] <= -1.0 + 1e-6 + step["reward/overlong_mean"], step
+    # one sample per problem (VeRL's val_kwargs.n=1: DAPO's AIME file repeats each problem), before and after
+    assert [r["step"] for r in rows if "eval/aime24/mean@1" in r] == [0, 1], rows
+    saved = json.loads((tmp_path / CONFIG_FILE).read_text())
+    assert saved["task"]["path"] == dapo_files["train"] and saved["mesh"]["model"] == 4
+
+
+@pytest.mark.extended
+def test_readme_dapo_warmup_writes_a_drafter(
+    dapo_files: dict[str, str], hf_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """README.md's dapo7b drafter warm-up on the same parquet file, at smoke size (the tiny Qwen2 directory
+    as the policy): it writes a drafter the recipe's drafter_path reads."""
+    config = dj.shrink(dj.DAPO_WARMUP.load(hf=str(hf_dir), **dapo_files), model_dir=hf_dir)
+    assert main.run(config, str(tmp_path)) == "done"
+    assert has_drafter(str(tmp_path))
