@@ -6,6 +6,7 @@ import json
 import pathlib
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from tlt_jax import config_schema
@@ -17,6 +18,7 @@ from tlt_jax.models.eagle3 import Eagle3Drafter
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_eagle3_warmup_end_to_end(tmp_path):
     config = load_config_file(ROOT / "configs" / "drafter_warmup.py", "tiny")
     config.arch, config.aux_layers, config.draft_vocab_size = "eagle3", (0, 1, 2), 40
