@@ -189,9 +189,8 @@ class ModelOutput:
     logits: jax.Array | None  # [B, T or K, V] float32
     hidden: jax.Array  # [B, T, H]: final normed hidden states
     cache: KVCache | StackedKVCache | None
-    aux_hidden: jax.Array | None = (
-        None  # [B, T, K * H]: the `Transformer.aux_layers` states (EAGLE-3), or None
-    )
+    # [B, T, K * H]: the states of `Transformer.aux_layers` (EAGLE-3), or None
+    aux_hidden: jax.Array | None = None
 
     @property
     def drafter_states(self) -> jax.Array:
