@@ -50,9 +50,12 @@ Args (`configs/tlt.py:drafter=ngram,steps=10,seed=0`):
            mean@4, pass@k) before training, every eval.every steps (2 with quick) and at the end.
   dapo: DAPO's algorithm as VeRL's recipe runs it (config_lib.dapo_algorithm, configs/recipes/) at this
            CPU's size: clip 0.2 / 0.28, token-mean loss, no KL, dynamic sampling on the verdict (generation
-           batches of the step's 8 prompts, up to 10), overlong shaping over the last 64 of 384 tokens,
-           rewards routed by data_source (write the file with `write_parquet --data-source math_dapo`), 4
-           samples per prompt at T 1.0; the optimizer stays this config's (lr 1e-4: 1e-6 moves nothing here).
+           batches of the step's 4 prompts x 8 samples at T 1.0, up to 10), overlong shaping over the last
+           64 of 384 tokens, rewards routed by data_source (write the file with `write_parquet --data-source
+           math_dapo`); the optimizer stays this config's (lr 1e-4: 1e-6 moves nothing here). SmolLM2-135M
+           answers few problems right, so a step keeps few varied groups: 8 samples per prompt (a group
+           with one right answer in 8 is kept), and a step short of groups at max_num_gen_batches trains on
+           those it kept (rl.train_short_steps; VeRL would stop with its error).
 """
 
 from tlt_jax import config_lib, config_schema
@@ -163,8 +166,10 @@ def get_config(arg: str | None = None):
         c.eval.prompts = c.eval.prompts if c.eval.every == 5 else 0  # quick: the set only, no held-out split
 
     if arg.dapo:
-        config_lib.dapo_algorithm(c, samples=4, overlong_buffer=64, eval_samples=4)
-        c.rl.gen_prompts_per_batch = c.rl.prompts_per_step  # 32 rows a batch: this CPU's rollout size
+        c.rl.prompts_per_step = 4  # x 8 samples: 32 rows a batch, this CPU's rollout size
+        config_lib.dapo_algorithm(c, samples=8, overlong_buffer=64, eval_samples=4)
+        c.rl.gen_prompts_per_batch = c.rl.prompts_per_step
+        c.rl.train_short_steps = True  # few groups vary at this size (docstring)
 
     c.trainer.micro_batch_size = 8
     c.trainer.train_layers = 10  # the top 10 of 30 layers: ~2x cheaper update on this CPU

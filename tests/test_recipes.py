@@ -40,7 +40,8 @@ def test_dapo_recipe_has_verls_hyper_parameters(tmp_path, scale, prompts, gen, m
 def test_tlt_dapo_is_the_recipes_algorithm_at_cpu_size(tmp_path) -> None:
     c = config_lib.load_config_file(ROOT / "configs" / "tlt.py", f"dapo,data={tmp_path / 'd.parquet'}")
     rl = c.rl
-    assert (rl.samples_per_prompt, rl.clip_high, rl.loss_agg) == (4, 0.28, "token_mean")
-    assert rl.dynamic_sampling and rl.filter_metric == "acc"
-    assert (rl.gen_prompts_per_batch, rl.overlong_buffer, c.task.reward) == (8, 64, "verl")
+    assert (rl.prompts_per_step, rl.samples_per_prompt) == (4, 8)  # 32 rows: a group kept at 1 right in 8
+    assert (rl.clip_high, rl.loss_agg) == (0.28, "token_mean")
+    assert rl.dynamic_sampling and rl.filter_metric == "acc" and rl.train_short_steps
+    assert (rl.gen_prompts_per_batch, rl.overlong_buffer, c.task.reward) == (4, 64, "verl")
     assert rl.lr == 1e-4  # this config's optimizer (1e-6 moves nothing in a few CPU steps)
