@@ -112,8 +112,9 @@ test-experiments: setup
 # tests' session fixture writes a one-node slurm.conf in a temporary folder, starts munged, slurmctld and
 # slurmd on localhost and stops them by pid; the EXIT trap stops, by the pids the fixture recorded, any a
 # killed pytest left behind. One pytest process: the jobs share the node's 2 CPUs. Exit 5 (no test) fails.
+# Only the venv: the smoke runs need neither the SmolLM2 file nor the CPU kernels (2 devices: XLA's ops).
 .PHONY: test-slurm
-test-slurm: setup
+test-slurm: $(STAMP)
 	@if ! command -v slurmctld > /dev/null || ! command -v munged > /dev/null; then \
 	  echo "make test-slurm: installing slurm-wlm and munge (apt-get)"; \
 	  export DEBIAN_FRONTEND=noninteractive; \
