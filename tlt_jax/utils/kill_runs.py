@@ -89,10 +89,11 @@ def job_env(
     return env
 
 
-def job_command(workdir: str | os.PathLike, steps: int) -> list[str]:
-    """`python -m tlt_jax.main` on the smoke config with SD, the spot trainer and a fixed selector."""
+def job_command(workdir: str | os.PathLike, steps: int, overrides: Sequence[str] = OVERRIDES) -> list[str]:
+    """`python -m tlt_jax.main` on the smoke config with SD and `overrides` (default: the spot trainer and a
+    fixed selector)."""
     config = f"{ROOT / 'configs' / 'smoke.py'}:steps={steps},spec=true"
-    return [sys.executable, "-m", "tlt_jax.main", "--config", config, "--workdir", str(workdir), *OVERRIDES]
+    return [sys.executable, "-m", "tlt_jax.main", "--config", config, "--workdir", str(workdir), *overrides]
 
 
 @dataclasses.dataclass
@@ -178,16 +179,17 @@ def launch(
     index: int,
     kill: tuple[str, int, float] | None = None,
     timeout: float = 900,
+    overrides: Sequence[str] = OVERRIDES,
 ) -> Launch:
-    """Run the job once; with `kill` = (target, aimed step, delay) SIGKILL it there (`_due`), else let it
-    finish. The phase file of an earlier launch is removed first, so a kill before the learner starts reads
-    as "startup"."""
+    """Run the job (`job_command` with `overrides`) once; with `kill` = (target, aimed step, delay) SIGKILL
+    it there (`_due`), else let it finish. The phase file of an earlier launch is removed first, so a kill
+    before the learner starts reads as "startup"."""
     (workdir / ".phase").unlink(missing_ok=True)
     resumed = (committed_steps(workdir) or [None])[-1]
     t0 = time.monotonic()
     with open(log, "w") as err:
         proc = subprocess.Popen(
-            job_command(workdir, steps), env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err
+            job_command(workdir, steps, overrides), env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err
         )
     out = Launch(index, resumed, [], 0.0, None)
     try:
