@@ -184,7 +184,7 @@ class HistoryChunk:
             return constrain(st), rs, small
 
         bs = shd.batch_sharding(engine.mesh, 2, b)
-        tree0 = jax.device_put(np.zeros((b, tv), np.int32), bs)
+        tree0 = shd.put_global(np.zeros((b, tv), np.int32), bs)  # every process holds every row
         program, compiled = engine.programs.prepare(key, fn, (*args, tree0, tree0, tree0), donate=(2,))
         tail_fn = lambda st: (response_tail(st, k), st.done)  # noqa: E731
         tails, _ = engine.programs.prepare(("tail", b, state.out_tokens.shape[1], k), tail_fn, (state,))
@@ -207,7 +207,7 @@ class HistoryChunk:
             hs = [h if ok else None for h, ok in zip(self.rows.histories, live, strict=True)]
             tree = self._pad(*self.store.draft(hs, self.rows.contexts(tail), self.shape))
             self.store.stats.draft_seconds += time.perf_counter() - t0
-            tree = jax.device_put(tree, self.batch_sharding)
+            tree = shd.put_global(tree, self.batch_sharding)
             state, rs, small = self.program(params, dparams, state, eos_ids, *tree)
             (tail, done, _), counts = shd.to_host_tree((small, (rs.emitted, rs.rows, rs.hist)))
             emitted, rounds = emitted + int(counts[0]), rounds + int(counts[1])
