@@ -8,6 +8,7 @@ from __future__ import annotations
 import pathlib
 
 import numpy as np
+import pytest
 
 from tlt_jax import config_lib
 from tlt_jax.rl.learner import Learner
@@ -43,6 +44,7 @@ def run(workdir: pathlib.Path, kind: str, steps: int, drafts: dict[int, list] | 
         learner.close()
 
 
+@pytest.mark.slow  # ~35 s: scheduled first (tests/conftest.py)
 def test_history_drafts_equal_plain_and_a_resumed_run_drafts_the_same(tmp_path) -> None:
     plain = run(tmp_path / "plain", "none", 3)
     full: dict[int, list] = {}
