@@ -9,6 +9,7 @@ code builds for nodes x GPUs devices, starting nothing. The same script on a rea
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -255,7 +256,10 @@ def test_dry_run_prints_the_srun_line_and_the_mesh(tmp_path: pathlib.Path) -> No
     """DRY_RUN=1 on a login node: the srun line, then the run's own validation and mesh on 2 x 8 fake CPU
     devices (the paper config's model axis of 4: data 4 x model 4); nothing is started or written."""
     model, data = tmp_path / "Qwen2.5-7B", tmp_path / "train.parquet"
-    model.mkdir()
+    model.mkdir()  # the HF directory's config.json (the deadlock check reads its KV heads), no weights
+    qwen7b = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28)
+    qwen7b |= dict(num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)
+    (model / "config.json").write_text(json.dumps(qwen7b))
     verl_row = {"prompt": [[{"role": "user", "content": "1+1?"}]], "reward_model": [{"ground_truth": "2"}]}
     verl_row["data_source"] = ["math_dapo"]  # the recipe scores by it (task.reward="verl")
     pq.write_table(pa.table(verl_row), data)  # VeRL's parquet layout, which the recipe reads

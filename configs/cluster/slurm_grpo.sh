@@ -62,8 +62,9 @@
 # TLT_JAX_HEARTBEAT_TIMEOUT seconds (default 100), or the watchdog; they then exit too and the job fails with
 # the highest status (137 for a SIGKILL), its last committed checkpoint the resume point (tests/slurm).
 # The lead must exceed stop_within (which must cover a chunk, an update part and the checkpoint write: a 7B
-# run's parameters and AdamW state are ~85 GB over the nodes' shared filesystem) with room for the exit:
-# raise both for larger models or slower filesystems (`sbatch --signal=B:TERM@600 ... --config.stop_within=450`).
+# run's parameters and AdamW state are ~93 GB (86.6 GiB) per node by the memory plan, written to the nodes'
+# shared filesystem) with room for the exit: raise both for larger models or slower filesystems
+# (`sbatch --signal=B:TERM@600 ... --config.stop_within=450`).
 # At the time limit itself SLURM sends TERM to everything and KILL after KillWait (30 s by default): too late
 # to save a 7B checkpoint.
 #SBATCH --job-name=tlt-grpo
