@@ -50,8 +50,9 @@ def arm_config(preset: str, arm: str, steps: int | None, prompts: int | None = N
         c.train.ttt_steps, c.train.topk = 2, HASS_TOPK
     elif arm == "eagle3":
         c.arch, c.train.ttt_steps = "eagle3", 2
-        if c.model.get("random") is not None and c.model.random.num_layers < 3:
-            c.aux_layers = (0, 1, c.model.random.num_layers)  # a tiny target: every point it has
+        rand = c.model.get("random")
+        if rand is not None and "num_layers" in rand and rand.num_layers < 3:
+            c.aux_layers = (0, 1, rand.num_layers)  # a tiny target: every point it has
     return c
 
 
