@@ -13,7 +13,9 @@ device work, cache growth. Each sequence owns a PRNG stream and verification is 
                            strategy="3_1_4", threshold=32)), eos_ids, drafter=drafter)
     out = engine.generate(prompts, n=8, key=key, sampling=SamplingParams(0.9), hooks=[...])
     out.stats.mean_accept_length, out.stats.summary(), engine.programs.summary()
-More modes: `name = engine.add_mode("eagle" | "ngram", "4_2_8")`, chosen by a hook's `choose_mode`.
+More modes: `name = engine.add_mode("eagle" | "ngram" | "history", "4_2_8")`, chosen by a hook's `choose_mode`
+("history" modes draft on the host between device rounds: `history_chunk`; the store, `engine.history`, lives
+across rollouts).
 Its settings (`EngineConfig`) and the members its clients use (`EngineLike`) are in `rollout.interface`.
 """
 
@@ -38,7 +40,8 @@ from tlt_jax.models.build import TextCodec
 from tlt_jax.models.eagle3 import AnyDrafter, drafter_aux_layers, states_width
 from tlt_jax.models.layouts import unrolled
 from tlt_jax.models.llama import Transformer, with_aux_layers
-from tlt_jax.rollout import admission, decode, scheduler, spmd
+from tlt_jax.rollout import admission, decode, history_rounds, scheduler, spmd
+from tlt_jax.rollout.history import HistoryStore
 from tlt_jax.rollout.hooks import IdleWork, RolloutHooks
 from tlt_jax.rollout.interface import EngineConfig
 from tlt_jax.rollout.ngram import NgramBank, NgramParams
@@ -120,6 +123,7 @@ class RolloutEngine(RowPrograms):
                 )
             self.draft_vocab = jax.device_put(ids.astype(np.int32), self.replicated)
         self.modes: dict[str, SpecMode] = {}
+        self.history: HistoryStore | None = None  # the history drafter's store ("history" modes add it)
         self.spec_mode: str | None = None  # the mode SpecConfig configured (if enabled)
         if config.spec.enabled:
             self.spec_mode = self.add_mode(config.spec.drafter, config.spec.strategy)
@@ -224,6 +228,8 @@ class RolloutEngine(RowPrograms):
         mode = SpecMode(drafter, strat, acceptance=acceptance, accept_rule=accept_rule, label=label)
         if mode.name == "plain":
             raise ValueError("'plain' is reserved")
+        if drafter == "history" and self.history is None:
+            self.history = HistoryStore(self.config.spec.history_params())
         self.modes[mode.name] = mode
         return mode.name
 
@@ -302,6 +308,7 @@ class RolloutEngine(RowPrograms):
             and o.accept_rule is None
             and o.acceptance == m.acceptance
             and o.strategy.tokens_to_verify == tv
+            and (o.drafter == "history") == (m.drafter == "history")  # history rounds: a program of their own
         )
 
     def _chunk_fn(self, prog: decode.ChunkProgram) -> Any:
@@ -458,6 +465,33 @@ class RolloutEngine(RowPrograms):
             self, prompts, n=n, key=key, sampling=sampling, max_new_tokens=max_new_tokens, hooks=hooks,
             weights=weights,
         )  # fmt: skip
+
+    def history_chunk(
+        self,
+        state: DecodeState,
+        mode: str,
+        sampling: SamplingParams,
+        rows: history_rounds.HistoryRows,
+        exit_live: int = -1,
+        drafter_params: Any | None = None,
+        params: Any | None = None,
+    ) -> tuple[DecodeState, ChunkRecord, RowSummary]:
+        """One chunk of the history mode `mode` on `state` (donated): rounds drafted on the host from `rows`
+        (each slot's prompt history), verified on the device (`rollout.history_rounds`). Returns the state,
+        the chunk's record (its seconds include the host's drafting) and the rows' summary."""
+        prog = self.chunk_program(mode, sampling)
+        dparams = self.drafter_params if drafter_params is None else drafter_params
+        policy = self.params if params is None else params
+        args = (policy, dparams if prog.drafter is not None else None, state, self.eos_ids)
+        t_compile = time.perf_counter()
+        chunk = history_rounds.HistoryChunk.prepare(self, prog, mode, rows, args, self._constrain)
+        t0 = time.perf_counter()
+        st, fetched = chunk.run(args, exit_live, self.config.chunk_steps)
+        summary = shd.to_host_tree((st.done, st.cache.lengths, st.num_generated))
+        dt, buckets = time.perf_counter() - t0, (state.done.shape[0], state.cache.capacity)
+        compile_s = t0 - t_compile if chunk.compiled else 0.0
+        record = self._chunk_record(mode, prog, buckets, fetched, dt, chunk.compiled, compile_s)
+        return st, record, RowSummary(*summary)
 
     def update_bank(self, bank: NgramBank, state: DecodeState) -> NgramBank:
         key = ("bank", bank.tokens.shape, bank.group_size, state.done.shape[0])
