@@ -51,9 +51,9 @@ class RunSection(Section):
     compilation_cache_dir: str = "auto"
     # a stop request (SIGTERM/SIGINT to any process) ends every process within this many seconds: agreed at
     # the next rollout chunk, update part or phase boundary, or between steps; past it a process exits by
-    # itself (status 75). Must cover a chunk, an update part and a checkpoint write (README "Several
-    # processes / hosts"; SLURM: --signal=B:TERM@<this + 60>, B: the batch shell, which passes it to the tasks:
-    # configs/cluster/slurm_grpo.sh)
+    # itself (status 75). Must cover a chunk, an update part and a checkpoint write's whole asynchronous
+    # write (docs/usage.md, "Stopping"; SLURM: --signal=B:TERM@<this + 60>, B: the batch shell, which passes
+    # it to the tasks: configs/cluster/slurm_grpo.sh); an evaluation's chunks are agreement points too
     stop_within: float = 150.0
     # seconds without progress before a process exits (status 70) naming its phase, per phase kind (0: off)
     watchdog: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(WATCHDOG_LIMITS))

@@ -13,7 +13,12 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from tlt_jax.config_sections import DrafterSection
-from tlt_jax.drafter.eagle3_format import expected_tensors, load_eagle3_drafter, to_eagle3, write_eagle3_dir
+from tlt_jax.drafter.eagle3_format import (
+    expected_eagle3_tensors,
+    load_eagle3_drafter,
+    to_eagle3,
+    write_eagle3_dir,
+)
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.rl.speculation import resolve_drafter
@@ -179,7 +184,9 @@ def test_export_round_trip_names_shapes_values(tmp_path):
         nnx.to_pure_dict(nnx.state(drafter, nnx.Param)), POLICY, drafter.aux_layers, vocab
     )
     assert set(tensors) == set(NAMES) | {"d2t", "t2d"} == set(t)
-    assert {k: v.shape for k, v in tensors.items() if k in NAMES} == expected_tensors(POLICY, len(VOCAB))
+    assert {k: v.shape for k, v in tensors.items() if k in NAMES} == expected_eagle3_tensors(
+        POLICY, len(VOCAB)
+    )
     for k in t:
         np.testing.assert_array_equal(tensors[k], t[k], err_msg=k)
     for key in ("architectures", "num_hidden_layers", "draft_vocab_size", "tie_word_embeddings"):

@@ -50,7 +50,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 _L = "midlayer."
 
 
-def expected_tensors(cfg: ModelConfig, draft_vocab_size: int) -> dict[str, tuple[int, ...]]:
+def expected_eagle3_tensors(cfg: ModelConfig, draft_vocab_size: int) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of an EAGLE-3 checkpoint for a target of `cfg` (the loaders' names, docstring)."""
     h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     return {
@@ -174,7 +174,7 @@ def from_eagle3(
     if extra:
         raise ValueError(f"{where} has biases {extra}: SGLang's / vLLM's EAGLE-3 (and ours) have none")
     vd = int(config.get("draft_vocab_size") or policy.vocab_size)
-    want = expected_tensors(policy, vd)
+    want = expected_eagle3_tensors(policy, vd)
     for name, shape in want.items():
         if name not in tensors:
             raise ValueError(f"{where} lacks {name}: not an EAGLE-3 checkpoint of SGLang's / vLLM's layout")

@@ -469,12 +469,8 @@ def read_eagle_dir(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict
 
 
 def load_eagle_drafter(path: str | os.PathLike, policy: ModelConfig) -> tuple[Drafter, np.ndarray | None]:
-    """The drafter of an EAGLE directory for a policy with config `policy`, and its draft vocabulary (an
-    EAGLE-3 directory, SGLang's / vLLM's layout, gives an `Eagle3Drafter`: `eagle3_format`)."""
-    from tlt_jax.drafter import eagle3_format  # it imports this module
-
-    if eagle3_format.is_eagle3_dir(path):
-        return eagle3_format.load_eagle3_drafter(path, policy)  # type: ignore[return-value]
+    """The drafter of an EAGLE-1 directory for a policy with config `policy`, and its draft vocabulary (an
+    EAGLE-3 directory is `eagle3_format.load_eagle3_drafter`'s; `rl.speculation` picks by the directory)."""
     tensors, hf_config = read_eagle_dir(path)
     params, vocab = from_eagle(tensors, hf_config, policy, where=f"the EAGLE drafter in {path}")
     return build_drafter(params, policy), vocab

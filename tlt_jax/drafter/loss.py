@@ -143,17 +143,7 @@ def per_pair_losses(
         valid = jnp.arange(max_loss_tokens) < n_valid
         dropped = jnp.maximum(n_valid - max_loss_tokens, 0)
     feat = _feature_loss(drafter, h_draft, target, beta)
-    h_ce, t_ce, ce_valid = h_draft, target, valid
-    ce_weight = jnp.ones((), jnp.float32)
-    if ce_tokens is not None:
-        h_flat, t_flat, v_flat = (x.reshape(-1, *x.shape[valid.ndim :]) for x in (h_draft, target, valid))
-        if ce_tokens > v_flat.shape[0]:
-            raise ValueError(f"ce_tokens={ce_tokens} exceeds the {v_flat.shape[0]} loss positions of a batch")
-        scores = jnp.where(v_flat, jax.random.uniform(key_ce, v_flat.shape), -1.0)
-        pick = jax.lax.top_k(scores, ce_tokens)[1]
-        h_ce, t_ce, ce_valid = h_flat[pick], t_flat[pick], v_flat[pick]
-        n_drawn = jnp.sum(ce_valid.astype(jnp.float32))
-        ce_weight = jnp.sum(v_flat.astype(jnp.float32)) / jnp.maximum(n_drawn, 1.0)
+    h_ce, t_ce, ce_valid, ce_weight = _ce_positions(h_draft, target, valid, ce_tokens, key_ce)
     ce, top1, ce_k = _soft_ce(drafter, h_ce, t_ce, head_w, topk)
     out = {
         "ce_topk": ce_k,
@@ -168,6 +158,23 @@ def per_pair_losses(
     if ttt_steps > 0:
         out["chain"] = chain_step_losses(ctx, e, head_w, ttt_steps, ttt_positions, key_ttt, beta, topk)
     return out
+
+
+def _ce_positions(
+    h: jax.Array, target: jax.Array, valid: jax.Array, ce_tokens: int | None, key: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(features, targets, valid, weight) of the CE: every position, or `ce_tokens` of the valid ones drawn
+    uniformly without replacement with `key`, weighted by valid / drawn (1 without subsampling)."""
+    if ce_tokens is None:
+        return h, target, valid, jnp.ones((), jnp.float32)
+    h_flat, t_flat, v_flat = (x.reshape(-1, *x.shape[valid.ndim :]) for x in (h, target, valid))
+    if ce_tokens > v_flat.shape[0]:
+        raise ValueError(f"ce_tokens={ce_tokens} exceeds the {v_flat.shape[0]} loss positions of a batch")
+    scores = jnp.where(v_flat, jax.random.uniform(key, v_flat.shape), -1.0)
+    pick = jax.lax.top_k(scores, ce_tokens)[1]
+    n_drawn = jnp.sum(v_flat[pick].astype(jnp.float32))
+    weight = jnp.sum(v_flat.astype(jnp.float32)) / jnp.maximum(n_drawn, 1.0)
+    return h_flat[pick], t_flat[pick], v_flat[pick], weight
 
 
 def final_state(states: jax.Array, drafter: AnyDrafter) -> jax.Array:

@@ -5,20 +5,17 @@
 Phases (each resumable; a rerun with the same workdir skips what is done, and a rerun of a finished workdir
 with a larger `train.steps` trains on from its last state, the schedule warm-restarted for the new length):
 1. load the target (GGUF / HF dir, or a tiny random model) and its tokenizer;
-2. data (`warmup_data.py`): the target answers task prompts with the RolloutEngine, which records its final
-   hidden states as it goes; each engine batch is cached in `DIR/data/{train,eval}_NNN.npz`, so a rerun
-   reuses it. Held-out eval prompts come after the training prompts in the task's order (different
-   problems); by default they are sampled like the training data (`eval.temperature=0` gives exact
-   greedy-SD numbers, see `evaluate.py`, at the cost of compiling the engine's greedy programs too);
+2. data (`warmup_data.py`): the target answers task prompts with the RolloutEngine, recording the states
+   the drafter reads; each engine batch is cached in `DIR/data/{train,eval}_NNN.npz` for a rerun. Held-out
+   eval prompts come after the training prompts in the task's order (different problems), sampled like the
+   training data (`eval.temperature=0`: exact greedy-SD numbers, compiling the greedy programs too);
 3. acceptance length of the untrained drafter on the held-out data (`DIR/eval_before.json`);
 4. training with packing (`trainer.DrafterTrainer`, the same trainer the spot trainer uses), logging to
    `DIR/metrics.jsonl`; the full train state (params, optimizer, step, key) is checkpointed in
    `DIR/train_state` every `train.checkpoint_every` steps;
 5. acceptance after training; the drafter's trainable weights go to `DIR/drafter` (DrafterCheckpointer, step =
    train steps) and the numbers to `DIR/drafter_eval.json` (before/after, per-position rates, phase times).
-
-`load_drafter(DIR or DIR/drafter, target_cfg)` restores the trained drafter for the benchmark and RL loop.
-"""
+`load_drafter(DIR or DIR/drafter, target_cfg)` restores the trained drafter for the benchmark and RL loop."""
 
 from __future__ import annotations
 
@@ -72,8 +69,7 @@ def _log(msg: str) -> None:
     print(f"[drafter_warmup {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Target
+# ---- target ----------------------------------------------------------------------------------------------
 
 
 def build_target(job: WarmupConfig) -> tuple[Transformer, TextCodec]:
@@ -86,8 +82,7 @@ def target_weights(target: Transformer) -> tuple[jax.Array, jax.Array]:
     return target.embed[...], target.head_weight()
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Drafter init / save / load
+# ---- drafter init / save / load --------------------------------------------------------------------------
 
 
 def init_drafter(
@@ -156,8 +151,7 @@ def load_drafter(
     return drafter
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Training
+# ---- training --------------------------------------------------------------------------------------------
 
 
 def loss_config(train_cfg: WarmupTrainSection, samples: Sequence[DrafterSample]) -> LossConfig:
@@ -318,8 +312,7 @@ def _heldout_loss(
     return {f"heldout_{k}": float(v) for k, v in total.items() if k not in ("num_tokens", "dropped_tokens")}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The job
+# ---- the job ---------------------------------------------------------------------------------------------
 
 
 def _evaluate(

@@ -28,6 +28,7 @@ import numpy as np
 from absl import logging
 
 from tlt_jax.config_sections import DrafterSection
+from tlt_jax.drafter.eagle3_format import is_eagle3_dir, load_eagle3_drafter
 from tlt_jax.drafter.eagle_format import WEIGHTS_FILE, load_eagle_drafter
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
@@ -108,7 +109,8 @@ def resolve_drafter(section: DrafterSection, policy: ModelConfig) -> ResolvedDra
     kind, path = section.kind, section.path
     init_from = section.init_from
     if init_from and kind in ("eagle", "auto"):
-        drafter, vocab = load_eagle_drafter(init_from, policy)
+        load = load_eagle3_drafter if is_eagle3_dir(init_from) else load_eagle_drafter
+        drafter, vocab = load(init_from, policy)
         return ResolvedDrafter("eagle", drafter, vocab, path=str(pathlib.Path(init_from) / WEIGHTS_FILE))
     if kind == "auto":
         if has_drafter(path):
