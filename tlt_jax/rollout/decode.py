@@ -240,6 +240,19 @@ def spec_round(
 ) -> tuple[DecodeState, RoundStats]:
     """One speculative round for every row: draft, verify forward, accept and sample, commit."""
     tree, dcache = draft_round(prog, m, state, bank, arm)
+    return verify_tree(prog, m, state, tree, eos_ids, dcache)
+
+
+def verify_tree(
+    prog: ChunkProgram,
+    m: RoundModels,
+    state: DecodeState,
+    tree: DraftTree,
+    eos_ids: jax.Array,
+    drafter_cache: KVCache | None = None,
+) -> tuple[DecodeState, RoundStats]:
+    """Verify a drafted tree for every row with the program's sampling, depth, attention and acceptance
+    rule (its lead mode's): verify forward, accept and sample, commit."""
     lead = prog.modes[0]
     return verify_round(
         m.target,
@@ -252,7 +265,7 @@ def spec_round(
         attn_impl=prog.attn_impl,
         acceptance=lead.acceptance,
         accept_rule=lead.accept_rule,
-        drafter_cache=dcache,
+        drafter_cache=drafter_cache,
         logit_nodes=logit_nodes(prog),
     )
 

@@ -30,7 +30,7 @@ from tlt_jax.rollout import decode
 from tlt_jax.rollout.history import HistoryStore, PromptHistory, TreeShape
 from tlt_jax.rollout.hooks import FinishedSequences, RolloutHooks
 from tlt_jax.rollout.programs import ProgramCache
-from tlt_jax.rollout.tree_verify import RoundStats, verify_round
+from tlt_jax.rollout.tree_verify import RoundStats
 from tlt_jax.rollout.types import DecodeState, DraftTree, Rollout
 
 PAD_TAIL = -1  # tail positions before the response starts
@@ -59,20 +59,7 @@ def history_round(
     chex.assert_equal_shape([tokens_bn, parents_bn, depth_bn])
     m = decode.round_models(prog, params, dparams, None)
     tree = DraftTree(tokens=tokens_bn.at[:, 0].set(state.last_token), parents=parents_bn, depth=depth_bn)
-    lead = prog.modes[0]
-    st, rs = verify_round(
-        m.target,
-        m.drafter,
-        state,
-        tree,
-        prog.sampling,
-        eos_ids,
-        max_depth=prog.max_depth,
-        attn_impl=prog.attn_impl,
-        acceptance=lead.acceptance,
-        accept_rule=lead.accept_rule,
-        logit_nodes=decode.logit_nodes(prog),
-    )
+    st, rs = decode.verify_tree(prog, m, state, tree, eos_ids)
     return st, rs, (response_tail(st, k), st.done, st.num_generated)
 
 
