@@ -21,7 +21,11 @@ $(STAMP): setup.py requirements/jax-cpu.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 	PYTHONWARNINGS=ignore::UserWarning $(PIP) install -q -e ".[dev,parity]" -c requirements/jax-cpu.txt 2>&1 | grep -v "is ignored" || true
-	$(PIP) install -q --no-deps "$$(sed -n 's/^VERL_ORACLE = "\(.*\)"/\1/p' setup.py)" 2>&1 | grep -v "is ignored" || true
+	@# VeRL's wheel (setup.py's VERL_ORACLE), the tests' oracle, without its dependencies and outside the venv's
+	@# site-packages (it ships a top-level `tests` package): tests/verl_oracle/wheel.py
+	rm -rf $(CACHE)/verl && $(PIP) install -q --no-deps --target $(CACHE)/verl \
+	  "$$(sed -n 's/^VERL_ORACLE = "\(.*\)"/\1/p' setup.py)" 2>&1 | grep -v "is ignored" || true
+	test -d $(CACHE)/verl/verl
 	$(PY) -c "import jax, flax, optax, orbax.checkpoint, chex, ml_collections, gguf, tokenizers, torch, transformers"
 	@touch $@
 

@@ -34,8 +34,9 @@ CORE = [
     "sympy==1.14.0",
 ]
 # VeRL's own code, the tests' oracle (tests/verl_oracle): its pure-Python wheel WITHOUT its dependencies (ray,
-# vLLM, tensordict, ...), which `make setup` installs with `pip install --no-deps` (the Makefile reads this pin);
-# `pip install .[verl-oracle]` would pull them all.
+# vLLM, tensordict, ...), which `make setup` installs with `pip install --no-deps --target .cache/verl` (the
+# Makefile reads this pin; tests/verl_oracle/wheel.py says why not into the venv); `pip install
+# .[verl-oracle]` would pull them all.
 VERL_ORACLE = "verl==0.9.1"
 
 setup(

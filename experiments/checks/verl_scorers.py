@@ -1,8 +1,8 @@
 """Our ports of VeRL's rule-based scorers against VeRL's own files, on random (response, reference) pairs.
 
 VeRL's `gsm8k.py`, `math_reward.py` and `math_dapo.py` (`verl/utils/reward_score/`) are plain Python; they are
-loaded from the installed `verl` wheel (the version setup.py pins for the tests, installed by `make setup`
-without its dependencies) and run beside our reward path (`tlt_jax.tasks.rewards.ReferenceScorer` under
+loaded from the `verl` wheel setup.py pins (installed by `make setup` without its dependencies into
+.cache/verl) and run beside our reward path (`tlt_jax.tasks.rewards.ReferenceScorer` under
 reward="verl", routed by data_source: `gsm8k_reward`, `math_reward`, `dapo_reward`) on pairs built from the
 pieces their quirks turn on (boxes, unbalanced braces, `$`, `\\frac` with and without braces, `\\text{ }`,
 `####`, `Answer:`, thousands separators, units, trailing spaces, ...). Prints the pairs whose verdicts
@@ -15,7 +15,6 @@ differ (up to --show) and the counts.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import importlib.util
 import io
 import pathlib
@@ -66,17 +65,21 @@ PIECES = (
 REFERENCES = ("12", "\\frac{1}{2}", "0.5", "1000", "7", "72 ", " 12", "3.0", "\\sqrt{2}", "1,000", "-7")
 
 
-def verl_scorer(name: str) -> Callable[..., object]:
-    """`compute_score` of verl/utils/reward_score/<name>.py, loaded from the installed wheel's file."""
-    try:
-        version = importlib.metadata.version("verl")
-    except importlib.metadata.PackageNotFoundError as e:
+def verl_root() -> tuple[pathlib.Path, str]:
+    """(the verl package folder `make setup` installs into .cache/verl, its version)."""
+    target = harness.ROOT / ".cache" / "verl"
+    dists = sorted(target.glob("verl-*.dist-info"))
+    if not (target / "verl").is_dir() or len(dists) != 1:
         raise SystemExit(
-            "verl is not installed: run `make setup` (it installs the pinned verl --no-deps)"
-        ) from e
-    spec = importlib.util.find_spec("verl")
-    assert spec is not None and spec.submodule_search_locations is not None
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "utils" / "reward_score" / f"{name}.py"
+            f"no verl wheel in {target}: run `make setup` (it installs setup.py's VERL_ORACLE there)"
+        )
+    return target / "verl", dists[0].name.removeprefix("verl-").removesuffix(".dist-info")
+
+
+def verl_scorer(name: str) -> Callable[..., object]:
+    """`compute_score` of verl/utils/reward_score/<name>.py, loaded from the pinned wheel's file."""
+    root, version = verl_root()
+    path = root / "utils" / "reward_score" / f"{name}.py"
     module_spec = importlib.util.spec_from_file_location(f"verl_{name}_{version}", path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
@@ -119,7 +122,8 @@ def main() -> None:
     ap.add_argument("--show", type=int, default=5, help="differing pairs printed per scorer")
     args = ap.parse_args()
     n = 5_000 if args.quick else args.pairs
-    print(f"verl {importlib.metadata.version('verl')}, {n:,} random pairs per scorer, seed {args.seed}")
+    root, version = verl_root()
+    print(f"verl {version} ({root}), {n:,} random pairs per scorer, seed {args.seed}")
     values: dict[str, object] = {"pairs": n}
     for name, (ours, theirs) in verdicts().items():
         rng = random.Random(f"{args.seed}-{name}")

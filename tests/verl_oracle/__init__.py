@@ -1,5 +1,6 @@
 """VeRL's own code as a test oracle: the `verl` wheel pinned in setup.py (VERL_ORACLE), installed without its
-dependencies by `make setup`, its module files loaded directly.
+dependencies into .cache/verl by `make setup` (tests/verl_oracle/wheel.py says why not site-packages), its
+module files loaded directly.
 
 `import verl` needs ray, tensordict, omegaconf, hydra, ... (its package __init__ imports its protocol and
 workers), which the CPU stack does not install. `verl_module("verl.trainer.ppo.core_algos")` loads the
@@ -17,13 +18,13 @@ import ast
 import importlib
 import importlib.abc
 import importlib.machinery
-import importlib.metadata
 import importlib.util
 import pathlib
 import sys
 import types
 
-VERSION = "0.9.1"  # setup.py's VERL_ORACLE pin (tests/verl_oracle/test_loader.py checks they agree)
+from tests.verl_oracle.wheel import verl_root
+
 # third-party modules VeRL imports at module level that the CPU stack does not install, and VeRL's own
 # modules that need them only to define config / data classes (replaced the same way during a load)
 STAND_INS = (
@@ -41,23 +42,6 @@ STAND_INS = (
 )
 # packages whose __init__ defines what the tests call (run for real; the others' __init__ is skipped)
 RUN_INIT = ("verl.utils.reward_score",)
-
-
-def verl_root() -> pathlib.Path:
-    """The installed verl package's folder; a clear error when it is missing or another version."""
-    try:
-        found = importlib.metadata.version("verl")
-    except importlib.metadata.PackageNotFoundError as e:
-        raise RuntimeError(
-            f"verl {VERSION} is not installed: run `make setup` (it installs verl=={VERSION} --no-deps, the "
-            "tests' VeRL oracle)"
-        ) from e
-    if found != VERSION:
-        raise RuntimeError(f"verl {found} is installed; the tests follow verl {VERSION}: run `make setup`")
-    spec = importlib.machinery.PathFinder.find_spec("verl")
-    if spec is None or spec.submodule_search_locations is None:
-        raise RuntimeError("verl's package folder is not on sys.path")
-    return pathlib.Path(next(iter(spec.submodule_search_locations)))
 
 
 class _Opaque(type):

@@ -1,7 +1,7 @@
 """Node scaling (paper: TLT over VeRL 1.21 / 1.45 / 1.62 / 1.76x at 1 / 2 / 4 / 8 nodes, Qwen-7B): PROJECTED.
 
-    python -m experiments.paper.node_scaling            # the H200's measured 7B costs (docs/gpu_runs/...)
-    python -m experiments.paper.node_scaling --roofline # project_sd's roofline of the H100 run instead
+    python -m experiments.models.node_scaling            # the H200's measured 7B costs (docs/gpu_runs/...)
+    python -m experiments.models.node_scaling --roofline # project_sd's roofline of the H100 run instead
 
 The RL-step simulator (experiments/models/simulate_rl.py, `project_steps`) on the paper's 7B workload: one
 step of `--prompts` x `--samples` rollouts (the paper's 64 x 8 = 512 on a node), responses up to 32K tokens

@@ -1,7 +1,7 @@
 """The history drafter on revisited prompts: accepted tokens per round by epoch, host cost, the tail's speed.
 
-    python -m experiments.paper.history_drafter --quick   # 2 prompts x 4, 3 epochs, 128 new tokens
-    python -m experiments.paper.history_drafter           # 4 prompts x 4, 4 epochs, 256 new tokens
+    python -m experiments.models.history_drafter --quick   # 2 prompts x 4, 3 epochs, 128 new tokens
+    python -m experiments.models.history_drafter           # 4 prompts x 4, 4 epochs, 256 new tokens
 
 RL revisits every prompt once an epoch. SmolLM2 (configs/tlt.py's model, chain_sum task, temperature 0.9)
 answers the same `--prompts` problems `--n` times in each of `--epochs` epochs (a fresh sampling key per
