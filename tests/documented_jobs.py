@@ -47,10 +47,10 @@ class Job:
 # test file evaluated); run by tests/test_documented_jobs.py's DAPO test, which checks its metrics. At smoke
 # size the random model answers nothing right, so no group survives the filter: train_short_steps lets the
 # step train on masked fillers (README's SmolLM2 keeps some) and log what it generated.
-EASY = '{"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}'  # README.md's $EASY
+EASY = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'  # README.md's $EASY
 DAPO_CPU = Job(
     "README dapo on CPU",
-    "configs/tlt.py:dapo,steps=3,data={train},eval_data={test}",
+    "configs/tlt.py:dapo,steps=4,data={train},eval_data={test}",
     (("rl.max_num_gen_batches", 3), ("rl.train_short_steps", True)),
     data_files=True,
 )

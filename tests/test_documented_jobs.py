@@ -127,3 +127,12 @@ def test_readme_dapo_warmup_writes_a_drafter(
     config = dj.shrink(dj.DAPO_WARMUP.load(hf=str(hf_dir), **dapo_files), model_dir=hf_dir)
     assert main.run(config, str(tmp_path)) == "done"
     assert has_drafter(str(tmp_path))
+
+
+def test_readme_states_the_dapo_jobs_these_tests_run() -> None:
+    """The DAPO jobs above are README.md's commands: its $EASY data, its tlt.py:dapo and recipe arguments."""
+    readme = (dj.ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"EASY='{dj.EASY}'" in readme
+    files = {"train": "data/dapo_train.parquet", "test": "data/dapo_test.parquet"}
+    assert f"--config {dj.DAPO_CPU.config.format(**files)} " in readme
+    assert f"--config {dj.DAPO_NODE.config.format(test='/data/aime-2024.parquet')} " in readme
