@@ -8,7 +8,11 @@ its config file's own sections; only `documented_jobs.shrink` differs from the c
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -136,3 +140,39 @@ def test_readme_states_the_dapo_jobs_these_tests_run() -> None:
     files = {"train": "data/dapo_train.parquet", "test": "data/dapo_test.parquet"}
     assert f"--config {dj.DAPO_CPU.config.format(**files)} " in readme
     assert f"--config {dj.DAPO_NODE.config.format(test='/data/aime-2024.parquet')} " in readme
+
+
+def test_readme_slurm_command_runs_the_recipe_dry(dapo_files: dict[str, str], tmp_path: pathlib.Path) -> None:
+    """README.md's sbatch line for DAPO, as its script runs outside an allocation with DRY_RUN=1: the README's
+    CONFIG (its eval file replaced by the test file), MODEL a directory with Qwen2.5-7B's config.json and DATA
+    the parquet file: the srun line, then the run's own validation and the recipe's data 2 x model 4 mesh on
+    one node's 8 fake devices. `make test-slurm` submits the same script through a real sbatch."""
+    readme = (dj.ROOT / "README.md").read_text(encoding="utf-8")
+    m = re.search(
+        r"^CONFIG=(\S+) MODEL=(\S+) \\\n\s+DATA=(\S+) sbatch --job-name=\S+ configs/cluster/slurm_grpo.sh",
+        readme,
+        re.M,
+    )
+    assert m, "README.md's DAPO sbatch line changed shape: update this test with it"
+    config = m.group(1).replace("/data/aime-2024.parquet", dapo_files["test"])
+    model = (
+        tmp_path / "Qwen2.5-7B"
+    )  # what a login node sees: the HF directory's config.json (no weights read)
+    model.mkdir()
+    qwen7b = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28)
+    (model / "config.json").write_text(
+        json.dumps(qwen7b | dict(num_attention_heads=28, num_key_value_heads=4, vocab_size=152064))
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TLT_JAX_", "XLA_", "JAX_"))}
+    env |= dict(DRY_RUN="1", CONFIG=config, MODEL=str(model), DATA=dapo_files["train"], PYTHON=sys.executable)
+    env |= dict(SLURM_JOB_NAME=f"dry-{tmp_path.name}")
+    script = dj.ROOT / "configs" / "cluster" / "slurm_grpo.sh"
+    out = subprocess.run(
+        ["bash", str(script)], cwd=dj.ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "srun --nodes=1 --ntasks=1 --ntasks-per-node=1" in out.stdout, out.stdout
+    assert (
+        f"--config {config} " in out.stdout and "mesh data=2 x model=4 over 8 of 8 cpu devices" in out.stdout
+    )
+    assert not (dj.ROOT / "workdirs" / f"dry-{tmp_path.name}").exists()

@@ -55,9 +55,8 @@ def run_workdir(
     mesh = config_lib.build_mesh(c)
     model, _ = config_lib.build_model(c, mesh)
     trainer = rl_config.policy_trainer(job, model, mesh)
-    engine = types.SimpleNamespace(
-        drafter_params=None
-    )  # no drafter: the only engine field a checkpoint reads
+    # no drafter, no history store: the engine fields a checkpoint reads
+    engine = types.SimpleNamespace(drafter_params=None, history=None)
     with Checkpointer(wd / CHECKPOINT_DIR) as ckpt:
         for step in steps:  # each step moves every trained parameter (the frozen ones never change)
             trainer.params = jax.tree.map(

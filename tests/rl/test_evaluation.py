@@ -61,7 +61,9 @@ def test_eval_is_paired_logged_at_step_zero_and_every_k(tmp_path) -> None:
     with_eval = [r["step"] for r in rows if "eval/reward" in r]
     assert with_eval == [0, 2, 3]  # before training, every 2 steps, and after the last
     assert rows[0]["eval/reward"] == first["eval/reward"]
-    assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0 and rows[-1]["eval/length_mean"] > 0
+    # 2 prompts x 8 samples: the accuracy is a count of 16 responses (a mean over anything else is not)
+    assert (rows[-1]["eval/accuracy"] * 16) == pytest.approx(round(rows[-1]["eval/accuracy"] * 16), abs=1e-6)
+    assert rows[-1]["eval/length_mean"] > 0
 
 
 def test_before_train_and_every() -> None:
@@ -359,8 +361,15 @@ def test_eval_sets_and_seconds_outside_the_step_time(tmp_path) -> None:
     c = eval_config(steps=1, every=1)
     # 2 x 8 rows as a training step (its programs serve), short prompts for the byte tokenizer
     toy = {"path": str(bench), "samples": 8, "max_new_tokens": 8, "prompt": "none"}
+    # a reward function of ours giving partial credit: VeRL's acc is the number, so mean@k is 0.25 (a mean@k
+    # over the verdict, score >= 1, would be 0)
+    partial = tmp_path / "partial_reward.py"
+    partial.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n    return 0.25\n"
+    )
     c.eval.sets = {
         "toy": toy,
+        "partial": {**toy, "reward": f"{partial}:score"},
         "greedy": {"path": str(bench), "samples": 8, "temperature": 0.0, "prompt": "none"},
     }
     learner = Learner(c, str(tmp_path / "w"))
@@ -376,6 +385,11 @@ def test_eval_sets_and_seconds_outside_the_step_time(tmp_path) -> None:
     estimators = {f"{e}@{j}" for e in ("pass", "maj", "best") for j in (1, 2, 4, 8)}
     speed = {"decode_seconds", "sd_share", "tok_per_s", "compile_seconds"}
     assert toy == {"mean@8", "reward_mean", "length_mean", "clip_frac", "seconds"} | estimators | speed
-    assert rows[1]["eval/toy/length_mean"] <= 8 and 0 <= rows[1]["eval/toy/pass@8"] <= 1
+    assert rows[1]["eval/toy/length_mean"] <= 8
+    passes = [rows[1][f"eval/toy/pass@{j}"] for j in (1, 2, 4, 8)]  # more draws never pass less often
+    assert passes == sorted(passes) and passes[0] == pytest.approx(rows[1]["eval/toy/mean@8"]), rows[1]
+    assert (
+        rows[1]["eval/partial/mean@8"] == pytest.approx(0.25) and rows[1]["eval/partial/reward_mean"] == 0.25
+    )
     greedy = {k: rows[1][f"eval/greedy/{k}"] for k in ("mean@8", "pass@1", "pass@8", "maj@8", "maj@1")}
     assert len(set(greedy.values())) == 1  # 8 identical greedy samples: every estimate is the accuracy

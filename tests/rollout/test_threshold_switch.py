@@ -130,7 +130,7 @@ def test_the_scheduler_adds_the_spec_config_switch_for_chunks_no_hook_chose():
     chunks they leave open and counts the steps of every chunk (the 30 and 20 of the selector's chunk
     complete its count of 2)."""
     spec = types.SimpleNamespace(threshold=32, min_steps_below=2)
-    engine = types.SimpleNamespace(spec_mode="6_4_32", config=types.SimpleNamespace(spec=spec))
+    engine = types.SimpleNamespace(spec_mode="6_4_32", config=types.SimpleNamespace(spec=spec), history=None)
     hooks = scheduler._rollout_hooks(engine, _Chooser())
     switch = hooks.hooks[-1]
     assert isinstance(switch, ThresholdPolicy) and (switch.mode, switch.threshold) == ("6_4_32", 32)
@@ -139,7 +139,7 @@ def test_the_scheduler_adds_the_spec_config_switch_for_chunks_no_hook_chose():
         modes.append(hooks.choose_mode(steps[0], 64))
         hooks.on_chunk(_view(modes[-1], steps))
     assert modes == ["plain", "plain", "7_1_8", "6_4_32", "6_4_32"]
-    assert scheduler._rollout_hooks(types.SimpleNamespace(spec_mode=None), None).hooks == []
+    assert scheduler._rollout_hooks(types.SimpleNamespace(spec_mode=None, history=None), None).hooks == []
 
 
 def test_selector_config_refuses_a_threshold_algorithm_and_names_the_switch():
