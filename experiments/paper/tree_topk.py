@@ -88,6 +88,11 @@ def main() -> None:
     plain, plain_s = _timed(engine, prompts, "plain")
     plain_tps = float(np.sum(plain.lengths)) / plain_s
     ks = [k for k in h.ints(args.topk) if 1 + k * depth >= verify or k == 1]
+    if left := sorted(set(h.ints(args.topk)) - set(ks)):  # every tree but the chain verifies `verify` tokens
+        print(
+            f"top-k {left} left out: a depth-{depth} tree with 1 + k x {depth} < {verify} nodes cannot fill "
+            f"the {verify} tokens every tree here verifies"
+        )
     accept, speed = {}, {}
     for k in ks:
         mode = engine.add_mode("eagle", f"{depth}_{k}_{min(verify, 1 + k * depth)}")
