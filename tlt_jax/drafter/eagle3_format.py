@@ -39,6 +39,7 @@ from tlt_jax.drafter.eagle_format import (
     TLT_SECTION,
     WEIGHTS_FILE,
     EagleExport,
+    cast_tree,
     draft_vocab_from_maps,
 )
 from tlt_jax.models.config import ModelConfig
@@ -230,15 +231,9 @@ def load_eagle3_drafter(
     )
     state = nnx.state(drafter, nnx.Param)
     dt = jnp.dtype(policy.dtype)
-    nnx.replace_by_pure_dict(state, jax_tree_cast(params, dt))
+    nnx.replace_by_pure_dict(state, cast_tree(params, dt))
     nnx.update(drafter, state)
     return drafter, vocab
-
-
-def jax_tree_cast(tree: Mapping[str, Any], dt: jnp.dtype) -> dict[str, Any]:
-    return {
-        k: jax_tree_cast(v, dt) if isinstance(v, Mapping) else jnp.asarray(v, dt) for k, v in tree.items()
-    }
 
 
 def is_eagle3_dir(path: str | os.PathLike) -> bool:

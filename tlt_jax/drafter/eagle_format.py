@@ -415,13 +415,14 @@ def build_drafter(params: Mapping[str, Any], policy: ModelConfig) -> Drafter:
     drafter = nnx.eval_shape(lambda: Drafter(policy, nnx.Rngs(0)))
     state = nnx.state(drafter, nnx.Param)
     dt = jnp.dtype(policy.dtype)
-    nnx.replace_by_pure_dict(state, _cast(params, dt))
+    nnx.replace_by_pure_dict(state, cast_tree(params, dt))
     nnx.update(drafter, state)
     return drafter
 
 
-def _cast(tree: Mapping[str, Any], dt: jnp.dtype) -> dict[str, Any]:
-    return {k: _cast(v, dt) if isinstance(v, Mapping) else jnp.asarray(v, dt) for k, v in tree.items()}
+def cast_tree(tree: Mapping[str, Any], dt: jnp.dtype) -> dict[str, Any]:
+    """A nested dict of arrays as jax arrays of dtype `dt` (a drafter's imported parameters)."""
+    return {k: cast_tree(v, dt) if isinstance(v, Mapping) else jnp.asarray(v, dt) for k, v in tree.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------
