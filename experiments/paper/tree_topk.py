@@ -2,20 +2,21 @@
 
     python -m experiments.paper.tree_topk --quick                               # tiny random target (smoke)
     python -m experiments.paper.tree_topk --drafter workdirs/drafter_tlt        # SmolLM2 + a warmed drafter
-    python -m experiments.paper.tree_topk --drafter DIR --depth 6 --verify 32 --topk 1,2,4,6,8
+    python -m experiments.paper.tree_topk --drafter DIR --depth 4,6,8 --verify 32 --topk 1,2,4,6,8
 
 One engine (the warmed drafter of --drafter: EAGLE-1 or EAGLE-3, whichever its checkpoint holds) decodes the
 same greedy prompts (configs/tlt.py's task, batch 1, as the paper's Table 1) once per strategy
-`depth_k_verify` for each k of --topk, plus plain decoding. Per k: the mean accepted tokens per verify round
-and tokens/s against plain's (each strategy's programs compiled by a first untimed call). Greedy SD equals
-plain decoding token for token, which the script checks.
+`depth_k_verify` for each depth of --depth and k of --topk, plus plain decoding. Per (depth, k): the mean
+accepted tokens per verify round and tokens/s against plain's (each strategy's programs compiled by a first
+untimed call). Greedy SD equals plain decoding token for token, which the script checks.
 
 Published (Table 1, Qwen-32B, depth 12 / verify 64): acceptance 8.29 - 8.67 over top-k 4..16, speedup 3.47 -
 3.65x, best k 6 - 10. On this CPU a verify round's cost grows with the tree (docs/benchmarks.md), so the best
 k for speed can be smaller than the best for acceptance: both are reported.
 
-Final line: `RESULT best_topk=<k by tokens/s> best_topk_accept=<k by acceptance> accept_k<k>=..
-speedup_k<k>=..`; a PNG of both against k.
+Final line: `RESULT best_topk=<k by tokens/s> best_depth=<its depth> best_topk_accept=<k by acceptance>
+best_depth_accept=<its depth> accept_d<depth>_k<k>=.. speedup_d<depth>_k<k>=..`; a PNG of both against k, a
+line per depth.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from experiments.lib import harness as h
+
+Cells = dict[tuple[int, int], tuple[float, float]]  # (depth, top-k) -> (accepted per round, speed vs plain)
 
 
 def _setup(args: Any) -> tuple[Any, Any, Any, list[list[int]], list[int]]:
@@ -65,19 +68,39 @@ def _timed(engine: Any, prompts: list[list[int]], mode: str) -> tuple[Any, float
     return out, time.perf_counter() - t0
 
 
+def sweep(engine: Any, prompts: list, plain: Any, plain_tps: float, depth: int, args: Any) -> Cells:
+    """(depth, k) -> (accepted per round, speed vs plain) for each top-k a depth-`depth` tree can fill."""
+    ks = [k for k in h.ints(args.topk) if 1 + k * depth >= args.verify or k == 1]
+    if left := sorted(set(h.ints(args.topk)) - set(ks)):  # every tree but the chain verifies `verify` tokens
+        print(
+            f"depth {depth}: top-k {left} left out: a tree with 1 + k x {depth} < {args.verify} nodes cannot "
+            f"fill the {args.verify} tokens every tree here verifies"
+        )
+    cells: Cells = {}
+    for k in ks:
+        mode = engine.add_mode("eagle", f"{depth}_{k}_{min(args.verify, 1 + k * depth)}")
+        res, secs = _timed(engine, prompts, mode)
+        if not (res.tokens == plain.tokens).all():
+            raise SystemExit(f"depth {depth}, top-k {k}: greedy SD differs from plain decoding")
+        acc, speed = float(res.stats.mean_accept_length), float(np.sum(res.lengths)) / secs / plain_tps
+        cells[depth, k] = (acc, speed)
+        print(f"depth {depth}, top-k {k}: accepted {acc:.3f} per round, {speed:.2f}x plain")
+    return cells
+
+
 def main() -> None:
     ap = h.parser(__doc__, quick="a tiny random target and drafter (smoke: acceptance is meaningless)")
     h.add_model_args(ap)
     ap.add_argument("--drafter", default="workdirs/drafter_tlt", help="a warm-up workdir (or its drafter/)")
     ap.add_argument("--topk", default="1,2,4,6,8", help="the top-k values")
-    ap.add_argument("--depth", type=int, default=None, help="draft depth (default 6; 3 quick)")
+    ap.add_argument("--depth", default=None, help="draft depths, comma-separated (default 4,6,8; 2,3 quick)")
     ap.add_argument("--verify", type=int, default=None, help="tokens to verify (default 16; 8 quick)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=None, help="new tokens per prompt (default 128; 24 quick)")
     args = ap.parse_args()
     out = h.out_dir(args, "tree_topk")
-    depth = args.depth or (3 if args.quick else 6)
-    verify = args.verify or (8 if args.quick else 16)
+    depths = h.ints(args.depth or ("2,3" if args.quick else "4,6,8"))
+    args.verify = args.verify or (8 if args.quick else 16)
     max_new = args.max_new or (24 if args.quick else 128)
     target, drafter, vocab, prompts, eos = _setup(args)
     from tlt_jax.rollout.engine import RolloutEngine
@@ -87,41 +110,41 @@ def main() -> None:
     engine = RolloutEngine(target, ecfg, eos_ids=eos, drafter=drafter, draft_vocab=vocab)
     plain, plain_s = _timed(engine, prompts, "plain")
     plain_tps = float(np.sum(plain.lengths)) / plain_s
-    ks = [k for k in h.ints(args.topk) if 1 + k * depth >= verify or k == 1]
-    if left := sorted(set(h.ints(args.topk)) - set(ks)):  # every tree but the chain verifies `verify` tokens
-        print(
-            f"top-k {left} left out: a depth-{depth} tree with 1 + k x {depth} < {verify} nodes cannot fill "
-            f"the {verify} tokens every tree here verifies"
-        )
-    accept, speed = {}, {}
-    for k in ks:
-        mode = engine.add_mode("eagle", f"{depth}_{k}_{min(verify, 1 + k * depth)}")
-        res, secs = _timed(engine, prompts, mode)
-        if not (res.tokens == plain.tokens).all():
-            raise SystemExit(f"top-k {k}: greedy SD differs from plain decoding")
-        accept[k] = float(res.stats.mean_accept_length)
-        speed[k] = float(np.sum(res.lengths)) / secs / plain_tps
-        print(f"top-k {k}: accepted {accept[k]:.3f} per round, {speed[k]:.2f}x plain ({plain_tps:.1f} tok/s)")
-    plot(ks, accept, speed, out / "tree_topk.png")
+    print(f"plain: {plain_tps:.1f} tok/s")
+    cells: Cells = {}
+    for depth in depths:
+        cells |= sweep(engine, prompts, plain, plain_tps, depth, args)
+    plot(cells, out / "tree_topk.png")
+    by_speed = max(cells, key=lambda c: cells[c][1])
+    by_accept = max(cells, key=lambda c: cells[c][0])
     values: dict[str, Any] = {
-        "best_topk": max(ks, key=lambda k: speed[k]),
-        "best_topk_accept": max(ks, key=lambda k: accept[k]),
+        "best_topk": by_speed[1],
+        "best_depth": by_speed[0],
+        "best_topk_accept": by_accept[1],
+        "best_depth_accept": by_accept[0],
     }
-    values.update({f"accept_k{k}": accept[k] for k in ks})
-    values.update({f"speedup_k{k}": speed[k] for k in ks})
+    values.update({f"accept_d{d}_k{k}": a for (d, k), (a, _) in cells.items()})
+    values.update({f"speedup_d{d}_k{k}": s for (d, k), (_, s) in cells.items()})
     print(f"plot: {out / 'tree_topk.png'}")
     h.result(values, args)
 
 
-def plot(ks: list[int], accept: dict[int, float], speed: dict[int, float], path: Any) -> None:
-    fig, ax = h.pyplot().subplots(figsize=(6, 4))
-    ax.plot(ks, [accept[k] for k in ks], marker="o", label="accepted tokens / round")
-    ax2 = ax.twinx()
-    ax2.plot(ks, [speed[k] for k in ks], marker="s", color="tab:orange", label="speed vs plain")
-    ax.set_xlabel("tree top-k")
-    ax.set_ylabel("accepted tokens per round")
-    ax2.set_ylabel("x plain decoding")
-    ax.set_title("paper Table 1: 8.29-8.67 accepted, best k 6-10")
+def plot(cells: Cells, path: Any) -> None:
+    """Accepted tokens and speed against top-k, one line per depth."""
+    fig, (a1, a2) = h.pyplot().subplots(1, 2, figsize=(10, 4))
+    for d in sorted({d for d, _ in cells}):
+        ks = sorted(k for dd, k in cells if dd == d)
+        a1.plot(ks, [cells[d, k][0] for k in ks], marker="o", label=f"depth {d}")
+        a2.plot(ks, [cells[d, k][1] for k in ks], marker="s", label=f"depth {d}")
+    a1.set_xlabel("tree top-k")
+    a1.set_ylabel("accepted tokens per round")
+    a1.set_title("paper Table 1: 8.29-8.67 accepted, best k 6-10")
+    a2.set_xlabel("tree top-k")
+    a2.set_ylabel("x plain decoding")
+    a2.axhline(1.0, color="gray", lw=0.8)
+    a2.set_title("paper: 3.47-3.65x (Qwen-32B, depth 12, verify 64)")
+    a1.legend()
+    a2.legend()
     h.save_plot(fig, path)
 
 
