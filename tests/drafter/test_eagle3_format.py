@@ -207,13 +207,13 @@ def test_what_does_not_fit_the_policy_is_refused(tmp_path):
     public_checkpoint(tmp_path / "two", num_hidden_layers=2)
     with pytest.raises(ValueError, match="has 2 decoder layers"):
         load_eagle3_drafter(tmp_path / "two", POLICY)
-    with pytest.raises(ValueError, match="capture points >= 1"):
-        to_eagle3(
-            nnx.to_pure_dict(nnx.state(Eagle3Drafter(POLICY, nnx.Rngs(0)), nnx.Param)),
-            POLICY,
-            (0, 2, 4),
-            None,
-        )
+    params = nnx.to_pure_dict(nnx.state(Eagle3Drafter(POLICY, nnx.Rngs(0)), nnx.Param))
+    for aux in ((0, 2, 4), (2, 4, 8)):  # the embedding (SGLang id -1); after the last layer (SGLang: never)
+        with pytest.raises(ValueError, match=r"capture points in \[1, L - 1\] = \[1, 7\]"):
+            to_eagle3(params, POLICY, aux, None)
+    public_checkpoint(tmp_path / "deep", eagle_config={}, eagle_aux_hidden_state_layer_ids=[2, 4, 9])
+    with pytest.raises(ValueError, match=r"trained for another target: aux layers \(2, 4, 9\)"):
+        load_eagle3_drafter(tmp_path / "deep", POLICY)
 
 
 def test_a_public_checkpoint_starts_the_run_drafter(tmp_path):
@@ -224,3 +224,84 @@ def test_a_public_checkpoint_starts_the_run_drafter(tmp_path):
     resolved = resolve_drafter(section, POLICY)
     assert resolved.kind == "eagle" and resolved.drafter.arch == "eagle3"
     np.testing.assert_array_equal(resolved.draft_vocab, VOCAB)
+
+
+# ---- which target states each loader feeds the drafter, as transcribed from its source --------------------
+# Capture points are ours: i = the residual stream entering target layer i (tlt_jax.models.llama).
+
+
+def sglang_capture_points(config: dict, num_layers: int) -> tuple[int, ...]:
+    """SGLang 0.5.23 (PyPI wheel): model_runner_components/spec_aux_hidden_state.py
+    `_resolve_eagle_aux_hidden_state` reads `eagle_config["eagle_aux_hidden_state_layer_ids"]` (any error:
+    None); models/llama.py (and qwen2.py) `set_eagle3_layers_to_capture`: None -> layers_to_capture
+    [2, num_layers // 2, num_layers - 3], else `[val + 1 for val in layer_ids]`; LlamaModel.forward passes
+    `capture_output` to layer i for i in layers_to_capture, captured in the attention boundary's prepare:
+    the stream entering layer i, for i in range(start_layer, end_layer) only."""
+    try:
+        ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    except (KeyError, TypeError):
+        ids = None
+    layers = [2, num_layers // 2, num_layers - 3] if ids is None else [v + 1 for v in ids]
+    return tuple(i for i in range(num_layers) if i in layers)  # the loop's order, layers it reaches
+
+
+def vllm_capture_points(config: dict, num_layers: int) -> tuple[int, ...]:
+    """vLLM 0.34.0 (PyPI wheel, commit 62d4bc3c7): v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+    `get_eagle3_aux_layers_from_config` reads `getattr(hf_config, "eagle_aux_hidden_state_layer_ids")`, then
+    (no dflash / dspark keys) `eagle_config.get("layer_ids")`; none -> interfaces.py
+    `get_eagle3_default_aux_hidden_state_layers` (2, num_layers // 2, num_layers - 3); models/llama.py
+    (and qwen2.py) LlamaModel.forward: `_maybe_add_hidden_state(aux, start_layer, h, r)` before the loop and
+    `_maybe_add_hidden_state(aux, idx + 1, h, r)` after layer idx, appending `h + r` when the index is in
+    the set: id k = the stream after k layers. (The older form at vllm-project/vllm@e06c9ba2 models/llama.py,
+    `if idx in self.aux_hidden_state_layers: aux_hidden_states.append(hidden_states + residual)` before
+    layer idx, reads the same.)"""
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+        "layer_ids"
+    )
+    layers = tuple(ids) if ids else (2, num_layers // 2, num_layers - 3)
+    return tuple(k for k in range(num_layers + 1) if k in layers)
+
+
+def test_the_export_feeds_the_same_states_through_both_loaders(tmp_path):
+    """Our export's config.json makes SGLang and vLLM capture our drafter's capture points (default or not),
+    and reads back to them."""
+    params = nnx.to_pure_dict(nnx.state(Eagle3Drafter(POLICY, nnx.Rngs(0)), nnx.Param))
+    L = POLICY.num_layers
+    for aux in ((2, 4, 5), (1, 3, 7), (4, 5, 6)):  # the default (2, L // 2, L - 3), and two others
+        tensors, config = to_eagle3(params, POLICY, aux, None)
+        config = json.loads(json.dumps(config))  # as the loaders get it
+        assert sglang_capture_points(config, L) == vllm_capture_points(config, L) == tuple(sorted(aux)), aux
+        write_eagle3_dir(tmp_path / str(aux), tensors, config)
+        back, _ = load_eagle3_drafter(tmp_path / str(aux), POLICY)
+        assert back.aux_layers == aux
+
+
+def test_a_checkpoint_ids_are_read_as_the_loader_that_reads_its_key(tmp_path):
+    """SpecForge-style (eagle_config ids only: SGLang's reading), speculators-style (top-level ids only:
+    vLLM's reading), both agreeing, none (the default); both disagreeing is refused."""
+    L = POLICY.num_layers
+    cases = {
+        "specforge": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}},
+        "speculators": {"eagle_config": {}, "eagle_aux_hidden_state_layer_ids": [1, 3, 5]},
+        "both": {
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 6]},
+            "eagle_aux_hidden_state_layer_ids": [1, 3, 7],
+        },
+        "none": {"eagle_config": {}},
+    }
+    want = {"specforge": (2, 4, 6), "speculators": (1, 3, 5), "both": (1, 3, 7), "none": (2, 4, 5)}
+    for name, over in cases.items():
+        _, config = public_checkpoint(tmp_path / name, **over)
+        served = sglang_capture_points(config, L) if name == "specforge" else vllm_capture_points(config, L)
+        assert served == want[name], name  # what the checkpoint's engine feeds it
+        drafter, _ = load_eagle3_drafter(tmp_path / name, POLICY)
+        assert drafter.aux_layers == want[name], name
+    public_checkpoint(
+        tmp_path / "clash",
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 5]},
+        eagle_aux_hidden_state_layer_ids=[1, 3, 5],
+    )
+    with pytest.raises(
+        ValueError, match=r"SGLang would feed it .* \(2, 4, 6\) .* vLLM those entering \(1, 3, 5\)"
+    ):
+        load_eagle3_drafter(tmp_path / "clash", POLICY)

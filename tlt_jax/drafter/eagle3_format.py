@@ -15,10 +15,26 @@ renames `midlayer.` to `layers.0.`):
 
 config.json: architectures ["LlamaForCausalLMEagle3"], num_hidden_layers 1 (SGLang refuses others),
 draft_vocab_size, tie_word_embeddings false (SGLang: a tied draft would use the embedding as its head),
-the decoder's dims, and `eagle_config.eagle_aux_hidden_state_layer_ids`: the target layers whose OUTPUTS the
-drafter reads (SGLang captures the stream entering layer id + 1: our capture points minus one), written only
-when they differ from the default (2, L // 2, L - 3) both loaders use without it. Our capture point 0 (the
-embedding itself) has no id there and is refused.
+the decoder's dims, and the capture points, which the two loaders read from DIFFERENT keys in DIFFERENT
+conventions (read in SGLang 0.5.23's and vLLM 0.34.0's (commit 62d4bc3c7) PyPI wheels, and SpecForge
+@ a6b6b023; tests/drafter/test_eagle3_format.py transcribes both readings):
+- SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` only (model_runner_components/
+  spec_aux_hidden_state.py `_resolve_eagle_aux_hidden_state`), as layer OUTPUTS: models/llama.py and
+  qwen2.py `set_eagle3_layers_to_capture` set `layers_to_capture = [val + 1 for val in layer_ids]` and the
+  forward captures the stream entering layer i for i in layers_to_capture (so id = our capture point - 1).
+  SpecForge, which trains EAGLE-3 drafters for SGLang, writes that key the same way (its default
+  `[1, num_layers // 2 - 1, num_layers - 4]`, passed to SGLang's `set_eagle3_layers_to_capture`).
+- vLLM reads the TOP-LEVEL `eagle_aux_hidden_state_layer_ids` (v1/worker/gpu/spec_decode/eagle/
+  eagle3_utils.py `get_eagle3_aux_layers_from_config`; the nested key only sizes fc in llama_eagle3.py), as
+  stream ENTRY points: models/llama.py and qwen2.py call `_maybe_add_hidden_state(aux, idx + 1, ...)` after
+  layer idx (and with id 0 before layer 0), so id = our capture point. The speculators format writes it.
+- Without them both capture (2, L // 2, L - 3), the stream entering those layers.
+The export writes both keys (each in its loader's convention), so both capture the same states whatever
+their defaults; capture points 0 (the embedding: SGLang would need id -1) and L (SGLang's loop never
+reaches layer L) have no id both read, and are refused. The import reads a checkpoint's ids by the key it
+carries: the nested key as SGLang does (+ 1: the trainers that write only it, SpecForge, target SGLang),
+the top-level key as vLLM does; both present and disagreeing is refused (the two engines would feed the
+drafter different layers).
 """
 
 from __future__ import annotations
@@ -45,6 +61,7 @@ from tlt_jax.drafter.eagle_format import (
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.eagle3 import Eagle3Drafter, default_aux_layers
 from tlt_jax.models.hf_export import decoder_fields
+from tlt_jax.models.llama import check_aux_layers
 from tlt_jax.utils.export_io import write_atomically
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -79,11 +96,7 @@ def to_eagle3(
     dtype: str = "float32",
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Our EAGLE-3 drafter's params (`nnx.to_pure_dict`) for a target of `cfg` -> (tensors, config.json)."""
-    if len(aux_layers) != 3 or min(aux_layers) < 1:
-        raise ValueError(
-            f"aux layers {tuple(aux_layers)}: SGLang's and vLLM's EAGLE-3 read three target layers' outputs "
-            "(capture points >= 1; 0, the embedding, has no layer id)"
-        )
+    check_exportable_capture_points(aux_layers, cfg.num_layers)
     dt = np.dtype(dtype)
     kv, g, d, h = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     lay = params["layer"]
@@ -118,12 +131,8 @@ def to_eagle3(
         **decoder_fields(cfg.replace(num_layers=1, tie_embeddings=False, architecture="llama"), dtype),
         "draft_vocab_size": vd,
         "target_hidden_size": h,
-        "eagle_config": {"use_aux_hidden_state": True},
+        **capture_keys(aux_layers),
     }
-    if cfg.num_layers < 3 or tuple(aux_layers) != default_aux_layers(cfg.num_layers):
-        # SGLang's reading (layer outputs, captured at id + 1); left out for the default capture points,
-        # which both loaders apply when the config names none (vLLM's reading of the ids: not checked here)
-        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [int(i) - 1 for i in aux_layers]
     return out, config
 
 
@@ -150,12 +159,47 @@ def write_eagle3_dir(
     write_atomically(out, True, fill)
 
 
-def _aux_from_config(config: Mapping[str, Any], policy: ModelConfig) -> tuple[int, ...]:
+def check_exportable_capture_points(aux_layers: tuple[int, ...], num_layers: int) -> None:
+    """Refuse capture points without an id both SGLang and vLLM read the same way (module docstring)."""
+    points = tuple(int(i) for i in aux_layers)
+    if len(points) != 3 or not all(1 <= i <= num_layers - 1 for i in points):
+        raise ValueError(
+            f"aux layers {points}: SGLang's and vLLM's EAGLE-3 read three target layers' states at capture "
+            f"points in [1, L - 1] = [1, {num_layers - 1}] (0, the embedding, needs SGLang id -1; "
+            f"{num_layers}, the last layer's output, is never reached by SGLang's capture loop): train with "
+            "drafter.aux_layers inside that range to export"
+        )
+
+
+def capture_keys(aux_layers: tuple[int, ...]) -> dict[str, Any]:
+    """config.json keys naming capture points `aux_layers` (the stream entering those target layers) for
+    both loaders: vLLM's top-level ids (entry points) and SGLang's `eagle_config` ids (layer outputs)."""
+    points = [int(i) for i in aux_layers]
+    return {
+        "eagle_aux_hidden_state_layer_ids": points,
+        "eagle_config": {
+            "use_aux_hidden_state": True,
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in points],
+        },
+    }
+
+
+def capture_points(config: Mapping[str, Any], num_layers: int, where: str = "the drafter") -> tuple[int, ...]:
+    """The capture points (stream entering those target layers) a checkpoint's config asks for, read in the
+    convention of the loader that reads each key (module docstring): the nested `eagle_config` ids as SGLang
+    (+ 1), the top-level ids as vLLM (as is), neither: the default both apply. Both, disagreeing: refused."""
     ec = config.get("eagle_config") or {}
-    ids = ec.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids")
-    if not ids:  # the loaders' default: SGLang/vLLM capture (2, L // 2, L - 3)
-        return default_aux_layers(policy.num_layers)
-    return tuple(int(i) + 1 for i in ids)
+    nested = ec.get("eagle_aux_hidden_state_layer_ids")
+    top = config.get("eagle_aux_hidden_state_layer_ids") or ec.get("layer_ids")  # vLLM's fallback key
+    sglang = tuple(int(i) + 1 for i in nested) if nested else None
+    vllm = tuple(int(i) for i in top) if top else None
+    if sglang and vllm and sglang != vllm:
+        raise ValueError(
+            f"{where}: SGLang would feed it the states entering target layers {sglang} (eagle_config ids "
+            f"{list(nested)} + 1) but vLLM those entering {vllm} (top-level ids {list(top)}): the config "
+            "does not say which it was trained on; keep only the key of the engine it was trained for"
+        )
+    return sglang or vllm or default_aux_layers(num_layers)
 
 
 def from_eagle3(
@@ -214,7 +258,14 @@ def from_eagle3(
     vocab = draft_vocab_from_maps(tensors, policy.vocab_size, where)
     if vocab is None and vd != policy.vocab_size:
         raise ValueError(f"{where}: a head over {vd} tokens without d2t (which target tokens they are)")
-    return params, vocab, _aux_from_config(config, policy)
+    aux = capture_points(config, policy.num_layers, where)
+    if len(aux) != 3:
+        raise ValueError(f"{where} reads {len(aux)} target layers {aux}: its fc [H, 3H] reads three")
+    try:
+        check_aux_layers(policy, aux)
+    except ValueError as e:
+        raise ValueError(f"{where} was trained for another target: {e}") from None
+    return params, vocab, aux
 
 
 def load_eagle3_drafter(
