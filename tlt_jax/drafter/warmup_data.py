@@ -12,7 +12,8 @@ whole engine call's states; with `generation.record_hidden=False` a target forwa
 (`cut_sample`: a long response keeps one window at a seeded random position, so the data covers every depth
 of long responses at a bounded size per sequence). Each engine batch is cached as
 `DIR/data/{train,eval}_NNN.npz` (tokens, features in float16, timings; `save_chunk` / `load_chunk`), so a
-rerun reuses it. Used by `warmup.py` (the job) and `experiments/bench/bench_warmup_data.py`.
+rerun reuses it; the meta says which states they are (arch, capture points, target: `warmup_states`), so a
+run of another arch fails at start. Used by `warmup.py` and `experiments/bench/bench_warmup_data.py`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from flax import nnx
 from tlt_jax.drafter.buffer import window_sample
 from tlt_jax.drafter.packing import DrafterSample, epoch_plan, first_fit, segment_causal_mask
 from tlt_jax.drafter.warmup_config import WarmupConfig
+from tlt_jax.drafter.warmup_states import check_recorded_states, states_ident
 from tlt_jax.models.build import TextCodec
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.engine import RolloutEngine
@@ -240,9 +242,11 @@ def build_split(
     temperature: float,
     data_dir: pathlib.Path,
     times: PhaseTimes,
+    states: Mapping[str, Any] | None = None,
 ) -> tuple[list[DrafterSample], dict[str, float]]:
     """Generate (or load cached) samples of one split: `num_prompts` task prompts from stream position
-    `start`, `n` responses each, in engine batches of `generation.batch_prompts` prompts."""
+    `start`, `n` responses each, in engine batches of `generation.batch_prompts` prompts. `states`: what the
+    features are (`warmup_states.states_ident`), kept in each chunk's meta."""
     gen = job.generation
     bp = gen.batch_prompts
     sampling = SamplingParams(temperature=float(temperature), top_p=float(gen.top_p) if temperature else 1.0)
@@ -254,6 +258,8 @@ def build_split(
         path = _chunk_path(data_dir, split, c)
         count = min(bp, num_prompts - c * bp)
         ident = _chunk_ident(job, start + c * bp, count, n, temperature)
+        if states is not None:
+            ident["states"] = dict(states)
         if path.exists():
             chunk, meta = _load_cached(path, ident, data_dir)
         else:
@@ -439,6 +445,7 @@ def build_data(
     Held-out prompts are the last `eval.num_prompts` of the task's order (never trained on)."""
     from tlt_jax.tasks import make_task
 
+    check_recorded_states(job, target, data_dir)  # before anything is compiled or written
     gen = job.generation
     task, dropped = fit_task(job, make_task(job.task), tokenizer)
     n_train, n_eval = gen.num_prompts, job.drafter_eval.num_prompts
@@ -458,6 +465,7 @@ def build_data(
         hidden_fn=make_hidden_fn(target),
         data_dir=data_dir,
         times=times,
+        states=states_ident(job, target),
     )
     # training data first: the held-out batch (often smaller) then reuses the engine programs compiled for
     # the smaller batch buckets that compaction visits
