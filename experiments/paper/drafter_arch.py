@@ -85,6 +85,12 @@ def run_arm(
             shutil.copytree(shared_data, wd / "data")  # the same recorded states (EAGLE and HASS)
         warmup.run_warmup(config_schema.parse(c), wd)
     res = json.loads((wd / warmup.RESULT_FILE).read_text())
+    done = int((res.get("drafter_checkpoint") or {}).get("step", -1))
+    if not res.get("complete") or done != int(c.train.steps):
+        raise ValueError(
+            f"{wd} holds a warm-up of {done} steps (complete: {res.get('complete')}), this run asks for "
+            f"{c.train.steps}: use a new --out (an arm's finished warm-up is reused only at the same budget)"
+        )
     after = res["after"]
     train_s = float(res["phase_seconds"].get("train", 0.0))
     return {
