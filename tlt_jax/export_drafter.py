@@ -1,4 +1,5 @@
-"""Export a workdir's drafter as an EAGLE checkpoint for SGLang / vLLM (`tlt_jax.drafter.eagle_format`).
+"""Export a workdir's drafter as an EAGLE checkpoint for SGLang / vLLM (`tlt_jax.drafter.eagle_format`,
+`tlt_jax.drafter.eagle3_format`).
 
     python -m tlt_jax.export_drafter --workdir W --out DIR [--engine sglang|vllm] [--force] [--dtype bfloat16]
                                      [--full-vocab]
@@ -20,6 +21,12 @@ d2t or token map, else the warm-up workdir of drafter.path). It goes to token_ma
 `--speculative-token-map`); vLLM's EAGLE-1 has no reduced vocabulary, so `--engine vllm` refuses one unless
 `--full-vocab` leaves it out (the drafter then drafts over the full head).
 
+An EAGLE-3 drafter (it owns its head, `lm_head`) is written in the one EAGLE-3 layout both engines read
+(`eagle3_format`: d2t / t2d in the weights, the capture points in config.json), whatever `--engine` says;
+its capture points come from the warm-up's checkpoint metadata, else the RL run's drafter (init_from, the
+warm-up of drafter.path, config.drafter.aux_layers, EAGLE-3's default). Its head is over its draft
+vocabulary, so `--full-vocab` cannot drop one, and `--from-dir` has nothing to convert.
+
 Checkpoints are opened read-only and only the drafter's leaves are restored (orbax partial restore): no
 policy or optimizer state is read, nothing in W is written or cleaned, so a running job's workdir is safe to
 export from. DIR is written atomically (`write_eagle_dir`); a non-empty DIR is replaced only with --force.
@@ -34,11 +41,13 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import ml_collections as mlc
 import numpy as np
 import orbax.checkpoint as ocp
 
 from tlt_jax.drafter.draft_vocab import load_draft_vocab
+from tlt_jax.drafter.eagle3_format import eagle3_export, is_eagle3_dir, load_eagle3_drafter
 from tlt_jax.drafter.eagle_format import (
     ENGINES,
     HF_CONFIG_FILE,
@@ -51,9 +60,10 @@ from tlt_jax.drafter.eagle_format import (
     write_eagle_dir,
 )
 from tlt_jax.drafter.trainer import TRAIN_STATE_DIR
-from tlt_jax.drafter.warmup import DRAFTER_DIR
+from tlt_jax.drafter.warmup import DRAFTER_DIR, saved_drafter_spec
 from tlt_jax.models.build import model_config_from
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.eagle3 import default_aux_layers
 from tlt_jax.rl.checkpointing import CHECKPOINT_DIR
 from tlt_jax.rl.speculation import drafter_dir, has_drafter
 from tlt_jax.utils.export_io import read_only_manager, restore_leaves
@@ -211,13 +221,67 @@ def export_drafter(
     config = load_workdir_config(workdir)
     src = find_drafter(workdir)
     target = target_config(config, src)
-    vocab = None if full_vocab else workdir_draft_vocab(workdir, config, src, target.vocab_size)
-    export = to_eagle(read_drafter(src), target, vocab, dtype, engine)
+    params = read_drafter(src)
+    if "lm_head" in params:  # EAGLE-3: its own head over its draft vocabulary
+        export = _eagle3(params, workdir, config, src, target, dtype, full_vocab)
+    else:
+        vocab = None if full_vocab else workdir_draft_vocab(workdir, config, src, target.vocab_size)
+        export = to_eagle(params, target, vocab, dtype, engine)
     export.config[TLT_SECTION]["source"] = {
         "workdir": str(pathlib.Path(workdir).resolve()),
         "what": src.describe(),
     }
     return write_eagle_dir(out, export, force=force), src
+
+
+def _eagle3(
+    params: dict[str, Any],
+    workdir: str | pathlib.Path,
+    config: mlc.ConfigDict,
+    src: DrafterSource,
+    target: ModelConfig,
+    dtype: str | None,
+    full_vocab: bool,
+) -> EagleExport:
+    """An EAGLE-3 drafter's export (module docstring): its draft vocabulary and capture points."""
+    rows = int(np.shape(params["lm_head"])[0])
+    vocab = workdir_draft_vocab(workdir, config, src, target.vocab_size)
+    if rows == target.vocab_size:
+        vocab = None
+    elif full_vocab:
+        raise ValueError(
+            f"{src.describe()} is an EAGLE-3 drafter whose head covers a draft vocabulary of {rows} tokens: "
+            "--full-vocab cannot drop it (both engines read EAGLE-3's d2t map); leave --full-vocab out."
+        )
+    elif vocab is None or len(vocab) != rows:
+        found = "none" if vocab is None else f"{len(vocab)} tokens"
+        raise ValueError(
+            f"{src.describe()}: the EAGLE-3 head has {rows} rows but the workdir's draft vocabulary is "
+            f"{found}: export the workdir the drafter was trained in."
+        )
+    export = eagle3_export(params, target, capture_points(config, src, target), vocab)
+    name = dtype or str(np.asarray(params["fc"]).dtype)  # default: as trained
+    dt = jnp.dtype(name)
+    tensors = {k: v.astype(dt) if v.dtype.kind == "f" else v for k, v in export.tensors.items()}
+    return dataclasses.replace(export, tensors=tensors, config={**export.config, "torch_dtype": name})
+
+
+def capture_points(config: mlc.ConfigDict, src: DrafterSource, target: ModelConfig) -> tuple[int, ...]:
+    """An EAGLE-3 drafter's capture points: the warm-up checkpoint's metadata, else what the RL run drafted
+    with (init_from's config, drafter.path's warm-up metadata, config.drafter.aux_layers), else EAGLE-3's
+    default (2, L // 2, L - 3)."""
+    spec = src.meta.get("drafter") or {}
+    if spec.get("aux_layers"):
+        return tuple(int(i) for i in spec["aux_layers"])
+    section = config.get("drafter") or {}
+    init_from, path = section.get("init_from") or "", section.get("path") or ""
+    if init_from and is_eagle3_dir(init_from):
+        return tuple(load_eagle3_drafter(init_from, target)[0].aux_layers)
+    if section.get("kind") in ("eagle", "auto") and has_drafter(path):
+        spec = saved_drafter_spec(drafter_dir(path))
+        if spec.get("aux_layers"):
+            return tuple(int(i) for i in spec["aux_layers"])
+    return tuple(section.get("aux_layers") or ()) or default_aux_layers(target.num_layers)
 
 
 def convert_drafter(
@@ -229,6 +293,10 @@ def convert_drafter(
 ) -> tuple[pathlib.Path, EagleExport]:
     """The EAGLE-1 export in `src` (ours) rewritten for `engine` into `out` (eagle_format.for_engine)."""
     _refuse_non_empty(out, force)
+    if is_eagle3_dir(src):
+        raise ValueError(
+            f"{src} is an EAGLE-3 export: SGLang and vLLM both read it as it is, there is nothing to convert."
+        )
     tensors, hf_config = read_eagle_dir(src)
     export = for_engine(tensors, hf_config, engine, full_vocab)
     return write_eagle_dir(out, export, force=force), export
@@ -259,8 +327,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = json.loads((out / HF_CONFIG_FILE).read_text())
     size = cfg.get("draft_vocab_size")
     vocab = f"draft vocabulary {size} (token_map.pt)" if size else "full vocabulary"
+    layout = (
+        "EAGLE-3 drafter for sglang and vllm"
+        if "Eagle3" in str(cfg["architectures"])
+        else (f"EAGLE-1 drafter for {args.engine}")
+    )
     print(
-        f"{out}: EAGLE-1 drafter for {args.engine} {what}; hidden {cfg['hidden_size']}, "
+        f"{out}: {layout} {what}; hidden {cfg['hidden_size']}, "
         f"{cfg['torch_dtype']}, {vocab} of {cfg['vocab_size']}"
     )
 

@@ -1,6 +1,7 @@
 """The offline warm-up with `arch=eagle3` (tiny config): the data records [three layers ; final] states, the
 drafter trains with its own head over the generated draft vocabulary, and the saved checkpoint names its
-architecture, so `load_drafter` (the RL loop's `drafter.kind=eagle`) rebuilds it."""
+architecture and holds that head, so `load_drafter` (the RL loop's `drafter.kind=eagle`) rebuilds the drafter
+the warm-up trained, weight for weight."""
 
 import json
 import pathlib
@@ -12,8 +13,10 @@ from flax import nnx
 from tlt_jax import config_schema
 from tlt_jax.config_lib import load_config_file
 from tlt_jax.drafter import warmup
+from tlt_jax.drafter.trainer import TRAIN_STATE_DIR
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.eagle3 import Eagle3Drafter
+from tlt_jax.utils.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -36,6 +39,12 @@ def test_eagle3_warmup_end_to_end(tmp_path):
     assert loaded.draft_vocab_size == len(vocab) <= 41  # 40 most frequent + EOS
     params = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
     assert set(params) == {"fc", "layer", "norm", "lm_head"}
+    with Checkpointer(wd / TRAIN_STATE_DIR) as ckpt:  # the trainer's last state: every weight it trained
+        trained = ckpt.restore(config.train.steps)[0]["params"]
+    flat = dict(nnx.traversals.flatten_mapping(params))
+    for path, want in nnx.traversals.flatten_mapping(trained).items():
+        path = path[:-1] if path[-1] == "value" else path
+        np.testing.assert_array_equal(np.asarray(flat[path]), np.asarray(want), err_msg=str(path))
     rows = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines()]
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert losses and all(np.isfinite(losses)) and all(r.get("train/feat_loss", 0.0) == 0.0 for r in rows)

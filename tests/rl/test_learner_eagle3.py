@@ -31,7 +31,7 @@ def save_eagle3(directory: pathlib.Path, target_cfg, vocab: np.ndarray) -> pathl
     """An EAGLE-3 drafter checkpoint as the warm-up writes it: trainable weights, the target's config and the
     drafter's spec in meta, its draft vocabulary beside them."""
     drafter = Eagle3Drafter(target_cfg, nnx.Rngs(3), draft_vocab_size=len(vocab), aux_layers=AUX)
-    with DrafterCheckpointer(directory / "drafter", max_to_keep=1) as ckpt:
+    with DrafterCheckpointer(directory / "drafter", max_to_keep=1, own_head=True) as ckpt:
         ckpt.save(
             1,
             nnx.to_pure_dict(nnx.state(drafter, nnx.Param)),

@@ -134,14 +134,15 @@ def load_drafter(
     drafter saved for a different target architecture fails with a message naming the mismatched leaves.
     """
     directory = _drafter_dir(workdir_or_dir)
-    ckpt = DrafterCheckpointer(directory, async_save=False)
+    spec = saved_drafter_spec(directory, step) if directory.is_dir() else {"arch": "eagle"}
+    ckpt = DrafterCheckpointer(directory, async_save=False, own_head=spec["arch"] == "eagle3")
     try:
         if ckpt.latest_step() is None:
             raise FileNotFoundError(
                 f"no drafter checkpoint in {directory}: run the warm-up first "
                 "(python -m tlt_jax.main --config configs/drafter_warmup.py --workdir DIR)."
             )
-        drafter = drafter_from_spec(saved_drafter_spec(directory, step), target_cfg, nnx.Rngs(0))
+        drafter = drafter_from_spec(spec, target_cfg, nnx.Rngs(0))
         state = nnx.state(drafter, nnx.Param)
         restored = ckpt.restore(step, template=nnx.to_pure_dict(state))
     finally:
@@ -502,13 +503,14 @@ def _eval_after_and_save(
     times.add("eval_after", time.perf_counter() - t0)
     tracker.log(job.train.steps, after.metrics("eval/"))
     _log(f"after {job.train.steps} steps: {_fmt_eval(after)}")
-    saver = DrafterCheckpointer(wd / DRAFTER_DIR, max_to_keep=1)
+    spec = drafter_spec(nnx.merge(evaluator.graphdef, state.params))
+    saver = DrafterCheckpointer(wd / DRAFTER_DIR, max_to_keep=1, own_head=spec["arch"] == "eagle3")
     info = saver.save(
         job.train.steps,
         drafter_params_dict(state.params),
         meta={
             "target": dataclasses.asdict(target.cfg),
-            "drafter": drafter_spec(nnx.merge(evaluator.graphdef, state.params)),
+            "drafter": spec,
             "accept_length": after.accept_length,
             "depth": after.depth,
         },

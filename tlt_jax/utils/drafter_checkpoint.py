@@ -21,8 +21,9 @@ class DrafterCheckpointer:
     """Selective async checkpoint of the drafter's own trainable weights (paper: 893 ms -> 97 ms).
 
     Leaves whose path contains a component in `shared_names` (the target's embedding / LM head that the
-    drafter is handed) are not written, nor is any optimizer state. `is_trainable(path) -> bool`, with
-    `path` as 'a/b/0/c', replaces the name rule.
+    drafter is handed) are not written, nor is any optimizer state; `own_head` (EAGLE-3, whose `lm_head` is
+    its own trained head over the draft vocabulary) keeps "lm_head" out of those names so it is stored.
+    `is_trainable(path) -> bool`, with `path` as 'a/b/0/c', replaces the name rule.
 
     Asynchronous by default (orbax): `save` returns once orbax holds a host copy of the selected arrays (the
     caller may then donate or update them) and the write plus the atomic rename of `<step>.orbax-checkpoint-
@@ -39,8 +40,9 @@ class DrafterCheckpointer:
         async_save: bool = True,
         shared_names: Iterable[str] = DEFAULT_SHARED_NAMES,
         is_trainable: Callable[[str], bool] | None = None,
+        own_head: bool = False,
     ):
-        shared = frozenset(shared_names)
+        shared = frozenset(shared_names) - ({"lm_head"} if own_head else set())
         self._is_trainable = is_trainable or (lambda p: not shared.intersection(p.split("/")))
         self._ckpt = Checkpointer(directory, max_to_keep=max_to_keep, async_save=async_save)
         self.directory = self._ckpt.directory
