@@ -3,7 +3,9 @@ written with the tensor names and config keys those loaders read (SGLang llama_e
 llama_eagle3.py @ 583507d1) loads into our drafter and computes what the loaders' forward computes (a numpy
 transcription of SGLang's LlamaDecoderLayer.forward and LlamaModel.forward there); our export writes those
 names and shapes back bit for bit; what does not fit the policy is refused; the directory starts a run's
-drafter through `config.drafter.init_from`."""
+drafter through `config.drafter.init_from`. The capture ids: each loader's reading transcribed from its
+source (SGLang 0.5.23, vLLM 0.34.0: `sglang_capture_points`, `vllm_capture_points`) takes our export to our
+capture points, and a checkpoint's ids import as the loader reading its key reads them."""
 
 import json
 

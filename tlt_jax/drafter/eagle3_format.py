@@ -21,13 +21,16 @@ conventions (read in SGLang 0.5.23's and vLLM 0.34.0's (commit 62d4bc3c7) PyPI w
 - SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` only (model_runner_components/
   spec_aux_hidden_state.py `_resolve_eagle_aux_hidden_state`), as layer OUTPUTS: models/llama.py and
   qwen2.py `set_eagle3_layers_to_capture` set `layers_to_capture = [val + 1 for val in layer_ids]` and the
-  forward captures the stream entering layer i for i in layers_to_capture (so id = our capture point - 1).
+  forward captures the stream entering layer i for i in layers_to_capture (so id = our capture point - 1;
+  the same `set_eagle3_layers_to_capture` at sgl-project/sglang@bf7a0e23 python/sglang/srt/models/llama.py).
   SpecForge, which trains EAGLE-3 drafters for SGLang, writes that key the same way (its default
   `[1, num_layers // 2 - 1, num_layers - 4]`, passed to SGLang's `set_eagle3_layers_to_capture`).
 - vLLM reads the TOP-LEVEL `eagle_aux_hidden_state_layer_ids` (v1/worker/gpu/spec_decode/eagle/
   eagle3_utils.py `get_eagle3_aux_layers_from_config`; the nested key only sizes fc in llama_eagle3.py), as
   stream ENTRY points: models/llama.py and qwen2.py call `_maybe_add_hidden_state(aux, idx + 1, ...)` after
-  layer idx (and with id 0 before layer 0), so id = our capture point. The speculators format writes it.
+  layer idx (and with id 0 before layer 0), so id = our capture point (the older form at vllm-project/vllm
+  @e06c9ba2 models/llama.py appends `hidden_states + residual` before layer idx: the same). The speculators
+  format writes that key.
 - Without them both capture (2, L // 2, L - 3), the stream entering those layers.
 The export writes both keys (each in its loader's convention), so both capture the same states whatever
 their defaults; capture points 0 (the embedding: SGLang would need id -1) and L (SGLang's loop never

@@ -28,7 +28,9 @@ class WarmupRunSection(Section):
     """The warm-up job's top-level keys. draft_vocab_size: the drafter head's reduced vocabulary (the most
     frequent generated tokens, `tlt_jax.drafter.draft_vocab`; 0: the full vocabulary). arch: the drafter
     warmed up, "eagle" (EAGLE-1) or "eagle3" (its own head over that vocabulary, reading the target's states
-    at `aux_layers`, capture points in [0, L]; empty: EAGLE-3's (2, L // 2, L - 3))."""
+    at `aux_layers`, capture points in [0, L]; empty: EAGLE-3's (2, L // 2, L - 3); an export SGLang and vLLM
+    serve needs them in [1, L - 1]: `drafter.eagle3_format`). The data folder records which states it holds
+    (`drafter.warmup_states`): a rerun with another arch or aux_layers fails at start."""
 
     job: str = "drafter_warmup"
     seed: int = 0
