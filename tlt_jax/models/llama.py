@@ -323,8 +323,8 @@ class Transformer(nnx.Module):
 def check_aux_layers(cfg: ModelConfig, aux_layers: tuple[int, ...] | list[int]) -> tuple[int, ...]:
     """Validate EAGLE-3 capture points: i in [0, num_layers] is the residual stream ENTERING layer i (i = L:
     the last layer's output before the final norm), as SGLang's `layers_to_capture` / vLLM's
-    `aux_hidden_state_layers`; a checkpoint's `eagle_aux_hidden_state_layer_ids` (layer outputs) are these
-    minus one."""
+    `aux_hidden_state_layers`; a checkpoint's `eagle_aux_hidden_state_layer_ids` are these minus one in
+    SGLang's `eagle_config` key and these as they are in vLLM's top-level one (`drafter.eagle3_format`)."""
     layers = tuple(int(i) for i in aux_layers)
     bad = [i for i in layers if not 0 <= i <= cfg.num_layers]
     if bad:
