@@ -1,0 +1,124 @@
+"""The spot trainer's idle-device mode with an EAGLE-3 drafter on a data x model mesh (tensor parallelism,
+model axis 2, fake CPU devices): test_spot_tensor_parallel.py's checks for drafter.arch=eagle3.
+
+EAGLE-3 brings parameters EAGLE-1 has not: its own `lm_head` [Vd, H] over the draft vocabulary, `fc`
+[H, 3H] over the three capture points' states, a `hidden_norm` and q/k/v over [embedding ; feature] (2H).
+The engine shards them by their logical axes (a Vd the model axis divides is split over it, an odd one is
+replicated), the spot trainer holds them replicated, and the recorded span holds [aux x 3 ; final] = 4H per
+token, sharded by rows over "data" and whole over "model". Checked, for an even and an odd Vd: those
+shardings, a rollout with the spot trainer equals one without it, and the drafter after the rollout equals
+the same updates replayed on one device (float32 rounding, test_spot_tensor_parallel.py's ATOL).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from tests.drafter.test_spot_tensor_parallel import (
+    ATOL,
+    EOS,
+    PROMPTS,
+    SP,
+    record_ticks,
+    replay_on_one_device,
+)
+from tests.drafter.test_spot_trainer import SPOT, assert_tick_gathers_no_split_param, leaves
+from tlt_jax import sharding as shd
+from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer
+from tlt_jax.models.config import tiny_config
+from tlt_jax.models.eagle3 import Eagle3Drafter
+from tlt_jax.models.llama import Transformer
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.hooks import FinishedSequences, RolloutHooks
+from tlt_jax.rollout.interface import EngineConfig
+
+AUX = (0, 1, 2)  # the 2-layer target: the embedding, after layer 0, after layer 1
+
+
+class Spans(RolloutHooks):
+    """Keeps the recorded spans of the finished rows (what the spot trainer's buffer receives)."""
+
+    def __init__(self) -> None:
+        self.seqs: list[FinishedSequences] = []
+
+    def on_finished(self, seqs: FinishedSequences) -> None:
+        self.seqs.append(seqs)
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return Transformer(tiny_config("qwen2", num_kv_heads=4), nnx.Rngs(0))
+
+
+def eagle3(model: Transformer, vd: int) -> Eagle3Drafter:
+    return Eagle3Drafter(model.cfg, nnx.Rngs(1), draft_vocab_size=vd, aux_layers=AUX)
+
+
+def recorded_span_shardings(eng: RolloutEngine) -> list[tuple[tuple[int, ...], P]]:
+    """(shape, PartitionSpec) of the recorded span (`DecodeState.out_hidden`) in every compiled chunk program
+    (the programs' state argument, as compiled)."""
+    out = []
+    for key, compiled in eng.programs._programs.items():
+        if key[0] == "chunk":
+            shape = compiled.args_info[0][2].out_hidden.shape
+            out.append((tuple(shape), compiled.input_shardings[0][2].out_hidden.spec))
+    return out
+
+
+# make test: a 2 x 2 mesh and a draft vocabulary the model axis splits (cold, alone: ~17 s);
+# make test-extended also a 4 x 2 mesh with an odd one (replicated)
+CASES = [
+    pytest.param(2, 2, 64, id="2x2-vd64", marks=[pytest.mark.slow, pytest.mark.devices(4)]),
+    pytest.param(4, 2, 63, id="4x2-vd63", marks=[pytest.mark.extended, pytest.mark.devices(8)]),
+]
+
+
+@pytest.mark.parametrize(("data", "tp", "vd"), CASES)
+def test_eagle3_spot_trainer_under_tensor_parallelism(model: Transformer, data: int, tp: int, vd: int):
+    h = model.cfg.hidden_size
+    vocab = np.sort(np.random.default_rng(vd).permutation(model.cfg.vocab_size)[:vd])
+    cfg = EngineConfig(
+        max_new_tokens=24, max_cache_len=96, chunk_steps=2, min_cache_bucket=32, record_hidden=True
+    )
+    mesh = shd.make_mesh(data, tp, jax.devices()[: data * tp])
+    eng = RolloutEngine(model, cfg, eos_ids=EOS, mesh=mesh, drafter=eagle3(model, vd), draft_vocab=vocab)
+    # the engine's drafter shardings: lm_head [Vd, H] split by rows when the model axis divides Vd, fc and
+    # q/k/v (2H wide) as their logical axes say, the norms replicated
+    specs = {k: v.sharding.spec for k, v in nnx.to_flat_state(eng.drafter_params)}
+    assert specs[("lm_head",)] == (P("model", None) if vd % tp == 0 else P(None, None)), specs
+    assert specs[("fc",)] == P(None, None) and specs[("layer", "hidden_norm", "weight")] == P(None)
+    assert specs[("layer", "attn", "qkv")] == P("model", None)
+    assert eng.drafter_params["fc"].shape == (h, 3 * h)
+
+    reference = eng.generate(PROMPTS, n=1, key=jax.random.key(4), sampling=SP)
+    spot = SpotTrainer(SpotConfig(mode="idle_devices", **SPOT), eagle3(model, vd), eng)
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(spot.params))
+    ticks = record_ticks(spot)
+    spans = Spans()
+    spot.begin_step(1)
+    assert spot.head_w.shape == (vd, h)  # the target's head over the draft vocabulary: the loss's target
+    start = jax.device_put(spot.state, jax.devices()[0], may_alias=False)
+    out = eng.generate(PROMPTS, n=1, key=jax.random.key(4), sampling=SP, hooks=[spot, spans])
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    np.testing.assert_array_equal(out.lengths, reference.lengths)
+    assert ticks and int(spot.state.step) == len(ticks), "no tick trained"
+    assert all(idle.any() and not idle.all() for idle, _ in ticks)
+    # the recorded span: [aux x 3 ; final] per token, what the spot trainer's micro-batches carry
+    assert spans.seqs and all(x.shape[-1] == 4 * h for s in spans.seqs for x in s.hidden)
+    assert all(b.hidden.shape[-1] == 4 * h for _, b in ticks)
+    # ... held by the decode state as [rows, window, 4H], split by rows over "data", whole over "model"
+    spans_in_programs = recorded_span_shardings(eng)
+    assert spans_in_programs and all(
+        shape[-1] == 4 * h and spec in (P("data"), P("data", None, None)) for shape, spec in spans_in_programs
+    ), spans_in_programs
+    want = replay_on_one_device(spot, start, ticks)
+    moved = 0.0
+    for a, b, s in zip(leaves(spot.params), leaves(want.params), leaves(start.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+        moved = max(moved, float(np.abs(b - s).max()))
+    assert moved > 100 * ATOL, moved
+    assert_tick_gathers_no_split_param(eng)
