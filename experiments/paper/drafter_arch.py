@@ -148,6 +148,8 @@ def rl_half(args: Any, preset: str, out: Any, steps: int) -> tuple[dict[str, dic
         losses[arm] = (int(train.ttt_steps), int(train.topk))
     configs = rl.rl_configs({a: out / a for a in ARMS}, losses, steps, args.quick, args.rl_full)
     curves = rl.run_rl(configs, out / "rl", steps)
+    per_step = {a: {k: [float(v) for v in c[k]] for k in ("accept", "spot_ms")} for a, c in curves.items()}
+    (out / "rl_curves.json").write_text(json.dumps(per_step, indent=1))
     print(f"\n{'step':>4} " + " ".join(f"{a + ' acc':>11} {a + ' ms':>10}" for a in ARMS))
     for i in range(steps):
         cells = [f"{curves[a]['accept'][i]:>11.3f} {curves[a]['spot_ms'][i]:>10.0f}" for a in ARMS]

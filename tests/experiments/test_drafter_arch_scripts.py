@@ -2,6 +2,7 @@
 docs quote and write their plots; Table 7's projection arithmetic and its RL arms' configs are checked by hand
 (unmarked, sub-second: make test)."""
 
+import json
 import math
 
 import numpy as np
@@ -31,6 +32,8 @@ def test_drafter_arch_quick(tmp_path):
     assert res["round_steps_eagle"] == res["round_steps_hass"] != res["round_steps_eagle3"]
     assert res["best_rl"] in ARMS and int(res["rl_steps"]) == 2
     assert all((tmp_path / "rl" / a / "checkpoints").is_dir() for a in ARMS)
+    curves = json.loads((tmp_path / "rl_curves.json").read_text())
+    assert all(len(curves[a]["accept"]) == 2 and math.isfinite(curves[a]["spot_ms"][-1]) for a in ARMS)
     assert (tmp_path / "drafter_arch.png").exists()
 
 
