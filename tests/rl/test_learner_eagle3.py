@@ -164,3 +164,13 @@ def test_periodic_export_writes_an_eagle3_drafter_in_the_serving_layout(tmp_path
     np.testing.assert_array_equal(got_vocab, vocab)
     for a, b in zip(jax.tree.leaves(nnx.state(back, nnx.Param)), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_run_that_cannot_export_its_eagle3_drafter_fails_at_start(warm, tmp_path) -> None:
+    """Capture point 0 (the embedding) has no id SGLang reads: with export_every the learner refuses at
+    start, naming both fixes, instead of failing at its first export after hours of training."""
+    c = _config(warm, 2)
+    c.export_every = 1
+    with pytest.raises(ValueError, match=r"export_every=1 exports the drafter, but its aux layers \(0, 1, 2"):
+        Learner(c, str(tmp_path / "w"))
+    assert not (tmp_path / "w" / "checkpoints").exists()

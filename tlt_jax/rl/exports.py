@@ -39,7 +39,7 @@ from flax import nnx
 
 from tlt_jax import sharding as shd
 from tlt_jax.config_schema import GrpoConfig
-from tlt_jax.drafter.eagle3_format import eagle3_export
+from tlt_jax.drafter.eagle3_format import check_exportable_capture_points, eagle3_export
 from tlt_jax.drafter.eagle_format import EagleExport, fill_eagle_dir, to_eagle
 from tlt_jax.drafter.spot_trainer import SpotTrainer
 from tlt_jax.models.build import TextCodec
@@ -94,6 +94,20 @@ def step_dir(workdir: str | os.PathLike, step: int) -> pathlib.Path:
 def export_due(every: int, step: int, num_steps: int) -> bool:
     """Whether step `step` (>= 1, completed) is exported: `every` > 0 divides it, or it is the last."""
     return every > 0 and step > 0 and (step % every == 0 or step == num_steps)
+
+
+def check_drafter_exportable(export_every: int, aux_layers: tuple[int, ...], num_layers: int) -> None:
+    """At the learner's start, not at the first periodic export hours in: an EAGLE-3 drafter whose capture
+    points have no id both serving engines read (`eagle3_format`) cannot be exported."""
+    if export_every <= 0 or not aux_layers:
+        return
+    try:
+        check_exportable_capture_points(aux_layers, num_layers)
+    except ValueError as e:
+        raise ValueError(
+            f"config.export_every={export_every} exports the drafter, but its {e}; or set "
+            "config.export_every=0"
+        ) from None
 
 
 def after_step(learner: ExportSource, stopping: bool = False) -> pathlib.Path | None:

@@ -51,6 +51,7 @@ from tlt_jax.rl.checkpointing import (
 from tlt_jax.rl.dynamic_sampling import GenBatch, GroupCollector, StepSamples, generation_key
 from tlt_jax.rl.evaluation import held_out_eval
 from tlt_jax.rl.exports import after_step as export_after_step
+from tlt_jax.rl.exports import check_drafter_exportable
 from tlt_jax.rl.kl_reward import reward_kl_penalty
 from tlt_jax.rl.metrics import (
     LearnerStatus,
@@ -117,6 +118,7 @@ class Learner:
             drafter=drafter,
             draft_vocab=self.rollout_drafter.draft_vocab,
         )
+        check_drafter_exportable(job.run.export_every, self.engine.aux_layers, model.cfg.num_layers)
         self.monitor = RolloutMonitor(job.drafter.min_accept_len)
         self.watch = RolloutWatch()  # live counters (console heartbeat) and chunk timeline (plots)
         self.spot = build_spot(job.spot, drafter, self.engine, self.rollout_drafter, self.is_main)
