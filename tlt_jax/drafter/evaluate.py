@@ -135,11 +135,22 @@ def _context(drafter: AnyDrafter, batch: PackedBatch, embed_w: jax.Array) -> tup
     return ChainContext(drafter, embed_w, e.next_tokens, e.hidden_in, e.positions, e.mask), e
 
 
+def _check_draft_vocab(drafter: AnyDrafter, head_w: jax.Array, draft_vocab: jax.Array | None) -> None:
+    """EAGLE-3's head columns are the `draft_vocab` tokens: a reduced head needs their ids (its columns are
+    not token ids), or every draft and acceptance would be silently wrong."""
+    if drafter.arch == "eagle3" and draft_vocab is None and drafter.draft_vocab_size != head_w.shape[0]:
+        raise ValueError(
+            f"the EAGLE-3 drafter's head covers {drafter.draft_vocab_size} of the target's {head_w.shape[0]} "
+            "tokens: pass its draft_vocab (the token ids of its rows, drafter/draft_vocab.npy) to evaluate it"
+        )
+
+
 def _greedy_drafts(
     ctx: ChainContext, idx: jax.Array, head_w: jax.Array, depth: int, draft_vocab: jax.Array | None = None
 ) -> jax.Array:
     """[R, P, depth] argmax drafts; each draft is also the next step's input token (one head per step).
     EAGLE-3 drafts with its own head, whose columns are the `draft_vocab` tokens (all of them without it)."""
+    _check_draft_vocab(ctx.drafter, head_w, draft_vocab)
     drafts: list[jax.Array] = []
     own = ctx.drafter.arch == "eagle3"
 
@@ -163,6 +174,7 @@ def _sampled_alphas(
     draft_vocab: jax.Array | None,
 ) -> jax.Array:
     """[R, P, depth] per-step 1 - TV(p, q) along the true continuation (see `sampled_acceptance`)."""
+    _check_draft_vocab(ctx.drafter, head_w, draft_vocab)
     feats = ctx.teacher_forced(e.next_tokens, idx, depth)
     head_q = head_w if draft_vocab is None else head_w[draft_vocab]
     hidden = final_state(batch.hidden.astype(jnp.float32), ctx.drafter)
