@@ -193,6 +193,7 @@ def test_export_round_trip_names_shapes_values(tmp_path):
         np.testing.assert_array_equal(tensors[k], t[k], err_msg=k)
     for key in ("architectures", "num_hidden_layers", "draft_vocab_size", "tie_word_embeddings"):
         assert out_config[key] == config[key], key
+    assert out_config["norm_before_residual"] is False and out_config["norm_before_fc"] is False
     ids = out_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert ids == config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     write_eagle3_dir(tmp_path / "ours", tensors, out_config)
@@ -216,6 +217,10 @@ def test_what_does_not_fit_the_policy_is_refused(tmp_path):
     public_checkpoint(tmp_path / "deep", eagle_config={}, eagle_aux_hidden_state_layer_ids=[2, 4, 9])
     with pytest.raises(ValueError, match=r"trained for another target: aux layers \(2, 4, 9\)"):
         load_eagle3_drafter(tmp_path / "deep", POLICY)
+    for flag in ("norm_before_residual", "norm_before_fc"):  # variants ours does not compute
+        public_checkpoint(tmp_path / flag, **{flag: True})
+        with pytest.raises(ValueError, match=rf"sets {{'{flag}': True}}: a drafter variant ours does not"):
+            load_eagle3_drafter(tmp_path / flag, POLICY)
 
 
 def test_a_public_checkpoint_starts_the_run_drafter(tmp_path):

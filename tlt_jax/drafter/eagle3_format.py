@@ -32,6 +32,10 @@ conventions (read in SGLang 0.5.23's and vLLM 0.34.0's (commit 62d4bc3c7) PyPI w
   @e06c9ba2 models/llama.py appends `hidden_states + residual` before layer idx: the same). The speculators
   format writes that key.
 - Without them both capture (2, L // 2, L - 3), the stream entering those layers.
+vLLM's EAGLE-3 decoder layers also read `norm_before_residual` (`getattr(config, "norm_before_residual",
+False)`: the residual is the un-normed fc output, as in SGLang's and ours) and newer configs carry
+`norm_before_fc` (a norm over the concatenated states before fc); the speculators format defaults both to
+True, so the export writes both False and the import refuses a checkpoint with either set.
 The export writes both keys (each in its loader's convention), so both capture the same states whatever
 their defaults; capture points 0 (the embedding: SGLang would need id -1) and L (SGLang's loop never
 reaches layer L) have no id both read, and are refused. The import reads a checkpoint's ids by the key it
@@ -67,6 +71,7 @@ from tlt_jax.models.hf_export import decoder_fields
 from tlt_jax.models.llama import check_aux_layers
 from tlt_jax.utils.export_io import write_atomically
 
+NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False}  # ours: both off (module docstring)
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 _L = "midlayer."
 
@@ -134,6 +139,7 @@ def to_eagle3(
         **decoder_fields(cfg.replace(num_layers=1, tie_embeddings=False, architecture="llama"), dtype),
         "draft_vocab_size": vd,
         "target_hidden_size": h,
+        **NORM_FLAGS,
         **capture_keys(aux_layers),
     }
     return out, config
@@ -216,6 +222,11 @@ def from_eagle3(
     tensors = {k.replace("layers.0.", _L): v for k, v in tensors.items()}  # vLLM's own naming
     if int(config.get("num_hidden_layers", 1)) != 1:
         raise ValueError(f"{where} has {config['num_hidden_layers']} decoder layers: EAGLE-3 has one")
+    if flags := {k: config[k] for k in NORM_FLAGS if config.get(k)}:
+        raise ValueError(
+            f"{where} sets {flags}: a drafter variant ours does not compute (residual = the un-normed fc "
+            "output, no norm before fc)"
+        )
     if config.get("tie_word_embeddings"):
         raise ValueError(f"{where} ties its head to the embedding: ours owns lm_head [draft_vocab, H]")
     extra = sorted(k for k in tensors if k.endswith(".bias"))
