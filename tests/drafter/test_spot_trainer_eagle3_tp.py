@@ -7,7 +7,9 @@ The engine shards them by their logical axes (a Vd the model axis divides is spl
 replicated), the spot trainer holds them replicated, and the recorded span holds [aux x 3 ; final] = 4H per
 token, sharded by rows over "data" and whole over "model". Checked, for an even and an odd Vd: those
 shardings, a rollout with the spot trainer equals one without it, and the drafter after the rollout equals
-the same updates replayed on one device (float32 rounding, test_spot_tensor_parallel.py's ATOL).
+the same updates replayed on one device (float32 rounding, test_spot_tensor_parallel.py's ATOL). And the
+engine's EAGLE-3 drafting with its head split over the model axis: greedy chains (and trees, test-extended)
+equal plain decoding and accept, chunk by chunk, what one device's do.
 """
 
 from __future__ import annotations
@@ -27,13 +29,17 @@ from tests.drafter.test_spot_tensor_parallel import (
     replay_on_one_device,
 )
 from tests.drafter.test_spot_trainer import SPOT, assert_tick_gathers_no_split_param, leaves
+from tests.rollout.test_engine_eagle3 import CFG as CFG3
+from tests.rollout.test_engine_eagle3 import GREEDY, mirror3
+from tests.rollout.test_engine_sd import EOS as EOS3
+from tests.rollout.test_engine_sd import PROMPTS as PROMPTS3
 from tlt_jax import sharding as shd
 from tlt_jax.drafter.spot_trainer import SpotConfig, SpotTrainer
 from tlt_jax.models.config import tiny_config
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.models.llama import Transformer
 from tlt_jax.rollout.engine import RolloutEngine
-from tlt_jax.rollout.hooks import FinishedSequences, RolloutHooks
+from tlt_jax.rollout.hooks import FinishedSequences, FixedMode, RolloutHooks
 from tlt_jax.rollout.interface import EngineConfig
 
 AUX = (0, 1, 2)  # the 2-layer target: the embedding, after layer 0, after layer 1
@@ -122,3 +128,50 @@ def test_eagle3_spot_trainer_under_tensor_parallelism(model: Transformer, data: 
         moved = max(moved, float(np.abs(b - s).max()))
     assert moved > 100 * ATOL, moved
     assert_tick_gathers_no_split_param(eng)
+
+
+@pytest.fixture(scope="module")
+def drafting_engines(mirror) -> tuple[RolloutEngine, RolloutEngine, object]:
+    """test_engine_eagle3.py's greedy setting (its EAGLE-3 mirror over a 96-token draft vocabulary) on one
+    device and on a 2 x 2 mesh (the head's 96 rows split over the model axis), and plain decoding's
+    rollout."""
+    target = mirror.target(CFG3)
+    vocab = np.sort(np.random.default_rng(0).permutation(CFG3.vocab_size)[:96])
+    cfg = EngineConfig(max_new_tokens=40, max_cache_len=96, chunk_steps=4, compact=False)
+    engines = [
+        RolloutEngine(
+            target,
+            cfg,
+            eos_ids=[EOS3],
+            mesh=shd.make_mesh(d, t, jax.devices()[: d * t]),
+            drafter=mirror3(target, vocab, 0.02, (2, 1, 0)),
+            draft_vocab=vocab,
+        )
+        for d, t in ((1, 1), (2, 2))
+    ]
+    key = jax.random.key(0)
+    plain = engines[0].generate(PROMPTS3, n=2, key=key, sampling=GREEDY, hooks=FixedMode("plain"))
+    return engines[0], engines[1], plain
+
+
+@pytest.mark.devices(4)
+@pytest.mark.parametrize(
+    "strategy",
+    ["3_1_4", pytest.param("3_2_6", marks=pytest.mark.extended)],  # chain; tree (test-extended)
+)
+def test_eagle3_drafts_under_tensor_parallelism_as_on_one_device(drafting_engines, strategy: str):
+    """EAGLE-3 drafting with its head split over the model axis: greedy rollouts equal plain decoding, and
+    every chunk accepts exactly what the one-device engine's does (the same drafts)."""
+    one, tp, plain = drafting_engines
+    spec = {k: v.sharding.spec for k, v in nnx.to_flat_state(tp.drafter_params)}[("lm_head",)]
+    assert spec == P("model", None), spec
+    outs = []
+    for eng in (one, tp):
+        mode = eng.add_mode("eagle", strategy)
+        key = jax.random.key(0)
+        outs.append(eng.generate(PROMPTS3, n=2, key=key, sampling=GREEDY, hooks=FixedMode(mode)))
+    for out in outs:
+        np.testing.assert_array_equal(out.tokens, plain.tokens)
+        np.testing.assert_array_equal(out.lengths, plain.lengths)
+    assert outs[0].stats.mean_accept_length > 1.2, outs[0].stats.mean_accept_length
+    assert [c.accept_hist for c in outs[1].stats.chunks] == [c.accept_hist for c in outs[0].stats.chunks]
