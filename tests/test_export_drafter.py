@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 from tlt_jax import config_lib
 from tlt_jax.drafter.draft_vocab import FILENAME as VOCAB_FILE
 from tlt_jax.drafter.eagle3_format import load_eagle3_drafter
-from tlt_jax.export_drafter import capture_points, find_drafter
+from tlt_jax.export_drafter import find_drafter, workdir_capture_points
 from tlt_jax.export_drafter import main as export_main
 from tlt_jax.models.config import ModelConfig, tiny_config
 from tlt_jax.models.eagle3 import Eagle3Drafter, drafter_spec
@@ -93,8 +93,8 @@ def test_capture_points_of_an_rl_run_follow_its_drafter(tmp_path) -> None:
     rl = ml_collections.ConfigDict(
         {"drafter": {"kind": "eagle", "path": str(tmp_path / "warm"), "init_from": ""}}
     )
-    assert capture_points(rl, src, cfg) == AUX
+    assert workdir_capture_points(rl, src, cfg) == AUX
     rl.drafter.path, rl.drafter.aux_layers = "", (1, 3, 4)
-    assert capture_points(rl, src, cfg) == (1, 3, 4)
+    assert workdir_capture_points(rl, src, cfg) == (1, 3, 4)
     rl.drafter.aux_layers = ()
-    assert capture_points(rl, src, cfg) == (2, 2, 2)  # (2, L // 2, L - 3) at L = 5
+    assert workdir_capture_points(rl, src, cfg) == (2, 2, 2)  # (2, L // 2, L - 3) at L = 5

@@ -259,14 +259,16 @@ def _eagle3(
             f"{src.describe()}: the EAGLE-3 head has {rows} rows but the workdir's draft vocabulary is "
             f"{found}: export the workdir the drafter was trained in."
         )
-    export = eagle3_export(params, target, capture_points(config, src, target), vocab)
+    export = eagle3_export(params, target, workdir_capture_points(config, src, target), vocab)
     name = dtype or str(np.asarray(params["fc"]).dtype)  # default: as trained
     dt = jnp.dtype(name)
     tensors = {k: v.astype(dt) if v.dtype.kind == "f" else v for k, v in export.tensors.items()}
     return dataclasses.replace(export, tensors=tensors, config={**export.config, "torch_dtype": name})
 
 
-def capture_points(config: mlc.ConfigDict, src: DrafterSource, target: ModelConfig) -> tuple[int, ...]:
+def workdir_capture_points(
+    config: mlc.ConfigDict, src: DrafterSource, target: ModelConfig
+) -> tuple[int, ...]:
     """An EAGLE-3 drafter's capture points: the warm-up checkpoint's metadata, else what the RL run drafted
     with (init_from's config, drafter.path's warm-up metadata, config.drafter.aux_layers), else EAGLE-3's
     default (2, L // 2, L - 3)."""
