@@ -8,7 +8,9 @@ One engine (the warmed drafter of --drafter: EAGLE-1 or EAGLE-3, whichever its c
 same greedy prompts (configs/tlt.py's task, batch 1, as the paper's Table 1) once per strategy
 `depth_k_verify` for each depth of --depth and k of --topk, plus plain decoding. Per (depth, k): the mean
 accepted tokens per verify round and tokens/s against plain's (each strategy's programs compiled by a first
-untimed call). Greedy SD equals plain decoding token for token, which the script checks.
+untimed call; plain timed again right after each strategy, and the ratio taken within the pair, so a
+shared machine's drift hits both alike). Greedy SD equals plain decoding token for token, which the script
+checks.
 
 Published (Table 1, Qwen-32B, depth 12 / verify 64): acceptance 8.29 - 8.67 over top-k 4..16, speedup 3.47 -
 3.65x, best k 6 - 10. On this CPU a verify round's cost grows with the tree (docs/benchmarks.md), so the best
@@ -55,20 +57,21 @@ def _setup(args: Any) -> tuple[Any, Any, Any, list[list[int]], list[int]]:
     return target, drafter, vocab, prompts, list(loaded.tokenizer.eos_token_ids)
 
 
-def _timed(engine: Any, prompts: list[list[int]], mode: str) -> tuple[Any, float]:
+def _timed(engine: Any, prompts: list[list[int]], mode: str, compile_first: bool = True) -> tuple[Any, float]:
     from tlt_jax.rollout.hooks import FixedMode
     from tlt_jax.rollout.sampling import SamplingParams
 
     run = lambda: engine.generate(  # noqa: E731
         prompts, n=1, key=__import__("jax").random.key(0), sampling=SamplingParams(0.0), hooks=FixedMode(mode)
     )
-    run()  # compiles this strategy's programs
+    if compile_first:
+        run()  # compiles this strategy's programs
     t0 = time.perf_counter()
     out = run()
     return out, time.perf_counter() - t0
 
 
-def sweep(engine: Any, prompts: list, plain: Any, plain_tps: float, depth: int, args: Any) -> Cells:
+def sweep(engine: Any, prompts: list, plain: Any, depth: int, args: Any) -> Cells:
     """(depth, k) -> (accepted per round, speed vs plain) for each top-k a depth-`depth` tree can fill."""
     ks = [k for k in h.ints(args.topk) if 1 + k * depth >= args.verify or k == 1]
     if left := sorted(set(h.ints(args.topk)) - set(ks)):  # every tree but the chain verifies `verify` tokens
@@ -82,7 +85,8 @@ def sweep(engine: Any, prompts: list, plain: Any, plain_tps: float, depth: int, 
         res, secs = _timed(engine, prompts, mode)
         if not (res.tokens == plain.tokens).all():
             raise SystemExit(f"depth {depth}, top-k {k}: greedy SD differs from plain decoding")
-        acc, speed = float(res.stats.mean_accept_length), float(np.sum(res.lengths)) / secs / plain_tps
+        _, plain_s = _timed(engine, prompts, "plain", compile_first=False)  # paired: the same load as `mode`
+        acc, speed = float(res.stats.mean_accept_length), plain_s / secs  # same tokens (greedy identity)
         cells[depth, k] = (acc, speed)
         print(f"depth {depth}, top-k {k}: accepted {acc:.3f} per round, {speed:.2f}x plain")
     return cells
@@ -113,7 +117,7 @@ def main() -> None:
     print(f"plain: {plain_tps:.1f} tok/s")
     cells: Cells = {}
     for depth in depths:
-        cells |= sweep(engine, prompts, plain, plain_tps, depth, args)
+        cells |= sweep(engine, prompts, plain, depth, args)
     plot(cells, out / "tree_topk.png")
     by_speed = max(cells, key=lambda c: cells[c][1])
     by_accept = max(cells, key=lambda c: cells[c][0])
