@@ -60,8 +60,8 @@ import jax  # noqa: E402
 from jax.sharding import AbstractMesh, AxisType  # noqa: E402
 
 from experiments.lib import harness as h  # noqa: E402
+from experiments.lib.program_layouts import ALL_LAYOUTS, layout_programs, layout_totals  # noqa: E402
 from experiments.models.layer_fit import CONFIGS, Spec, estimate, extrapolate, fit_errors  # noqa: E402
-from experiments.paper.program_layouts import ALL_LAYOUTS, layout_programs, layout_totals  # noqa: E402
 from tlt_jax import config_lib, config_schema  # noqa: E402
 from tlt_jax import memory_plan as mpp  # noqa: E402
 from tlt_jax.models.build import model_config_from  # noqa: E402

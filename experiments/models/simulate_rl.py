@@ -159,8 +159,9 @@ def load_run(run: pathlib.Path) -> tuple[dict[str, list[dict[str, float]]], dict
 
 def validate(run: pathlib.Path, costs: CostTable, max_new: int) -> dict[str, float]:
     """Predict every arm's net step time per step from the plain arm's lengths and other time; compare.
-    Net: without the compilation first met in the step (e2e_speedup.net: rollout programs and the rest)."""
-    from experiments.paper.e2e_speedup import net
+    Net: without the compilation first met in the step (experiments.lib.step_time.net: rollout programs and
+    the rest)."""
+    from experiments.lib.step_time import net
 
     history, recs = load_run(run)
     arms = list(history)

@@ -16,10 +16,10 @@ from flax import nnx
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+from experiments.lib.program_layouts import layout_programs  # noqa: E402
 from experiments.models import layer_fit as lf  # noqa: E402
 from experiments.models import memory_plans as mp  # noqa: E402
 from experiments.models import update_record as ur  # noqa: E402
-from experiments.paper.program_layouts import layout_programs  # noqa: E402
 from tlt_jax.memory_plan import layout_engine, update_table  # noqa: E402
 from tlt_jax.models.config import tiny_config  # noqa: E402
 from tlt_jax.models.drafter import Drafter  # noqa: E402
