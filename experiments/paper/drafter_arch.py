@@ -3,7 +3,7 @@ then through the same spot training in RL, with the speedup each projects at Qwe
 
     python -m experiments.paper.drafter_arch --quick        # tiny random target, 2 RL steps (smoke: ~minutes)
     python -m experiments.paper.drafter_arch                # SmolLM2, configs/drafter_warmup.py:tlt's budget
-    python -m experiments.paper.drafter_arch --prompts 16 --steps 100 --rl-steps 4   # a small budget
+    python -m experiments.paper.drafter_arch --prompts 16 --steps 100 --rl-steps 4   # small: 38 min, 2 cores
     python -m experiments.paper.drafter_arch --preset long --rl-full    # :long warm-ups, configs/tlt.py's RL
 
 1. Three offline warm-ups (`tlt_jax.drafter.warmup`) with the same data, steps and schedule, differing only
@@ -199,6 +199,7 @@ def plot(rows: dict[str, dict[str, float]], curves: dict[str, dict[str, Any]], p
         for a in ARMS:
             acc = curves[a]["accept"]
             axes[2].plot(np.arange(1, len(acc) + 1), acc, marker="o", label=a)
+        axes[2].set_xticks(np.arange(1, len(curves[ARMS[0]]["accept"]) + 1))
         axes[2].set(xlabel="RL step", ylabel="accept length (rollout)", title="same spot training in RL")
         axes[2].legend()
     h.save_plot(fig, path)
