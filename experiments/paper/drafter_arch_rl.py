@@ -42,8 +42,9 @@ from experiments.models.roofline import QWEN2_5_7B, ModelShape
 # the H200 lease's 7B costs, as docs/gpu_runs/2026-11-26-h200/project_sd_measured.log's command reads them
 H200_RUN = h.ROOT / "docs" / "gpu_runs" / "2026-11-26-h200"
 MEASURED = ",".join(str(H200_RUN / f"call{i}_summary.json") for i in (1, 3, 4))
-# published EAGLE-3 drafters' draft vocabulary (config.json `draft_vocab_size` of yuhuili/EAGLE3-LLaMA3.1-
-# Instruct-8B and of the Qwen2.5 EAGLE-3 drafters SGLang's docs list); the paper's own is not stated
+# published EAGLE-3 drafters' draft vocabulary: config.json `draft_vocab_size` 32000 in the Llama-3.1-8B
+# EAGLE-3 configs SGLang's LlamaForCausalLMEagle3 tests load and in public Qwen (vocab 151936) EAGLE-3
+# drafters' configs; the paper does not state its own
 EAGLE3_DRAFT_VOCAB = 32_000
 SMOKE_SPOT = dict(
     window=16, context=8, ce_tokens=16, ttt_positions=8, eval_samples=4
