@@ -24,8 +24,9 @@ and its loss, SD on for the whole rollout, the spot trainer between chunks (expe
 drafter_arch_rl.py): accept length (sampled at the run's temperature) and the spot trainer's ms per drafter
 update, per RL step; `--rl-steps 0` skips it.
 3. The speedup at Qwen2.5-7B, batch 1: the RL accept (mean over the last half of the steps) / the round's cost
-in plain steps from the H200 call's measured 7B costs (`project_sd --measured`'s files); EAGLE-3's round
-ASSUMES its drafter pass at the roofline for its own parameters (drafter_arch_rl.py's docstring).
+in plain steps from the H200 call's measured 7B costs (`project_sd --measured`'s files), every arm at the same
+`--draft-vocab` head; each round ASSUMES its drafter pass at the roofline for its own parameters
+(drafter_arch_rl.py's docstring). A finished RL half in --out (rl_curves.json) is read back, not rerun.
 
 Published (Table 7, Qwen-7B, depth-heavy trees): accepted tokens EAGLE 6.53, HASS 6.67, EAGLE-3 6.83; speedup
 2.24x / 2.29x / 2.55x; training cost 1x / 3x / 7x.
@@ -110,7 +111,9 @@ def main() -> None:
     ap.add_argument("--rl-full", action="store_true", help="configs/tlt.py's 8 x 4 rows, not :quick's 4 x 4")
     ap.add_argument("--measured", default=rl.MEASURED, help="the GPU call's 7B costs (project_sd --measured)")
     ap.add_argument("--cache", type=int, default=4096, help="cache bucket of the projected rounds")
-    ap.add_argument("--eagle3-draft-vocab", type=int, default=rl.EAGLE3_DRAFT_VOCAB)
+    ap.add_argument(
+        "--draft-vocab", type=int, default=rl.DRAFT_VOCAB, help="every arm's draft head in the projection"
+    )
     args = ap.parse_args()
     t_start = time.perf_counter()
     out = h.out_dir(args, "drafter_arch")
@@ -147,9 +150,16 @@ def rl_half(args: Any, preset: str, out: Any, steps: int) -> tuple[dict[str, dic
         train = arm_config(preset, arm, args.steps, args.prompts).train
         losses[arm] = (int(train.ttt_steps), int(train.topk))
     configs = rl.rl_configs({a: out / a for a in ARMS}, losses, steps, args.quick, args.rl_full)
-    curves = rl.run_rl(configs, out / "rl", steps)
-    per_step = {a: {k: [float(v) for v in c[k]] for k in ("accept", "spot_ms")} for a, c in curves.items()}
-    (out / "rl_curves.json").write_text(json.dumps(per_step, indent=1))
+    saved = out / "rl_curves.json"
+    old = json.loads(saved.read_text()) if saved.is_file() else {}
+    if all(len(old.get(a, {}).get("accept", ())) == steps for a in ARMS):  # this --out's finished RL half
+        print(f"RL half read back from {saved} ({steps} steps per arm); delete it to rerun")
+        curves = {a: {k: np.asarray(v, float) for k, v in old[a].items()} for a in ARMS}
+    else:
+        curves = rl.run_rl(configs, out / "rl", steps)
+        keys = ("accept", "spot_ms")
+        per_step = {a: {k: [float(v) for v in c[k]] for k in keys} for a, c in curves.items()}
+        saved.write_text(json.dumps(per_step, indent=1))
     print(f"\n{'step':>4} " + " ".join(f"{a + ' acc':>11} {a + ' ms':>10}" for a in ARMS))
     for i in range(steps):
         cells = [f"{curves[a]['accept'][i]:>11.3f} {curves[a]['spot_ms'][i]:>10.0f}" for a in ARMS]
@@ -161,7 +171,7 @@ def rl_values(args: Any, curves: dict[str, dict[str, Any]], strategy: str, steps
     """RESULT keys of the RL half: late-half accept, spot ms per update (the steps after the first: the
     first one's updates share a cold start), the projected 7B speedup per arm, the RL winner."""
     accept = {a: rl.late_mean(curves[a]["accept"]) for a in ARMS}
-    proj, lines = rl.project(accept, strategy, args.measured, args.cache, args.eagle3_draft_vocab)
+    proj, lines = rl.project(accept, strategy, args.measured, args.cache, args.draft_vocab)
     print("\n".join(lines))
     values: dict[str, Any] = {}
     for a in ARMS:

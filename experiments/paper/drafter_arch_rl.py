@@ -17,12 +17,14 @@ its share of the step's staleness probe, on this machine.
 Projection: speedup = accepted tokens per round / the round's cost in plain decode steps, at batch 1, the
 run's tokens to verify and `--cache`, with `experiments/models/measured_costs.py` (the H200 call's 7B steps
 and rounds that `project_sd --measured` reads, docs/gpu_runs/2026-11-26-h200/README.md). Those rounds drafted
-with an EAGLE-1-shaped pass and the roofline's drafter is EAGLE-1's (fc 2H -> H, one decoder layer, the
-target's full-vocabulary head: the call's meta names no draft vocabulary). EAGLE and HASS (the same drafter)
-take the measured round as it is. ASSUMED for EAGLE-3: its drafter pass is the roofline's for its own
-parameters (fc 3H -> H, q/k/v over 2H, its own head over `--eagle3-draft-vocab` tokens; counted from
-`tlt_jax.models.eagle3.Eagle3Drafter` at Qwen2.5-7B's config, not written down), and its round keeps the
-measured / roofline ratio of the EAGLE-1 round measured at that cell.
+with an EAGLE-1-shaped pass over the full 152K vocabulary (the roofline's drafter: fc 2H -> H, one decoder
+layer, the target's head; the call's meta names no draft vocabulary). Every arm is projected at the SAME draft
+vocabulary (`--draft-vocab`, default 32,000, published EAGLE-3 drafters'), so the ranking compares drafters,
+not head widths. ASSUMED: each arm's drafter pass is the roofline's for its own parameters (EAGLE and HASS:
+fc 2H, a `--draft-vocab` head; EAGLE-3: fc 3H -> H, q/k/v over 2H, its own `--draft-vocab` head, counted
+from `tlt_jax.models.eagle3.Eagle3Drafter` at Qwen2.5-7B's config, not written down), and its round keeps the
+measured / roofline ratio of the EAGLE-1 round measured at that cell. The measured full-vocabulary EAGLE-1
+round is printed beside them.
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ from experiments.models.roofline import QWEN2_5_7B, ModelShape
 # the H200 lease's 7B costs, as docs/gpu_runs/2026-11-26-h200/project_sd_measured.log's command reads them
 H200_RUN = h.ROOT / "docs" / "gpu_runs" / "2026-11-26-h200"
 MEASURED = ",".join(str(H200_RUN / f"call{i}_summary.json") for i in (1, 3, 4))
-# published EAGLE-3 drafters' draft vocabulary: config.json `draft_vocab_size` 32000 in the Llama-3.1-8B
-# EAGLE-3 configs SGLang's LlamaForCausalLMEagle3 tests load and in public Qwen (vocab 151936) EAGLE-3
-# drafters' configs; the paper does not state its own
-EAGLE3_DRAFT_VOCAB = 32_000
+# the projection's draft vocabulary for every arm: published EAGLE-3 drafters' (config.json
+# `draft_vocab_size` 32000 in the Llama-3.1-8B EAGLE-3 configs SGLang's LlamaForCausalLMEagle3 tests load and
+# in public Qwen (vocab 151936) EAGLE-3 drafters' configs); the paper does not state its own
+DRAFT_VOCAB = 32_000
 SMOKE_SPOT = dict(
     window=16, context=8, ce_tokens=16, ttt_positions=8, eval_samples=4
 )  # configs/smoke.py's 16
@@ -145,12 +147,11 @@ def eagle3_params(draft_vocab: int) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
 
 
-def arm_costs(costs: mc.MeasuredCosts, arm: str, eagle3_vocab: int) -> mc.MeasuredCosts:
-    """The cost model of one arm's rounds: the measured one (EAGLE, HASS); EAGLE-3's drafter pass swapped in
-    (its own parameters; the measured / roofline ratios unchanged: module docstring)."""
-    if arm != "eagle3":
-        return costs
-    shape = DrafterShape(**dataclasses.asdict(costs.model), drafter=eagle3_params(eagle3_vocab))
+def arm_costs(costs: mc.MeasuredCosts, arm: str, draft_vocab: int) -> mc.MeasuredCosts:
+    """The cost model of one arm's rounds: the drafter pass of its own parameters at a `draft_vocab` head
+    swapped in (the measured / roofline ratios unchanged: module docstring)."""
+    params = eagle3_params(draft_vocab) if arm == "eagle3" else costs.model.drafter_params(draft_vocab)
+    shape = DrafterShape(**dataclasses.asdict(costs.model), drafter=params)
     return dataclasses.replace(costs, model=shape)
 
 
@@ -160,7 +161,7 @@ def tokens_to_verify(strategy: str) -> int:
 
 
 def project(
-    accept: Mapping[str, float], strategy: str, measured: str, cache: int, eagle3_vocab: int
+    accept: Mapping[str, float], strategy: str, measured: str, cache: int, draft_vocab: int
 ) -> tuple[dict[str, dict[str, float]], list[str]]:
     """Per arm {round_steps, speedup} at batch 1 (module docstring) and the lines that say what is measured
     and what is assumed."""
@@ -169,15 +170,18 @@ def project(
     tv = tokens_to_verify(strategy)
     out = {}
     for arm, acc in accept.items():
-        c = arm_costs(costs, arm, eagle3_vocab)
+        c = arm_costs(costs, arm, draft_vocab)
         steps = c.round(1, tv, cache) / c.plain(1, cache)
         out[arm] = {"round_steps": steps, "speedup": acc / steps}
+    full = costs.round(1, tv, cache) / costs.plain(1, cache)
+    e1, e3 = QWEN2_5_7B.drafter_params(draft_vocab), eagle3_params(draft_vocab)
     lines = [
         *mc.describe(m, costs),
         f"PROJECTION (Qwen2.5-7B, batch 1, TV {tv} = spec.strategy {strategy}, cache {cache}): speedup = the "
-        "arm's RL accept length / its round in plain steps. EAGLE/HASS: the measured EAGLE-1-shaped round "
-        f"(full-vocabulary head, {QWEN2_5_7B.drafter_params() / 1e6:.0f}M drafter parameters). ASSUMED for "
-        f"EAGLE-3: its drafter pass at the roofline for its {eagle3_params(eagle3_vocab) / 1e6:.0f}M "
-        f"parameters (fc 3H, q/k/v over 2H, a {eagle3_vocab}-token head), same measured / roofline ratio.",
+        f"arm's RL accept length / its round in plain steps; the measured EAGLE-1 round over the full "
+        f"vocabulary ({QWEN2_5_7B.drafter_params() / 1e6:.0f}M drafter parameters) costs {full:.3f} plain "
+        f"steps. ASSUMED: every arm at a {draft_vocab}-token draft head, its drafter pass at the roofline "
+        f"for its own parameters (EAGLE / HASS {e1 / 1e6:.0f}M; EAGLE-3 {e3 / 1e6:.0f}M: fc 3H, q/k/v over "
+        "2H), same measured / roofline ratio.",
     ]
     return out, lines
