@@ -57,15 +57,15 @@ def _setup(args: Any) -> tuple[Any, Any, Any, list[list[int]], list[int]]:
     return target, drafter, vocab, prompts, list(loaded.tokenizer.eos_token_ids)
 
 
-def _timed(engine: Any, prompts: list[list[int]], mode: str, compile_first: bool = True) -> tuple[Any, float]:
+def _timed(engine: Any, prompts: list[list[int]], mode: str) -> tuple[Any, float]:
+    """`mode` decoding the prompts greedily, timed after an untimed call that compiles its programs."""
     from tlt_jax.rollout.hooks import FixedMode
     from tlt_jax.rollout.sampling import SamplingParams
 
     run = lambda: engine.generate(  # noqa: E731
         prompts, n=1, key=__import__("jax").random.key(0), sampling=SamplingParams(0.0), hooks=FixedMode(mode)
     )
-    if compile_first:
-        run()  # compiles this strategy's programs
+    run()  # compiles this strategy's programs
     t0 = time.perf_counter()
     out = run()
     return out, time.perf_counter() - t0
@@ -85,10 +85,13 @@ def sweep(engine: Any, prompts: list, plain: Any, depth: int, args: Any) -> Cell
         res, secs = _timed(engine, prompts, mode)
         if not (res.tokens == plain.tokens).all():
             raise SystemExit(f"depth {depth}, top-k {k}: greedy SD differs from plain decoding")
-        _, plain_s = _timed(engine, prompts, "plain", compile_first=False)  # paired: the same load as `mode`
+        # paired: plain under the same load as `mode`, its programs compiled first (registering the first
+        # EAGLE mode changes plain's programs too: they then carry the drafter)
+        _, plain_s = _timed(engine, prompts, "plain")
         acc, speed = float(res.stats.mean_accept_length), plain_s / secs  # same tokens (greedy identity)
         cells[depth, k] = (acc, speed)
-        print(f"depth {depth}, top-k {k}: accepted {acc:.3f} per round, {speed:.2f}x plain")
+        tps = float(np.sum(plain.lengths)) / plain_s
+        print(f"depth {depth}, top-k {k}: accepted {acc:.3f} per round, {speed:.2f}x plain ({tps:.1f} tok/s)")
     return cells
 
 
