@@ -46,10 +46,11 @@ NAMES = [
 ]
 
 
-def public_checkpoint(path, scale=0.2, seed=0, **config_over):
-    """An EAGLE-3 directory as an EAGLE-3 trainer writes it for SGLang / vLLM (config keys they read)."""
+def public_checkpoint(path, scale=0.2, seed=0, policy=POLICY, vocab=VOCAB, **config_over):
+    """An EAGLE-3 directory as an EAGLE-3 trainer writes it for SGLang / vLLM (config keys they read), for a
+    `policy` target with draft vocabulary `vocab` (token ids)."""
     rng = np.random.default_rng(seed)
-    c = POLICY
+    c = policy
     h, d, f = c.hidden_size, c.head_dim, c.intermediate_size
     shapes = {
         "fc.weight": (h, 3 * h),
@@ -60,7 +61,7 @@ def public_checkpoint(path, scale=0.2, seed=0, **config_over):
         "midlayer.mlp.gate_proj.weight": (f, h),
         "midlayer.mlp.up_proj.weight": (f, h),
         "midlayer.mlp.down_proj.weight": (h, f),
-        "lm_head.weight": (len(VOCAB), h),
+        "lm_head.weight": (len(vocab), h),
     }
     t = {k: (scale * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
     for k in (
@@ -70,9 +71,9 @@ def public_checkpoint(path, scale=0.2, seed=0, **config_over):
         "norm",
     ):
         t[k + ".weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
-    t["d2t"] = VOCAB - np.arange(len(VOCAB))
-    t2d = np.zeros(96, bool)
-    t2d[VOCAB] = True
+    t["d2t"] = vocab - np.arange(len(vocab))
+    t2d = np.zeros(c.vocab_size, bool)
+    t2d[vocab] = True
     t["t2d"] = t2d
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -85,8 +86,8 @@ def public_checkpoint(path, scale=0.2, seed=0, **config_over):
         "head_dim": d,
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
-        "vocab_size": 96,
-        "draft_vocab_size": len(VOCAB),
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": len(vocab),
         "tie_word_embeddings": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]},
         **config_over,

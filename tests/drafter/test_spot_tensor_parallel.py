@@ -115,6 +115,17 @@ def replay_on_one_device(spot: SpotTrainer, state: tr.TrainState, ticks: list) -
     return state
 
 
+def assert_trained_as_on_one_device(spot: SpotTrainer, start: tr.TrainState, ticks: list) -> None:
+    """The spot trainer's params equal the recorded ticks replayed on one device from `start`, and moved
+    (by more than 100x the tolerance: a tick that trained nothing would pass the equality)."""
+    want = replay_on_one_device(spot, start, ticks)
+    moved = 0.0
+    for a, b, s in zip(leaves(spot.params), leaves(want.params), leaves(start.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+        moved = max(moved, float(np.abs(b - s).max()))
+    assert moved > 100 * ATOL, moved
+
+
 @pytest.mark.slow
 @pytest.mark.devices(8)
 @pytest.mark.extended  # make test: the idle-device spot trainer on a 4 x 2 mesh (test_spot_trainer.py)
@@ -133,11 +144,6 @@ def test_idle_groups_train_while_tensor_parallel_groups_decode(model: Transforme
     assert ticks and int(spot.state.step) == len(ticks), "no tick trained"
     assert all(idle.any() and not idle.all() for idle, _ in ticks)  # some groups trained, others decoded
     # (a) the drafter equals the same steps on one device
-    want = replay_on_one_device(spot, start, ticks)
-    moved = 0.0
-    for a, b, s in zip(leaves(spot.params), leaves(want.params), leaves(start.params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
-        moved = max(moved, float(np.abs(b - s).max()))
-    assert moved > 100 * ATOL, moved
+    assert_trained_as_on_one_device(spot, start, ticks)
     # (c) the tick takes the params model-sharded and no collective rebuilds a whole one
     assert_tick_gathers_no_split_param(eng)

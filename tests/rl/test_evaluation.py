@@ -227,35 +227,43 @@ def test_exploit_arm_plays_what_the_selector_learned_or_defers() -> None:
     assert exploit_arm(sglang, jax.device_get(beg_mab.init(sglang)), 3) == "2_1_3"
 
 
+def peaked_target(mirror):
+    """A float32 mirror target of 2 layers over the byte vocabulary, its head scaled up so that the next token
+    is peaked (drafts are accepted)."""
+    target = mirror.target(tiny_config(vocab_size=264, num_layers=2, tie_embeddings=False))
+    target.lm_head[...] = target.lm_head[...] * 30.0
+    return target
+
+
+def sd_eval_engine(target, **drafter_kw) -> RolloutEngine:
+    """The eval's engine: SD (3_1_4 chains, coupled acceptance) on for the whole rollout, 24 new tokens, the
+    byte tokenizer's EOS; `drafter_kw`: the EAGLE drafter (and its draft_vocab)."""
+    spec = SpecConfig(enabled=True, drafter="eagle", strategy="3_1_4", threshold=1024, min_steps_below=0)
+    config = EngineConfig(
+        max_new_tokens=24, max_cache_len=128, chunk_steps=4, min_cache_bucket=128, compact=False, spec=spec
+    )
+    return RolloutEngine(target, config, eos_ids=ByteTokenizer().eos_token_ids, **drafter_kw)
+
+
+def toy_eval_sets(folder) -> list:
+    """One benchmark set of 2 problems x 4 samples at T 0.7, top-p 0.95 (the rollout's T 1.0 overridden)."""
+    bench = folder / "bench.jsonl"
+    bench.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in ("Say 1.", "Count.")))
+    cfg = EvalConfig(every=1, samples=4, temperature=0.7, top_p=0.95)
+    specs = eval_set_configs({"toy": {"path": str(bench), "prompt": "none"}}, {})
+    return [_eval_set(name, t, s, cfg, SamplingParams(temperature=1.0)) for name, (t, s) in specs.items()]
+
+
 @pytest.fixture(scope="module")
 def sd_eval(mirror, tmp_path_factory):
     """A float32 mirror target (its next token depends on the context, its head scaled up so that it is
     peaked) with a near-copy EAGLE drafter (3_1_4 chains accept ~1.45 tokens per round at T 0.7), a
     byte tokenizer, SD on for the whole rollout with coupled acceptance (the threshold switch at 1024 rows),
     and a benchmark set of 2 problems x 4 samples at T 0.7, top-p 0.95 (8 rows: one batch)."""
-    model_cfg = tiny_config(vocab_size=264, num_layers=2, tie_embeddings=False)
-    target = mirror.target(model_cfg)
-    target.lm_head[...] = target.lm_head[...] * 30.0  # a peaked next token: drafts are accepted
+    target = peaked_target(mirror)
     tokenizer = ByteTokenizer()
-    spec = SpecConfig(enabled=True, drafter="eagle", strategy="3_1_4", threshold=1024, min_steps_below=0)
-    engine = RolloutEngine(
-        target,
-        EngineConfig(
-            max_new_tokens=24,
-            max_cache_len=128,
-            chunk_steps=4,
-            min_cache_bucket=128,
-            compact=False,
-            spec=spec,
-        ),
-        eos_ids=tokenizer.eos_token_ids,
-        drafter=mirror.drafter(target, noise=0.03),
-    )
-    bench = tmp_path_factory.mktemp("bench") / "bench.jsonl"
-    bench.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in ("Say 1.", "Count.")))
-    cfg = EvalConfig(every=1, samples=4, temperature=0.7, top_p=0.95)
-    specs = eval_set_configs({"toy": {"path": str(bench), "prompt": "none"}}, {})
-    sets = [_eval_set(name, t, s, cfg, SamplingParams(temperature=1.0)) for name, (t, s) in specs.items()]
+    engine = sd_eval_engine(target, drafter=mirror.drafter(target, noise=0.03))
+    sets = toy_eval_sets(tmp_path_factory.mktemp("bench"))
     assert sets[0].sampling == SamplingParams(temperature=0.7, top_p=0.95) and sets[0].samples == 4
 
     def run(selector=None) -> dict[str, float]:

@@ -12,27 +12,20 @@ tree arms is played as learned and taught nothing.
 
 from __future__ import annotations
 
-import json
-
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from tests.rl.test_evaluation import peaked_target, sd_eval_engine, toy_eval_sets
 from tests.rollout.test_engine_eagle3 import mirror3
-from tlt_jax.config_sections import EvalConfig
-from tlt_jax.models.config import tiny_config
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.models.tokenizer import ByteTokenizer
 from tlt_jax.rl.eval_decoding import EvalDecoding
-from tlt_jax.rl.evaluation import SetEval, _eval_set, eval_set_configs
+from tlt_jax.rl.evaluation import SetEval
 from tlt_jax.rollout.adaptive import build_policy
-from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.hooks import ChunkView, RolloutHooks
-from tlt_jax.rollout.interface import EngineConfig
-from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.selector_config import BanditSection
-from tlt_jax.rollout.strategy import SpecConfig
 
 AUX = (2, 1, 0)
 VD = 128  # draft vocabulary of the 264-token byte vocabulary
@@ -53,33 +46,14 @@ def eagle3_eval(mirror, tmp_path_factory):
     """(engine, mirror drafter params, run(weights, selector) -> the set's eval/* metrics): the SD eval of
     test_evaluation.py's `sd_eval` (SD on for the whole rollout, coupled acceptance, 2 problems x 4 samples at
     T 0.7, top-p 0.95) with EAGLE-3 drafts."""
-    model_cfg = tiny_config(vocab_size=264, num_layers=2, tie_embeddings=False)
-    target = mirror.target(model_cfg)
-    target.lm_head[...] = target.lm_head[...] * 30.0  # a peaked next token: drafts are accepted
-    vocab = np.sort(np.random.default_rng(0).permutation(model_cfg.vocab_size)[:VD])
+    target = peaked_target(mirror)
+    vocab = np.sort(np.random.default_rng(0).permutation(target.cfg.vocab_size)[:VD])
     tokenizer = ByteTokenizer()
-    spec = SpecConfig(enabled=True, drafter="eagle", strategy="3_1_4", threshold=1024, min_steps_below=0)
-    engine = RolloutEngine(
-        target,
-        EngineConfig(
-            max_new_tokens=24,
-            max_cache_len=128,
-            chunk_steps=4,
-            min_cache_bucket=128,
-            compact=False,
-            spec=spec,
-        ),
-        eos_ids=tokenizer.eos_token_ids,
-        drafter=Eagle3Drafter(model_cfg, nnx.Rngs(9), draft_vocab_size=len(vocab), aux_layers=AUX),
-        draft_vocab=vocab,
-    )
+    drafter = Eagle3Drafter(target.cfg, nnx.Rngs(9), draft_vocab_size=len(vocab), aux_layers=AUX)
+    engine = sd_eval_engine(target, drafter=drafter, draft_vocab=vocab)
     assert engine.aux_layers == AUX
     trained = nnx.state(mirror3(target, vocab, 0.02, AUX), nnx.Param)
-    bench = tmp_path_factory.mktemp("bench") / "bench.jsonl"
-    bench.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in ("Say 1.", "Count.")))
-    cfg = EvalConfig(every=1, samples=4, temperature=0.7, top_p=0.95)
-    specs = eval_set_configs({"toy": {"path": str(bench), "prompt": "none"}}, {})
-    sets = [_eval_set(name, t, s, cfg, SamplingParams(temperature=1.0)) for name, (t, s) in specs.items()]
+    sets = toy_eval_sets(tmp_path_factory.mktemp("bench"))
 
     def run(dparams, selector=None, watchers=()) -> dict[str, float]:
         decoding = EvalDecoding(engine, lambda: (None, dparams), selector, plain_baseline=True)

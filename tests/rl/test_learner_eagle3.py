@@ -80,23 +80,17 @@ def _run(warm: pathlib.Path, workdir: pathlib.Path, steps: int, *, save: bool = 
         learner.close()  # the process ends here: nothing carries over but the workdir
 
 
-def test_eagle3_drafts_and_spot_trains(warm, tmp_path) -> None:
+def test_eagle3_drafts_spot_trains_and_resumes_identically(warm, tmp_path) -> None:
     """Two GRPO steps: EAGLE-3 drafts are verified (the drafter's own head over 132 tokens), the recorded
-    states are [three layers ; final] = 4H per token, the spot trainer's updates are CE only."""
-    ref, _, _, width = _run(warm, tmp_path / "w", 2)
+    states are [three layers ; final] = 4H per token, the spot trainer's updates are CE only. The same run
+    stopped after step 1 (its Learner closed, as a killed process's workdir) and resumed from the checkpoint
+    (policy, EAGLE-3 train state, data buffer, selector) gives the uninterrupted run's step 2: metrics and
+    drafter weights."""
+    ref, ref_params, _, width = _run(warm, tmp_path / "whole", 2)
     h = tiny_config(**{**dict(config_lib.tiny_random_model("llama"))}).hidden_size
     assert width == {4 * h}
     assert ref[-1]["spot/drafter_step"] > 0 and ref[-1]["spec/verify_rounds"] > 0
     assert np.isfinite(ref[-1]["spot/loss"]) and ref[-1]["spot/feat_loss"] == 0.0
-
-
-@pytest.mark.extended
-def test_eagle3_run_resumes_identically(warm, tmp_path) -> None:
-    """A run stopped after step 1 (its Learner closed, as a killed process's workdir) and resumed from the
-    checkpoint (policy, EAGLE-3 train state, data buffer, selector) gives the uninterrupted run's step 2:
-    metrics and drafter weights. (make test keeps test_spot_trained_run_resumes_identically: EAGLE-1, the same
-    checkpoint code, which holds whatever the drafter's parameter tree.)"""
-    ref, ref_params, _, _ = _run(warm, tmp_path / "whole", 2)
     part, _, _, _ = _run(warm, tmp_path / "parts", 1, save=True)
     more, got_params, start, _ = _run(warm, tmp_path / "parts", 1)
     assert start == 1
@@ -174,3 +168,37 @@ def test_a_run_that_cannot_export_its_eagle3_drafter_fails_at_start(warm, tmp_pa
     with pytest.raises(ValueError, match=r"export_every=1 exports the drafter, but its aux layers \(0, 1, 2"):
         Learner(c, str(tmp_path / "w"))
     assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_a_public_eagle3_checkpoint_starts_the_run(tmp_path) -> None:
+    """drafter.init_from naming a directory in SGLang's / vLLM's EAGLE-3 layout (a synthetic one for a 4-layer
+    policy, SGLang's capture ids [0, 1, 2]: the streams entering layers 1-3) starts a run: the engine captures
+    those layers, the spot trainer starts from the checkpoint's weights, and two GRPO steps draft with it and
+    train it (step 1 records the states the spot trainer's first updates read)."""
+    from tests.drafter.test_eagle3_format import public_checkpoint
+    from tlt_jax.drafter.eagle3_format import load_eagle3_drafter
+
+    policy = tiny_config("llama", vocab_size=264, num_layers=4, dtype="float32")
+    vocab = np.arange(0, policy.vocab_size, 2)
+    public_checkpoint(
+        tmp_path / "pub",
+        policy=policy,
+        vocab=vocab,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
+    )
+    c = _config(tmp_path, 2)
+    c.model.random = config_lib.tiny_random_model("llama", num_layers=4)
+    c.drafter.path, c.drafter.init_from = "", str(tmp_path / "pub")
+    learner = Learner(c, str(tmp_path / "w"))
+    try:
+        assert learner.engine.aux_layers == (1, 2, 3)
+        want, _ = load_eagle3_drafter(tmp_path / "pub", policy)
+        start = nnx.to_pure_dict(learner.spot.state.params)
+        for a, b in zip(
+            jax.tree.leaves(start), jax.tree.leaves(nnx.to_pure_dict(nnx.state(want, nnx.Param))), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        m = [learner.train_step() for _ in range(2)]
+        assert m[0]["spec/verify_rounds"] > 0 and m[1]["spot/drafter_step"] > 0
+    finally:
+        learner.close()
