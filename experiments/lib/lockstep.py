@@ -50,8 +50,10 @@ def run_lockstep(
     steps: int,
     on_step: Callable[[int, str, dict[str, float]], None] | None = None,
     on_rollout: Callable[[int, str, Rollout], None] | None = None,
+    on_done: Callable[[str, Learner], None] | None = None,
 ) -> dict[str, list[dict[str, float]]]:
-    """Run `steps` RL steps of every config in lockstep; returns each arm's per-step metrics."""
+    """Run `steps` RL steps of every config in lockstep; returns each arm's per-step metrics. `on_done`
+    sees each arm's learner after its last step, before it closes (e.g. to read its spot-trained drafter)."""
     root = pathlib.Path(root)
     learners: dict[str, Learner] = {}
     history: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
@@ -74,6 +76,9 @@ def run_lockstep(
                 history[name].append(m)
                 if on_step is not None:
                     on_step(step, name, m)
+        for name, learner in learners.items():
+            if on_done is not None:
+                on_done(name, learner)
     finally:
         for learner in learners.values():
             learner.close()

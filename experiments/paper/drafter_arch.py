@@ -22,7 +22,9 @@ is already in --out is read, not rerun (a resumed run).
 2. The warmed drafters through the same spot training: GRPO arms in lockstep, identical but for the drafter
 and its loss, SD on for the whole rollout, the spot trainer between chunks (experiments/paper/
 drafter_arch_rl.py): accept length (sampled at the run's temperature) and the spot trainer's ms per drafter
-update, per RL step; `--rl-steps 0` skips it.
+update, per RL step, and after the last step each spot-trained drafter's held-out acceptance, greedy and
+sampled, measured as its warm-up's (tlt_jax.drafter.heldout: same data, evaluator, draft vocabulary);
+`--rl-steps 0` skips it.
 3. The speedup at Qwen2.5-7B, batch 1: the RL accept (mean over the last half of the steps) / the round's cost
 in plain steps from the H200 call's measured 7B costs (`project_sd --measured`'s files), every arm at the same
 `--draft-vocab` head; each round ASSUMES its drafter pass at the roofline for its own parameters
@@ -32,8 +34,9 @@ Published (Table 7, Qwen-7B, depth-heavy trees): accepted tokens EAGLE 6.53, HAS
 2.24x / 2.29x / 2.55x; training cost 1x / 3x / 7x.
 
 Final line: `RESULT accept_eagle=.. accept_hass=.. accept_eagle3=.. sampled_eagle=.. ... step_ms_eagle=..
-rl_accept_eagle=.. spot_ms_eagle=.. speedup_eagle=.. ... best=<arm> best_rl=<arm>`; a PNG of accepted tokens
-and step cost per arm and of the RL accept length per step.
+rl_accept_eagle=.. rl_greedy_eagle=.. rl_sampled_eagle=.. spot_ms_eagle=.. speedup_eagle=.. ... best=<arm>
+best_rl=<arm>`; a PNG of accepted tokens (held-out, after the warm-up and after RL) and step cost per arm and
+of the RL accept length per step.
 """
 
 from __future__ import annotations
@@ -143,8 +146,12 @@ def main() -> None:
 
 
 def rl_half(args: Any, preset: str, out: Any, steps: int) -> tuple[dict[str, dict[str, Any]], str]:
-    """The warmed drafters through the same spot training (drafter_arch_rl): per arm its per-step curves,
-    and the SD strategy every arm drafted with."""
+    """The warmed drafters through the same spot training (drafter_arch_rl): per arm its per-step curves and
+    its spot-trained drafter's held-out acceptance ("heldout": greedy, sampled), and the SD strategy every
+    arm drafted with."""
+    from tlt_jax import config_schema
+    from tlt_jax.drafter.heldout import heldout_acceptance
+
     losses = {}
     for arm in ARMS:
         train = arm_config(preset, arm, args.steps, args.prompts).train
@@ -152,12 +159,18 @@ def rl_half(args: Any, preset: str, out: Any, steps: int) -> tuple[dict[str, dic
     configs = rl.rl_configs({a: out / a for a in ARMS}, losses, steps, args.quick, args.rl_full)
     saved = out / "rl_curves.json"
     old = json.loads(saved.read_text()) if saved.is_file() else {}
-    if all(len(old.get(a, {}).get("accept", ())) == steps for a in ARMS):  # this --out's finished RL half
-        print(f"RL half read back from {saved} ({steps} steps per arm); delete it to rerun")
+    if all(len(old.get(a, {}).get("accept", ())) == steps and "heldout" in old[a] for a in ARMS):
+        print(f"RL half read back from {saved} ({steps} steps per arm); delete it and rl/ to rerun")
         curves = {a: {k: np.asarray(v, float) for k, v in old[a].items()} for a in ARMS}
     else:
-        curves = rl.run_rl(configs, out / "rl", steps)
-        keys = ("accept", "spot_ms")
+        curves, finals = rl.run_rl(configs, out / "rl", steps)
+        for (
+            arm
+        ) in ARMS:  # the spot-trained drafter on its warm-up's held-out data, as the warm-up measured it
+            job = config_schema.parse(arm_config(preset, arm, args.steps, args.prompts))
+            r = heldout_acceptance(job, out / arm, finals[arm])
+            curves[arm]["heldout"] = np.asarray([r.accept_length, r.sampled_accept_length or np.nan])
+        keys = ("accept", "spot_ms", "heldout")
         per_step = {a: {k: [float(v) for v in c[k]] for k in keys} for a, c in curves.items()}
         saved.write_text(json.dumps(per_step, indent=1))
     print(f"\n{'step':>4} " + " ".join(f"{a + ' acc':>11} {a + ' ms':>10}" for a in ARMS))
@@ -178,11 +191,14 @@ def rl_values(args: Any, curves: dict[str, dict[str, Any]], strategy: str, steps
         ms = curves[a]["spot_ms"]
         warm = ms[1:] if np.isfinite(ms[1:]).any() else ms
         values[f"rl_accept_{a}"] = accept[a]
+        values[f"rl_greedy_{a}"], values[f"rl_sampled_{a}"] = (float(x) for x in curves[a]["heldout"])
         values[f"spot_ms_{a}"] = float(np.nanmean(warm)) if np.isfinite(warm).any() else float("nan")
         values[f"round_steps_{a}"] = proj[a]["round_steps"]
         values[f"speedup_{a}"] = proj[a]["speedup"]
         print(
-            f"{a}: RL accept {accept[a]:.3f} (last half of {steps} steps), spot {values[f'spot_ms_{a}']:.0f} "
+            f"{a}: RL accept {accept[a]:.3f} (last half of {steps} steps; held-out after them: greedy "
+            f"{values[f'rl_greedy_{a}']:.3f}, sampled {values[f'rl_sampled_{a}']:.3f}), spot "
+            f"{values[f'spot_ms_{a}']:.0f} "
             f"ms/update, 7B round {proj[a]['round_steps']:.3f} plain steps -> {proj[a]['speedup']:.2f}x "
             f"(paper {PAPER[a][1]:.2f}x at accept {PAPER[a][0]:.2f})"
         )
@@ -195,10 +211,17 @@ def plot(rows: dict[str, dict[str, float]], curves: dict[str, dict[str, Any]], p
     fig, axes = h.pyplot().subplots(1, 3 if curves else 2, figsize=(13.5 if curves else 9, 3.5))
     a1, a2 = axes[0], axes[1]
     x = range(len(ARMS))
-    a1.bar([i - 0.2 for i in x], [rows[a]["accept"] for a in ARMS], width=0.4, label="greedy")
-    a1.bar([i + 0.2 for i in x], [rows[a]["sampled"] for a in ARMS], width=0.4, label="sampled")
+    bars = [("greedy", [rows[a]["accept"] for a in ARMS]), ("sampled", [rows[a]["sampled"] for a in ARMS])]
+    if curves:
+        bars += [
+            (f"{k} after RL", [curves[a]["heldout"][i] for a in ARMS])
+            for i, k in enumerate(("greedy", "sampled"))
+        ]
+    w = 0.8 / len(bars)
+    for j, (label, ys) in enumerate(bars):
+        a1.bar([i + (j - (len(bars) - 1) / 2) * w for i in x], ys, width=w, label=label)
     a1.set_xticks(list(x), ARMS)
-    a1.set_ylabel("accepted tokens per round (warm-up)")
+    a1.set_ylabel("accepted tokens per round (held-out)")
     a1.set_title("paper: " + " / ".join(f"{PAPER[a][0]}" for a in ARMS))
     a1.legend()
     a2.bar(list(x), [rows[a]["step_ms"] for a in ARMS])

@@ -34,12 +34,15 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
 
 from experiments.lib import harness as h
 from experiments.lib import lockstep
 from experiments.models import measured_costs as mc
 from experiments.models.roofline import QWEN2_5_7B, ModelShape
+from tlt_jax.rl.learner import Learner
 
 # the H200 lease's 7B costs, as docs/gpu_runs/2026-11-26-h200/project_sd_measured.log's command reads them
 H200_RUN = h.ROOT / "docs" / "gpu_runs" / "2026-11-26-h200"
@@ -90,8 +93,11 @@ def spot_step_ms(m: Mapping[str, float]) -> float:
     return 1e3 * (m.get("spot/added_seconds", 0.0) - m.get("compile/drafter_s", 0.0)) / n
 
 
-def run_rl(configs: Mapping[str, Any], root: pathlib.Path, steps: int) -> dict[str, dict[str, np.ndarray]]:
-    """The arms in lockstep; per arm the per-step accept length, spot ms per update and the raw history."""
+def run_rl(
+    configs: Mapping[str, Any], root: pathlib.Path, steps: int
+) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:
+    """The arms in lockstep: per arm the per-step accept length and spot ms per update, and the spot-trained
+    drafter's weights after the last step (a pure dict on the host)."""
 
     def report(step: int, arm: str, m: dict[str, float]) -> None:
         print(
@@ -101,14 +107,22 @@ def run_rl(configs: Mapping[str, Any], root: pathlib.Path, steps: int) -> dict[s
             flush=True,
         )
 
-    history = lockstep.run_lockstep(configs, root, steps, report)
-    return {
+    finals: dict[str, Any] = {}
+
+    def done(arm: str, learner: Learner) -> None:
+        if learner.spot is None:
+            raise ValueError(f"arm {arm}: no spot trainer (config.spot.mode is off)")
+        finals[arm] = jax.device_get(nnx.to_pure_dict(learner.spot.state.params))
+
+    history = lockstep.run_lockstep(configs, root, steps, report, on_done=done)
+    curves = {
         arm: {
             "accept": np.asarray([m.get("spec/accept_len", np.nan) for m in hist], dtype=float),
             "spot_ms": np.asarray([spot_step_ms(m) for m in hist], dtype=float),
         }
         for arm, hist in history.items()
     }
+    return curves, finals
 
 
 def late_mean(x: np.ndarray) -> float:

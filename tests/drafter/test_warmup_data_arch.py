@@ -33,7 +33,7 @@ def record(j, wd):
     """The warm-up's phases 1-2 (target with its capture points, data) in `wd`; its data folder."""
     data_dir = wd / warmup.DATA_DIR
     data_dir.mkdir(parents=True, exist_ok=True)
-    target, tokenizer = warmup._load_target(j, warmup_data.PhaseTimes(wd / "t.json"))
+    target, tokenizer = warmup.load_target(j, warmup_data.PhaseTimes(wd / "t.json"))
     warmup_data.build_data(j, target, tokenizer, data_dir, warmup_data.PhaseTimes(wd / "t.json"))
     return data_dir
 
@@ -76,7 +76,7 @@ def test_the_same_arch_reuses_the_folder(folders):
     for arch, j in (("eagle", job(hass=True)), ("eagle3", job("eagle3", (0, 1, 2)))):
         d = folders[arch]
         before = snapshot(d)
-        target, tokenizer = warmup._load_target(j, warmup_data.PhaseTimes(d.parent / "t.json"))
+        target, tokenizer = warmup.load_target(j, warmup_data.PhaseTimes(d.parent / "t.json"))
         (train, _), _ = warmup_data.build_data(
             j, target, tokenizer, d, warmup_data.PhaseTimes(d.parent / "t.json")
         )

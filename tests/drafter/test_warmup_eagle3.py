@@ -13,6 +13,7 @@ from flax import nnx
 from tlt_jax import config_schema
 from tlt_jax.config_lib import load_config_file
 from tlt_jax.drafter import warmup
+from tlt_jax.drafter.heldout import heldout_acceptance
 from tlt_jax.drafter.trainer import TRAIN_STATE_DIR
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.eagle3 import Eagle3Drafter
@@ -48,3 +49,13 @@ def test_eagle3_warmup_end_to_end(tmp_path):
     rows = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines()]
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert losses and all(np.isfinite(losses)) and all(r.get("train/feat_loss", 0.0) == 0.0 for r in rows)
+    # the held-out reader (Table 7's "after spot training" numbers) measures the warm-up's own drafter as the
+    # warm-up did, and refuses weights of another shape
+    job = config_schema.parse(config)
+    again = heldout_acceptance(job, wd, params)
+    assert again.accept_length == pytest.approx(result["after"]["accept_length"], rel=1e-9)
+    assert again.sampled_accept_length == pytest.approx(result["after"]["sampled_accept_length"], rel=1e-6)
+    assert again.num_positions == result["after"]["num_positions"]
+    wide = {**params, "lm_head": {"kernel": np.zeros((h, len(vocab) + 1), np.float32)}}
+    with pytest.raises(ValueError, match="do not fit the warm-up in .*lm_head/kernel"):
+        heldout_acceptance(job, wd, wide)

@@ -19,14 +19,16 @@ ARMS = ("eagle", "hass", "eagle3")
 @pytest.mark.experiments
 def test_drafter_arch_quick(tmp_path):
     """Warm-ups and 2 RL steps of the three arms on the tiny target: every key, RL accept >= 1, a spot cost
-    per update, the projected speedup = RL accept / the 7B round's cost, EAGLE-3's round heavier at one head
-    width."""
+    per update, the spot-trained drafters' held-out acceptance, the projected speedup =
+    RL accept / the 7B round's cost, EAGLE-3's round heavier at one head width."""
     res, _ = _run("paper.drafter_arch", "--quick", "--out", str(tmp_path), timeout=1200)
-    per_arm = ("accept", "sampled", "step_ms", "rl_accept", "spot_ms", "round_steps", "speedup")
+    per_arm = ("accept", "sampled", "step_ms", "rl_accept", "rl_greedy", "rl_sampled", "spot_ms")
+    per_arm += ("round_steps", "speedup")
     assert {f"{k}_{a}" for k in per_arm for a in ARMS} | {"best", "best_rl", "rl_steps"} == set(res)
     assert all(float(res[f"accept_{a}"]) >= 1.0 for a in ARMS) and res["best"] in ARMS
     for a in ARMS:
         assert float(res[f"rl_accept_{a}"]) >= 1.0 and float(res[f"spot_ms_{a}"]) > 0.0
+        assert float(res[f"rl_greedy_{a}"]) >= 1.0 and float(res[f"rl_sampled_{a}"]) >= 1.0
         assert float(res[f"speedup_{a}"]) == pytest.approx(
             float(res[f"rl_accept_{a}"]) / float(res[f"round_steps_{a}"]), rel=2e-3
         )

@@ -350,7 +350,7 @@ def run_warmup(job: WarmupConfig, workdir: str | os.PathLike) -> str:
     tracker = JsonlTracker(wd)
     tracker.log_config(job.raw)
     t_run = time.perf_counter()
-    target, tokenizer = _load_target(job, times)
+    target, tokenizer = load_target(job, times)
     # phase 2: the training and held-out data (generated, or loaded from the cache)
     (train_samples, train_data), (eval_samples, eval_data) = build_data(
         job, target, tokenizer, data_dir, times
@@ -360,7 +360,7 @@ def run_warmup(job: WarmupConfig, workdir: str | os.PathLike) -> str:
         f"{len(eval_samples)} held-out ({int(eval_data['response_tokens'])})"
     )
     vocab_path, draft_vocab = _draft_vocab(job, wd, target, tokenizer)
-    evaluator, params0 = _evaluator(job, target, draft_vocab)
+    evaluator, params0 = acceptance_evaluator(job, target, draft_vocab)
     before = _eval_before(job, wd, evaluator, params0, eval_samples, target, times, tracker)
 
     t0 = time.perf_counter()
@@ -410,7 +410,7 @@ def _already_complete(job: WarmupConfig, result_path: pathlib.Path) -> bool:
     return False
 
 
-def _load_target(job: WarmupConfig, times: PhaseTimes) -> tuple[Transformer, TextCodec]:
+def load_target(job: WarmupConfig, times: PhaseTimes) -> tuple[Transformer, TextCodec]:
     """Phase 1: the target model and its tokenizer (timed as `load_target`)."""
     t0 = time.perf_counter()
     target, tokenizer = build_target(job)
@@ -442,7 +442,7 @@ def _draft_vocab(
     return vocab_path, draft_vocab
 
 
-def _evaluator(
+def acceptance_evaluator(
     job: WarmupConfig, target: Transformer, draft_vocab: np.ndarray | None
 ) -> tuple[AcceptanceEvaluator, nnx.State]:
     """The acceptance evaluator of `config.drafter_eval` and the untrained drafter's params. Its sampled

@@ -58,15 +58,17 @@ def write_json(path: pathlib.Path, obj: Any) -> None:
 
 
 class PhaseTimes:
-    """Wall seconds per phase, accumulated across (re)runs in `DIR/phase_times.json`."""
+    """Wall seconds per phase, accumulated across (re)runs in `DIR/phase_times.json` (`path` None: in memory
+    only, for a reader of a finished warm-up that must not add to its record)."""
 
-    def __init__(self, path: pathlib.Path):
+    def __init__(self, path: pathlib.Path | None):
         self.path = path
-        self.times: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+        self.times: dict[str, float] = json.loads(path.read_text()) if path and path.exists() else {}
 
     def add(self, phase: str, seconds: float) -> None:
         self.times[phase] = self.times.get(phase, 0.0) + float(seconds)
-        write_json(self.path, self.times)
+        if self.path is not None:
+            write_json(self.path, self.times)
 
 
 # ----------------------------------------------------------------------------------------------------------
