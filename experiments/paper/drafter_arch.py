@@ -221,13 +221,20 @@ def plot(rows: dict[str, dict[str, float]], curves: dict[str, dict[str, Any]], p
     for j, (label, ys) in enumerate(bars):
         a1.bar([i + (j - (len(bars) - 1) / 2) * w for i in x], ys, width=w, label=label)
     a1.set_xticks(list(x), ARMS)
+    a1.set_ylim(0, 1.45 * max(max(ys) for _, ys in bars))  # room for the legend above the bars
     a1.set_ylabel("accepted tokens per round (held-out)")
     a1.set_title("paper: " + " / ".join(f"{PAPER[a][0]}" for a in ARMS))
-    a1.legend()
-    a2.bar(list(x), [rows[a]["step_ms"] for a in ARMS])
+    a1.legend(ncol=2, fontsize="small", loc="upper center")
+    costs = [("warm-up step", [rows[a]["step_ms"] for a in ARMS])]
+    if curves:  # the spot trainer's, after its first (cold) step
+        costs.append(("spot update (RL)", [float(np.nanmean(curves[a]["spot_ms"][1:])) for a in ARMS]))
+    w = 0.8 / len(costs)
+    for j, (label, ys) in enumerate(costs):
+        a2.bar([i + (j - (len(costs) - 1) / 2) * w for i in x], ys, width=w, label=label)
     a2.set_xticks(list(x), ARMS)
-    a2.set_ylabel("training step (ms, this machine)")
+    a2.set_ylabel("ms per drafter update (this machine)")
     a2.set_title("paper: cost 1x / 3x / 7x")
+    a2.legend(fontsize="small")
     if curves:
         for a in ARMS:
             acc = curves[a]["accept"]
