@@ -164,9 +164,8 @@ def rl_half(args: Any, preset: str, out: Any, steps: int) -> tuple[dict[str, dic
         curves = {a: {k: np.asarray(v, float) for k, v in old[a].items()} for a in ARMS}
     else:
         curves, finals = rl.run_rl(configs, out / "rl", steps)
-        for (
-            arm
-        ) in ARMS:  # the spot-trained drafter on its warm-up's held-out data, as the warm-up measured it
+        # each spot-trained drafter on its warm-up's held-out data, measured as the warm-up measured it
+        for arm in ARMS:
             job = config_schema.parse(arm_config(preset, arm, args.steps, args.prompts))
             r = heldout_acceptance(job, out / arm, finals[arm])
             curves[arm]["heldout"] = np.asarray([r.accept_length, r.sampled_accept_length or np.nan])
@@ -188,11 +187,9 @@ def rl_values(args: Any, curves: dict[str, dict[str, Any]], strategy: str, steps
     print("\n".join(lines))
     values: dict[str, Any] = {}
     for a in ARMS:
-        ms = curves[a]["spot_ms"]
-        warm = ms[1:] if np.isfinite(ms[1:]).any() else ms
         values[f"rl_accept_{a}"] = accept[a]
         values[f"rl_greedy_{a}"], values[f"rl_sampled_{a}"] = (float(x) for x in curves[a]["heldout"])
-        values[f"spot_ms_{a}"] = float(np.nanmean(warm)) if np.isfinite(warm).any() else float("nan")
+        values[f"spot_ms_{a}"] = rl.warm_spot_ms(curves[a]["spot_ms"])
         values[f"round_steps_{a}"] = proj[a]["round_steps"]
         values[f"speedup_{a}"] = proj[a]["speedup"]
         print(
@@ -226,8 +223,8 @@ def plot(rows: dict[str, dict[str, float]], curves: dict[str, dict[str, Any]], p
     a1.set_title("paper: " + " / ".join(f"{PAPER[a][0]}" for a in ARMS))
     a1.legend(ncol=2, fontsize="small", loc="upper center")
     costs = [("warm-up step", [rows[a]["step_ms"] for a in ARMS])]
-    if curves:  # the spot trainer's, after its first (cold) step
-        costs.append(("spot update (RL)", [float(np.nanmean(curves[a]["spot_ms"][1:])) for a in ARMS]))
+    if curves:
+        costs.append(("spot update (RL)", [rl.warm_spot_ms(curves[a]["spot_ms"]) for a in ARMS]))
     w = 0.8 / len(costs)
     for j, (label, ys) in enumerate(costs):
         a2.bar([i + (j - (len(costs) - 1) / 2) * w for i in x], ys, width=w, label=label)

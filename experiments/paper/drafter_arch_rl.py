@@ -125,6 +125,13 @@ def run_rl(
     return curves, finals
 
 
+def warm_spot_ms(ms: np.ndarray) -> float:
+    """Spot ms per update over the steps after the first (its updates share a cold start), or over all of
+    them when only the first trained; nan when none did."""
+    warm = ms[1:] if np.isfinite(ms[1:]).any() else ms
+    return float(np.nanmean(warm)) if np.isfinite(warm).any() else float("nan")
+
+
 def late_mean(x: np.ndarray) -> float:
     """The mean over the last half of the steps (the first of one step), nan-aware; nan when all are nan."""
     tail = x[len(x) // 2 :]

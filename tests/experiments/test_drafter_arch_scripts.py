@@ -19,8 +19,8 @@ ARMS = ("eagle", "hass", "eagle3")
 @pytest.mark.experiments
 def test_drafter_arch_quick(tmp_path):
     """Warm-ups and 2 RL steps of the three arms on the tiny target: every key, RL accept >= 1, a spot cost
-    per update, the spot-trained drafters' held-out acceptance, the projected speedup =
-    RL accept / the 7B round's cost, EAGLE-3's round heavier at one head width."""
+    per update, the spot-trained drafters' held-out acceptance, the projected speedup = RL accept / the 7B
+    round's cost, EAGLE-3's round heavier at one head width."""
     res, _ = _run("paper.drafter_arch", "--quick", "--out", str(tmp_path), timeout=1200)
     per_arm = ("accept", "sampled", "step_ms", "rl_accept", "rl_greedy", "rl_sampled", "spot_ms")
     per_arm += ("round_steps", "speedup")

@@ -45,7 +45,7 @@ def heldout_acceptance(
         )
     times = PhaseTimes(None)  # the warm-up's phase record is left as it is
     target, tokenizer = load_target(job, times)
-    _, (eval_samples, _) = build_data(job, target, tokenizer, wd / DATA_DIR, times)
+    _, (eval_samples, _) = build_data(job, target, tokenizer, wd / DATA_DIR, times, train=False)
     evaluator, state = acceptance_evaluator(job, target, load_draft_vocab(wd))
     want, got = _shapes(nnx.to_pure_dict(state)), _shapes(params)
     if want != got:

@@ -441,8 +441,10 @@ def build_data(
     tokenizer: TextCodec,
     data_dir: pathlib.Path,
     times: PhaseTimes,
+    train: bool = True,
 ) -> tuple[tuple[list[DrafterSample], dict[str, float]], tuple[list[DrafterSample], dict[str, float]]]:
-    """((train samples, totals), (held-out samples, totals)): `build_split` of both splits with one engine.
+    """((train samples, totals), (held-out samples, totals)): `build_split` of both splits with one engine
+    (`train=False`: the held-out split only, the training one ([], {}) and never read).
 
     Held-out prompts are the last `eval.num_prompts` of the task's order (never trained on)."""
     from tlt_jax.tasks import make_task
@@ -471,10 +473,12 @@ def build_data(
     )
     # training data first: the held-out batch (often smaller) then reuses the engine programs compiled for
     # the smaller batch buckets that compaction visits
-    train_samples, train_data = build_split(
-        "train", start=0, num_prompts=n_train, n=gen.n, temperature=float(gen.temperature), **common
-    )
-    train_data["overlong_prompts"] = float(dropped)  # dropped from the task when it loaded
+    train_samples, train_data = [], {}
+    if train:
+        train_samples, train_data = build_split(
+            "train", start=0, num_prompts=n_train, n=gen.n, temperature=float(gen.temperature), **common
+        )
+        train_data["overlong_prompts"] = float(dropped)  # dropped from the task when it loaded
     eval_samples, eval_data = build_split(
         "eval",
         start=len(task) - n_eval,
